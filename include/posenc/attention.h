@@ -1,0 +1,90 @@
+// posenc/attention.h - scaled dot-product attention with any positional scheme (SPEC §0).
+//
+// Shapes: q [batch, seq_q, heads_q, head_dim], k and v [batch, seq_k, heads_kv, head_dim],
+// out [batch, seq_q, heads_q, head_dim]; heads_kv divides heads_q and query head h reads kv head
+// h / (heads_q / heads_kv) (MHA, GQA, MQA). Any strides.
+// Default positions: key j at j, query i at seq_k - seq_q + i (the new queries are the last seq_q
+// tokens: the KV-cache convention). rel(i, j) = pos_k(j) - pos_q(i); causal: key visible iff
+// rel <= 0 (and, with a window w, iff |rel| < w).
+// Scores: s = scale * (q.k + relative-content terms) + bias, masked, softmax over keys, weighted
+// sum of values (+ Shaw's value term). Default scale 1/sqrt(head_dim) (DeBERTa 1/sqrt(3 head_dim)).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "posenc/alibi.h"
+#include "posenc/deberta.h"
+#include "posenc/rope.h"
+#include "posenc/shaw.h"
+#include "posenc/t5.h"
+#include "posenc/tensor.h"
+#include "posenc/xl.h"
+
+namespace posenc {
+
+// No positional information: attention is permutation-equivariant (bidirectional).
+struct NoPositions {};
+
+// RoPE applied to q (at query positions) and k (at key positions) before the dot product.
+struct Rope {
+  RopeFrequencies freqs;
+  RopeStyle style = RopeStyle::kHalf;
+};
+
+// ALiBi. Empty slopes: computed for heads_q heads with max_bias (alibi_slopes()).
+struct Alibi {
+  std::vector<double> slopes;
+  double max_bias = 8.0;
+};
+
+// T5 bias: table [num_buckets, heads_q]. Bucketing is bidirectional unless the attention is
+// causal, or as `bidirectional` says when set.
+struct T5Bias {
+  View<const float, 2> table;
+  int64_t max_distance = 128;
+  std::optional<bool> bidirectional;
+};
+
+using PositionScheme = std::variant<NoPositions, Rope, Alibi, T5Bias, Shaw, TransformerXL, DeBERTa>;
+
+// Scheme name as the CLI spells it: none, rope, alibi, t5, shaw, xl, deberta.
+std::string scheme_name(const PositionScheme& scheme);
+
+struct AttentionOptions {
+  bool causal = false;
+  std::optional<double> scale;           // default 1/sqrt(D) (DeBERTa 1/sqrt(3D))
+  std::optional<int64_t> window;         // sliding window w >= 1: visible iff |rel| < w
+  bool allow_fully_masked = false;       // a row with no visible key: output 0 instead of error
+  int num_threads = 0;                   // 0 = all available
+};
+
+// Float32 attention. Positions: nullptr = the SPEC §0 defaults. Throws ShapeError / ValueError
+// naming the argument (shapes, heads ratio, scheme tables, positions, fully masked rows).
+// `out` must not overlap the inputs. Thread-safe for distinct outputs.
+void attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
+               const Positions* query_positions = nullptr,
+               const Positions* key_positions = nullptr);
+
+namespace ref {
+// The float64 oracle: materialized scores, straight from SPEC. Same contract and validation;
+// scheme tables are float32 (exactly promoted).
+void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<double, 4> out,
+               const Positions* query_positions = nullptr,
+               const Positions* key_positions = nullptr);
+
+// Scores of one (batch row, query head) before masking and softmax, [seq_q, seq_k] row-major,
+// including scale and every positional term. For property checks and plots.
+std::vector<double> attention_scores(View<const double, 4> q, View<const double, 4> k,
+                                     const PositionScheme& scheme, const AttentionOptions& options,
+                                     int64_t batch_index, int64_t head,
+                                     const Positions* query_positions = nullptr,
+                                     const Positions* key_positions = nullptr);
+}  // namespace ref
+
+}  // namespace posenc

@@ -1,0 +1,32 @@
+// src/alibi.cc - ALiBi slopes (Press, Smith, Lewis 2022, "Train Short, Test Long"; SPEC §4).
+#include "posenc/alibi.h"
+
+#include <cmath>
+
+#include "common.h"
+
+namespace posenc {
+
+std::vector<double> alibi_slopes(const AlibiConfig& cfg) {
+  detail::require_positive(cfg.heads, "alibi: heads");
+  if (!std::isfinite(cfg.max_bias) || cfg.max_bias <= 0) {
+    detail::fail("alibi: max_bias must be finite and > 0 (got " + detail::num(cfg.max_bias) + ")");
+  }
+  if (cfg.heads > (int64_t{1} << 20)) detail::fail("alibi: heads must be <= 2^20");
+  // n = 2^floor(log2 H), computed on integers.
+  int64_t n = 1;
+  while (n * 2 <= cfg.heads) n *= 2;
+  std::vector<double> slopes;
+  slopes.reserve(static_cast<std::size_t>(cfg.heads));
+  const double b = cfg.max_bias;
+  for (int64_t h = 1; h <= n; ++h) {
+    slopes.push_back(std::exp2(-b * static_cast<double>(h) / static_cast<double>(n)));
+  }
+  // Remaining heads: every other slope (h = 1, 3, 5, ...) of the 2n-head set.
+  for (int64_t h = 1; static_cast<int64_t>(slopes.size()) < cfg.heads; h += 2) {
+    slopes.push_back(std::exp2(-b * static_cast<double>(h) / static_cast<double>(2 * n)));
+  }
+  return slopes;
+}
+
+}  // namespace posenc

@@ -1,0 +1,67 @@
+// src/common.h - private helpers shared by the implementation files: argument checks that throw
+// posenc errors with readable messages.
+#pragma once
+
+#include <cmath>
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "posenc/error.h"
+#include "posenc/tensor.h"
+
+namespace posenc::detail {
+
+template <class E = ValueError>
+[[noreturn]] inline void fail(const std::string& msg) {
+  throw E(msg);
+}
+
+inline std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+inline void require_positive(int64_t v, const std::string& name) {
+  if (v < 1) fail(name + " must be >= 1 (got " + std::to_string(v) + ")");
+}
+
+inline void require_finite(double v, const std::string& name) {
+  if (!std::isfinite(v)) fail(name + " must be finite (got " + num(v) + ")");
+}
+
+template <class T, std::size_t R>
+void require_data(const View<T, R>& v, const std::string& name) {
+  for (std::size_t d = 0; d < R; ++d) {
+    if (v.shape[d] < 0) {
+      fail<ShapeError>(name + ": negative dimension in shape " + shape_str(v.shape));
+    }
+  }
+  if (v.data == nullptr && v.numel() > 0) fail<ShapeError>(name + ": null data pointer");
+}
+
+// Every element finite (NaN/Inf in an input is an error, not a silent NaN output).
+template <class T, std::size_t R>
+void require_all_finite(const View<T, R>& v, const std::string& name) {
+  if (v.numel() == 0) return;
+  std::array<int64_t, R> idx{};
+  const int64_t n = v.numel();
+  for (int64_t flat = 0; flat < n; ++flat) {
+    int64_t off = 0;
+    for (std::size_t d = 0; d < R; ++d) off += idx[d] * v.stride[d];
+    const double x = static_cast<double>(v.data[off]);
+    if (!std::isfinite(x)) {
+      std::string at;
+      for (std::size_t d = 0; d < R; ++d) at += (d ? ", " : "") + std::to_string(idx[d]);
+      fail(name + ": non-finite value " + num(x) + " at [" + at + "]");
+    }
+    for (std::size_t d = R; d-- > 0;) {
+      if (++idx[d] < v.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+}  // namespace posenc::detail

@@ -1,0 +1,125 @@
+// src/t5.cc - T5 relative position buckets (Raffel et al. 2020, "Exploring the Limits of
+// Transfer Learning", §2.1; SPEC §5).
+//
+// The logarithmic part is evaluated in float32 exactly as the reference models do (the float32
+// quotient n/e, a float32 log, division by log(MD/e) rounded to float32, multiplication by
+// NB' - e in float32, truncation): a double log moves some bucket boundaries.
+#include "posenc/t5.h"
+
+#include <cmath>
+
+#include "common.h"
+
+namespace posenc {
+namespace {
+
+template <bool kFloat32Log>
+int64_t bucket_impl(int64_t rel, const T5BucketConfig& cfg) {
+  int64_t nb = cfg.num_buckets;
+  int64_t b = 0;
+  int64_t n;
+  if (cfg.bidirectional) {
+    nb /= 2;
+    if (rel > 0) b = nb;
+    n = rel < 0 ? -rel : rel;
+  } else {
+    n = rel < 0 ? -rel : 0;
+  }
+  const int64_t e = nb / 2;
+  if (n < e) return b + n;
+  int64_t large;
+  if constexpr (kFloat32Log) {
+    const float q = static_cast<float>(n) / static_cast<float>(e);
+    const float den = static_cast<float>(
+        std::log(static_cast<double>(cfg.max_distance) / static_cast<double>(e)));
+    const float v = std::log(q) / den * static_cast<float>(nb - e);
+    large = e + static_cast<int64_t>(v);
+  } else {
+    const double v = std::log(static_cast<double>(n) / static_cast<double>(e)) /
+                     std::log(static_cast<double>(cfg.max_distance) / static_cast<double>(e)) *
+                     static_cast<double>(nb - e);
+    large = e + static_cast<int64_t>(v);
+  }
+  return b + (large < nb - 1 ? large : nb - 1);
+}
+
+}  // namespace
+
+void validate(const T5BucketConfig& cfg) {
+  const int64_t min_nb = cfg.bidirectional ? 4 : 2;
+  if (cfg.num_buckets < min_nb) {
+    detail::fail("t5: num_buckets must be >= " + std::to_string(min_nb) + " (got " +
+                 std::to_string(cfg.num_buckets) + ")");
+  }
+  if (cfg.bidirectional && cfg.num_buckets % 2 != 0) {
+    detail::fail("t5: num_buckets must be even for bidirectional buckets (got " +
+                 std::to_string(cfg.num_buckets) + ")");
+  }
+  const int64_t e = (cfg.bidirectional ? cfg.num_buckets / 2 : cfg.num_buckets) / 2;
+  if (cfg.max_distance <= e) {
+    detail::fail("t5: max_distance (" + std::to_string(cfg.max_distance) +
+                 ") must exceed the exact range " + std::to_string(e) +
+                 " (half of the buckets per direction)");
+  }
+}
+
+int64_t t5_bucket(int64_t rel, const T5BucketConfig& cfg) { return bucket_impl<true>(rel, cfg); }
+
+std::vector<int64_t> t5_bucket_map(const T5BucketConfig& cfg, int64_t seq_q, int64_t seq_k,
+                                   const Positions* query_positions,
+                                   const Positions* key_positions) {
+  validate(cfg);
+  if (seq_q < 0 || seq_k < 0) detail::fail("t5_bucket_map: lengths must be >= 0");
+  if (seq_q > (int64_t{1} << 30) / (seq_k > 0 ? seq_k : 1)) {
+    detail::fail("t5_bucket_map: seq_q x seq_k is too large to materialize");
+  }
+  const Positions qp = query_positions ? *query_positions
+                                       : Positions::offset(seq_k >= seq_q ? seq_k - seq_q : 0);
+  const Positions kp = key_positions ? *key_positions : Positions::offset(0);
+  if (!query_positions && seq_q > seq_k) {
+    detail::fail("t5_bucket_map: default positions need query length <= key length (got " +
+                 std::to_string(seq_q) + " > " + std::to_string(seq_k) +
+                 "); pass explicit positions");
+  }
+  qp.validate(1, seq_q, "t5_bucket_map: query positions");
+  kp.validate(1, seq_k, "t5_bucket_map: key positions");
+  std::vector<int64_t> out(static_cast<std::size_t>(seq_q * seq_k));
+  for (int64_t i = 0; i < seq_q; ++i) {
+    for (int64_t j = 0; j < seq_k; ++j) {
+      out[static_cast<std::size_t>(i * seq_k + j)] = t5_bucket(kp.at(0, j) - qp.at(0, i), cfg);
+    }
+  }
+  return out;
+}
+
+void t5_bias_backward(const T5BucketConfig& cfg, View<const float, 3> dscore,
+                      View<float, 2> dtable, const Positions* query_positions,
+                      const Positions* key_positions) {
+  validate(cfg);
+  detail::require_data(dscore, "t5_bias_backward: dscore");
+  detail::require_data(dtable, "t5_bias_backward: dtable");
+  const int64_t heads = dscore.shape[0], seq_q = dscore.shape[1], seq_k = dscore.shape[2];
+  if (dtable.shape[0] != cfg.num_buckets || dtable.shape[1] != heads) {
+    detail::fail<ShapeError>("t5_bias_backward: dtable has shape " + shape_str(dtable.shape) +
+                             ", expected [num_buckets, heads] = [" +
+                             std::to_string(cfg.num_buckets) + ", " + std::to_string(heads) + "]");
+  }
+  const auto buckets = t5_bucket_map(cfg, seq_q, seq_k, query_positions, key_positions);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < seq_q; ++i) {
+      for (int64_t j = 0; j < seq_k; ++j) {
+        const int64_t bk = buckets[static_cast<std::size_t>(i * seq_k + j)];
+        dtable.data[bk * dtable.stride[0] + h * dtable.stride[1]] +=
+            dscore.data[h * dscore.stride[0] + i * dscore.stride[1] + j * dscore.stride[2]];
+      }
+    }
+  }
+}
+
+namespace ref {
+int64_t t5_bucket_f64(int64_t rel, const T5BucketConfig& cfg) {
+  return bucket_impl<false>(rel, cfg);
+}
+}  // namespace ref
+
+}  // namespace posenc
