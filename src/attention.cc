@@ -1,9 +1,10 @@
 // src/attention.cc - scaled dot-product attention with every positional scheme (SPEC §0, §3-§8).
 //
 // One implementation templated on the scalar type: T = double is the float64 oracle
-// (posenc::ref::attention, scores materialized per (batch, head)), T = float the simple float32
-// path (float accumulation, one row of scores at a time). The fused, tiled kernel of the next
-// stage replaces the float32 path and is tested against the T = double instantiation.
+// (posenc::ref::attention), T = float the simple float32 path (float accumulation). Both go one
+// row of scores at a time (ref::attention_scores materializes a [seq_q, seq_k] block). The fused,
+// tiled kernel of the next stage replaces the float32 path and is tested against the T = double
+// instantiation.
 //
 // Score order (SPEC §0): s = scale * (q.k + relative-content terms) + bias; mask; softmax over
 // keys; weighted sum of values (+ Shaw's value term).
@@ -59,7 +60,12 @@ Dims validate_shapes(const View<const T, 4>& q, const View<const T, 4>& k,
   if (out_shape != q.shape) {
     fail<ShapeError>("attention: out " + shape_str(out_shape) + " must have q's shape " + qs);
   }
-  return Dims{q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+  return Dims{q.shape[0],
+              q.shape[1],
+              k.shape[1],
+              q.shape[2],
+              k.shape[2],
+              q.shape[3],
               q.shape[2] / k.shape[2]};
 }
 
@@ -138,7 +144,8 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
       p.slopes = a->slopes;
     }
   } else if (const auto* t = std::get_if<T5Bias>(&scheme)) {
-    if (t->table.data == nullptr) fail<ShapeError>("attention: t5: relative_attention_bias is missing");
+    if (t->table.data == nullptr)
+      fail<ShapeError>("attention: t5: relative_attention_bias is missing");
     p.t5 = T5BucketConfig{.num_buckets = t->table.shape[0],
                           .max_distance = t->max_distance,
                           .bidirectional = t->bidirectional.value_or(!opt.causal)};
@@ -184,25 +191,40 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
     p.xl_v = x->r_r_bias;
     p.xl_rnet = x->r_net;
     p.xl_base = x->base;
-    // Project R(delta) for every distance that occurs: O(#distances * H * D * Dm).
+    // Project R(delta) for every distance that occurs: O(#distances * H * D * Dm). Distances of
+    // a batch row lie in [min_q - max_k, max_q - min_k]: O(seq_q + seq_k) of them for contiguous
+    // positions; sparse ids with a wide range fall back to visiting the cells.
     const int64_t hd = d.heads_q * d.head_dim;
-    for (int64_t b = 0; b < d.batch; ++b) {
-      for (int64_t i = 0; i < d.seq_q; ++i) {
-        for (int64_t j = 0; j < d.seq_k; ++j) {
-          const int64_t delta = qp.at(b, i) - kp.at(b, j);
-          if (p.xl_r.count(delta)) continue;
-          const auto rr = xl_sinusoid(delta, dm, x->base);
-          std::vector<T> proj(static_cast<std::size_t>(hd));
-          for (int64_t o = 0; o < hd; ++o) {
-            T acc = 0;
-            const float* w = x->r_net.data + o * x->r_net.stride[0];
-            for (int64_t m = 0; m < dm; ++m) {
-              acc += static_cast<T>(w[m * x->r_net.stride[1]]) *
-                     static_cast<T>(rr[static_cast<std::size_t>(m)]);
-            }
-            proj[static_cast<std::size_t>(o)] = acc;
-          }
-          p.xl_r.emplace(delta, std::move(proj));
+    auto add = [&](int64_t delta) {
+      if (p.xl_r.count(delta)) return;
+      const auto rr = xl_sinusoid(delta, dm, x->base);
+      std::vector<T> proj(static_cast<std::size_t>(hd));
+      for (int64_t o = 0; o < hd; ++o) {
+        T acc = 0;
+        const float* w = x->r_net.data + o * x->r_net.stride[0];
+        for (int64_t m = 0; m < dm; ++m) {
+          acc += static_cast<T>(w[m * x->r_net.stride[1]]) *
+                 static_cast<T>(rr[static_cast<std::size_t>(m)]);
+        }
+        proj[static_cast<std::size_t>(o)] = acc;
+      }
+      p.xl_r.emplace(delta, std::move(proj));
+    };
+    for (int64_t b = 0; b < d.batch && d.seq_q > 0 && d.seq_k > 0; ++b) {
+      int64_t qlo = qp.at(b, 0), qhi = qlo, klo = kp.at(b, 0), khi = klo;
+      for (int64_t i = 1; i < d.seq_q; ++i) {
+        qlo = std::min(qlo, qp.at(b, i));
+        qhi = std::max(qhi, qp.at(b, i));
+      }
+      for (int64_t j = 1; j < d.seq_k; ++j) {
+        klo = std::min(klo, kp.at(b, j));
+        khi = std::max(khi, kp.at(b, j));
+      }
+      if ((qhi - klo) - (qlo - khi) <= 4 * (d.seq_q + d.seq_k)) {
+        for (int64_t delta = qlo - khi; delta <= qhi - klo; ++delta) add(delta);
+      } else {
+        for (int64_t i = 0; i < d.seq_q; ++i) {
+          for (int64_t j = 0; j < d.seq_k; ++j) add(qp.at(b, i) - kp.at(b, j));
         }
       }
     }
@@ -211,12 +233,12 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
     const int64_t span = db->buckets.span();
     if (db->pos_key.data == nullptr) fail<ShapeError>("attention: deberta: pos_key is missing");
     if (db->pos_query.data == nullptr) fail<ShapeError>("attention: deberta: pos_query is missing");
-    require_table_shape(db->pos_key, {2 * span, d.heads_q, d.head_dim},
-                        "attention: deberta: pos_key [2K, heads, head_dim] (K = " +
-                            std::to_string(span) + ")");
-    require_table_shape(db->pos_query, {2 * span, d.heads_q, d.head_dim},
-                        "attention: deberta: pos_query [2K, heads, head_dim] (K = " +
-                            std::to_string(span) + ")");
+    require_table_shape(
+        db->pos_key, {2 * span, d.heads_q, d.head_dim},
+        "attention: deberta: pos_key [2K, heads, head_dim] (K = " + std::to_string(span) + ")");
+    require_table_shape(
+        db->pos_query, {2 * span, d.heads_q, d.head_dim},
+        "attention: deberta: pos_query [2K, heads, head_dim] (K = " + std::to_string(span) + ")");
     p.pos_key = db->pos_key;
     p.pos_query = db->pos_query;
     p.deberta = db->buckets;
@@ -269,8 +291,7 @@ bool visible(const AttentionOptions& opt, int64_t pos_q, int64_t pos_k) {
 
 // Scores of query i against every key (row of length seq_k), before masking.
 template <class T>
-void score_row(const Problem<T>& pr, const Prepared<T>& p, int64_t b, int64_t h, int64_t i,
-               T* s) {
+void score_row(const Problem<T>& pr, const Prepared<T>& p, int64_t b, int64_t h, int64_t i, T* s) {
   const Dims& d = pr.d;
   const int64_t hk = h / d.group;
   const int64_t dim = d.head_dim;
@@ -300,9 +321,8 @@ void score_row(const Problem<T>& pr, const Prepared<T>& p, int64_t b, int64_t h,
         bias = static_cast<T>(alibi_bias(p.slopes[static_cast<std::size_t>(h)], pq, pk));
         break;
       case 3:  // t5
-        bias = static_cast<T>(
-            p.t5_table.data[t5_bucket(pk - pq, p.t5) * p.t5_table.stride[0] +
-                            h * p.t5_table.stride[1]]);
+        bias = static_cast<T>(p.t5_table.data[t5_bucket(pk - pq, p.t5) * p.t5_table.stride[0] +
+                                              h * p.t5_table.stride[1]]);
         break;
       case 4: {  // shaw: q . rel_k[idx]
         const int64_t idx = shaw_index(pk - pq, p.shaw_k);

@@ -37,8 +37,7 @@ std::vector<double> run_ref(const std::vector<double>& q, const std::vector<doub
                             std::array<int64_t, 4> ks, bool causal) {
   std::vector<double> out(q.size());
   ref::attention(V4::contiguous(q.data(), qs), V4::contiguous(k.data(), ks),
-                 V4::contiguous(v.data(), ks), NoPositions{},
-                 AttentionOptions{.causal = causal},
+                 V4::contiguous(v.data(), ks), NoPositions{}, AttentionOptions{.causal = causal},
                  View<double, 4>::contiguous(out.data(), qs));
   return out;
 }
@@ -97,7 +96,8 @@ double key_permutation_error(bool causal, uint64_t seed) {
 double sinusoidal_dot(int64_t dim, int64_t a, int64_t b) {
   const SinusoidalConfig cfg{.dim = dim};
   double s = 0;
-  for (int64_t k = 0; k < dim; ++k) s += ref::sinusoidal_value(cfg, a, k) * ref::sinusoidal_value(cfg, b, k);
+  for (int64_t k = 0; k < dim; ++k)
+    s += ref::sinusoidal_value(cfg, a, k) * ref::sinusoidal_value(cfg, b, k);
   return s;
 }
 
@@ -183,15 +183,15 @@ double relative_score_spread(const std::string& scheme, uint64_t seed) {
   if (scheme == "rope") return rope_offset_spread(seed);
   if (scheme == "t5") {
     const auto t = randn_f(rng, 32 * h);
-    return offset_spread(T5Bias{View<const float, 2>::contiguous(t.data(), {32, h})}, q0, k0, h,
-                         d, len, shift);
+    return offset_spread(T5Bias{View<const float, 2>::contiguous(t.data(), {32, h})}, q0, k0, h, d,
+                         len, shift);
   }
   if (scheme == "shaw") {
     const int64_t kk = 4;
     const auto rk = randn_f(rng, (2 * kk + 1) * d);
     return offset_spread(
-        Shaw{shaw_table(View<const float, 2>::contiguous(rk.data(), {2 * kk + 1, d})), {}}, q0,
-        k0, h, d, len, shift);
+        Shaw{shaw_table(View<const float, 2>::contiguous(rk.data(), {2 * kk + 1, d})), {}}, q0, k0,
+        h, d, len, shift);
   }
   if (scheme == "xl") {
     const int64_t dm = 16;
@@ -205,10 +205,9 @@ double relative_score_spread(const std::string& scheme, uint64_t seed) {
     const DebertaBuckets b{.max_relative_positions = 64, .position_buckets = 16};
     const int64_t span = b.span();
     const auto pk = randn_f(rng, 2 * span * h * d), pq = randn_f(rng, 2 * span * h * d);
-    return offset_spread(
-        DeBERTa{View<const float, 3>::contiguous(pk.data(), {2 * span, h, d}),
-                View<const float, 3>::contiguous(pq.data(), {2 * span, h, d}), b},
-        q0, k0, h, d, len, shift);
+    return offset_spread(DeBERTa{View<const float, 3>::contiguous(pk.data(), {2 * span, h, d}),
+                                 View<const float, 3>::contiguous(pq.data(), {2 * span, h, d}), b},
+                         q0, k0, h, d, len, shift);
   }
   throw ValueError("relative_score_spread: unknown scheme '" + scheme + "'");
 }
@@ -228,8 +227,8 @@ std::vector<CheckResult> run_checks(const CheckOptions& options) {
   auto ge = [&](std::string prop, std::string scheme, double m, double t) {
     add(std::move(prop), std::move(scheme), m, t, ">=");
   };
-  le("no positions: permuting queries permutes outputs", "none", query_permutation_error(false, seed),
-     1e-12);
+  le("no positions: permuting queries permutes outputs", "none",
+     query_permutation_error(false, seed), 1e-12);
   le("no positions: permuting keys with values leaves outputs unchanged", "none",
      key_permutation_error(false, seed), 1e-12);
   ge("causal mask breaks query-permutation equivariance", "none",

@@ -2,8 +2,8 @@
 // posenc errors with readable messages.
 #pragma once
 
-#include <cmath>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <string>

@@ -22,10 +22,9 @@ void validate(const DebertaBuckets& cfg) {
     }
     const int64_t mid = cfg.position_buckets / 2;
     if (cfg.max_relative_positions - 1 <= mid) {
-      detail::fail("deberta: max_relative_positions - 1 (" +
-                   std::to_string(cfg.max_relative_positions - 1) +
-                   ") must exceed position_buckets / 2 (" + std::to_string(mid) +
-                   ") for log bucketing");
+      detail::fail(
+          "deberta: max_relative_positions - 1 (" + std::to_string(cfg.max_relative_positions - 1) +
+          ") must exceed position_buckets / 2 (" + std::to_string(mid) + ") for log bucketing");
     }
   }
 }
@@ -38,16 +37,16 @@ int64_t deberta_bucket(int64_t rho, const DebertaBuckets& cfg) {
   const int64_t sign = rho < 0 ? -1 : 1;
   double v;
   if (cfg.float64_log) {
-    v = std::ceil(std::log(static_cast<double>(a) / static_cast<double>(mid)) /
-                  std::log(static_cast<double>(cfg.max_relative_positions - 1) /
-                           static_cast<double>(mid)) *
-                  static_cast<double>(mid - 1));
+    v = std::ceil(
+        std::log(static_cast<double>(a) / static_cast<double>(mid)) /
+        std::log(static_cast<double>(cfg.max_relative_positions - 1) / static_cast<double>(mid)) *
+        static_cast<double>(mid - 1));
   } else {
     // float32 throughout, as the HF model code evaluates it: (max - 1) / mid is a Python double
     // rounded to float32 before its log.
     const float q = static_cast<float>(a) / static_cast<float>(mid);
-    const float den = std::log(static_cast<float>(static_cast<double>(cfg.max_relative_positions - 1) /
-                                                  static_cast<double>(mid)));
+    const float den = std::log(static_cast<float>(
+        static_cast<double>(cfg.max_relative_positions - 1) / static_cast<double>(mid)));
     v = static_cast<double>(std::ceil(std::log(q) / den * static_cast<float>(mid - 1)));
   }
   return sign * (static_cast<int64_t>(v) + mid);

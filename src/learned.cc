@@ -8,15 +8,19 @@ namespace {
 
 void check_positions_in_table(const Positions& pos, int64_t batch, int64_t seq, int64_t rows,
                               const std::string& what) {
-  pos.validate(batch, seq, what + ": positions");
+  try {
+    pos.validate(batch, seq, what + ": positions");
+  } catch (const ValueError&) {
+    // The shape fits (that would be a ShapeError) but an id is out of range: report it below
+    // with the table size.
+  }
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i = 0; i < seq; ++i) {
       const int64_t p = pos.at(b, i);
-      if (p >= rows) {
+      if (p < 0 || p >= rows) {
         detail::fail(what + ": position " + std::to_string(p) + " (batch " + std::to_string(b) +
                      ", token " + std::to_string(i) + ") is outside the learned table of " +
-                     std::to_string(rows) +
-                     " positions; learned embeddings cannot extrapolate");
+                     std::to_string(rows) + " positions; learned embeddings cannot extrapolate");
       }
     }
   }

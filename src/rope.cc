@@ -4,7 +4,7 @@
 //
 // Precision: inverse frequencies are double; p * inv_freq, cos and sin are double; the rotated
 // pair is formed in double from the float inputs and rounded once. The float32 output is thus
-// the correctly rounded float64 result up to a few ulp, at any position up to kMaxPosition.
+// the float64 result rounded once (up to an ulp), at any position.
 #include "posenc/rope.h"
 
 #include <algorithm>
@@ -74,8 +74,7 @@ void validate(const RopeConfig& cfg) {
       if (!(s.low_freq_factor > 0) || !(s.high_freq_factor > s.low_freq_factor) ||
           !std::isfinite(s.high_freq_factor)) {
         detail::fail("rope scaling 'llama3': need 0 < low_freq_factor < high_freq_factor (got " +
-                     detail::num(s.low_freq_factor) + ", " + detail::num(s.high_freq_factor) +
-                     ")");
+                     detail::num(s.low_freq_factor) + ", " + detail::num(s.high_freq_factor) + ")");
       }
       break;
     case RopeScalingType::kYarn:
@@ -170,8 +169,7 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len) {
       high = std::min(high, rd - 1.0);
       if (low == high) high += 0.001;
       for (int64_t i = 0; i < pairs; ++i) {
-        const double ramp =
-            std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+        const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
         double& f = out.inv_freq[static_cast<std::size_t>(i)];
         f = (f / s.factor) * ramp + f * (1.0 - ramp);
       }
@@ -186,8 +184,7 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len) {
       break;
     }
     case RopeScalingType::kLongRope: {
-      const auto& ext =
-          static_cast<double>(seq_len) > lo ? s.long_factor : s.short_factor;
+      const auto& ext = static_cast<double>(seq_len) > lo ? s.long_factor : s.short_factor;
       for (int64_t i = 0; i < pairs; ++i) {
         out.inv_freq[static_cast<std::size_t>(i)] =
             1.0 / (ext[static_cast<std::size_t>(i)] *

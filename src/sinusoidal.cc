@@ -1,8 +1,8 @@
 // src/sinusoidal.cc - sinusoidal absolute encodings (Vaswani et al. 2017, "Attention Is All You
 // Need", §3.5; SPEC §1).
 //
-// Precision: p * w_i is formed in double (relative error 2^-53, so absolute angle error below
-// 1e-10 rad at p = 2^40) and sin/cos are evaluated in double, then rounded once to float32.
+// Precision: p * w_i is formed in double (relative error 2^-53: about 1e-8 rad at p = 2^28) and
+// sin/cos are evaluated in double, then rounded once to float32.
 #include "posenc/sinusoidal.h"
 
 #include <cmath>
@@ -81,7 +81,8 @@ std::vector<double> sinusoidal_frequencies(const SinusoidalConfig& cfg) {
 
 std::vector<float> sinusoidal_table(const SinusoidalConfig& cfg, int64_t length) {
   validate(cfg);
-  if (length < 0) detail::fail("sinusoidal: length must be >= 0 (got " + std::to_string(length) + ")");
+  if (length < 0)
+    detail::fail("sinusoidal: length must be >= 0 (got " + std::to_string(length) + ")");
   if (length > 0 && cfg.origin + length - 1 > kMaxPosition) {
     detail::fail("sinusoidal: positions up to origin + length - 1 exceed 2^48");
   }

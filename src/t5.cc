@@ -73,8 +73,8 @@ std::vector<int64_t> t5_bucket_map(const T5BucketConfig& cfg, int64_t seq_q, int
   if (seq_q > (int64_t{1} << 30) / (seq_k > 0 ? seq_k : 1)) {
     detail::fail("t5_bucket_map: seq_q x seq_k is too large to materialize");
   }
-  const Positions qp = query_positions ? *query_positions
-                                       : Positions::offset(seq_k >= seq_q ? seq_k - seq_q : 0);
+  const Positions qp =
+      query_positions ? *query_positions : Positions::offset(seq_k >= seq_q ? seq_k - seq_q : 0);
   const Positions kp = key_positions ? *key_positions : Positions::offset(0);
   if (!query_positions && seq_q > seq_k) {
     detail::fail("t5_bucket_map: default positions need query length <= key length (got " +
@@ -92,9 +92,8 @@ std::vector<int64_t> t5_bucket_map(const T5BucketConfig& cfg, int64_t seq_q, int
   return out;
 }
 
-void t5_bias_backward(const T5BucketConfig& cfg, View<const float, 3> dscore,
-                      View<float, 2> dtable, const Positions* query_positions,
-                      const Positions* key_positions) {
+void t5_bias_backward(const T5BucketConfig& cfg, View<const float, 3> dscore, View<float, 2> dtable,
+                      const Positions* query_positions, const Positions* key_positions) {
   validate(cfg);
   detail::require_data(dscore, "t5_bias_backward: dscore");
   detail::require_data(dtable, "t5_bias_backward: dtable");

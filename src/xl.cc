@@ -17,8 +17,7 @@ std::vector<double> xl_sinusoid(int64_t delta, int64_t d_model, double base) {
   std::vector<double> r(static_cast<std::size_t>(d_model));
   const double dd = static_cast<double>(delta);
   for (int64_t i = 0; i < half; ++i) {
-    const double w =
-        std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d_model));
+    const double w = std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d_model));
     r[static_cast<std::size_t>(i)] = std::sin(dd * w);
     r[static_cast<std::size_t>(half + i)] = std::cos(dd * w);
   }

@@ -11,8 +11,8 @@
 
 namespace cases {
 
-inline const std::vector<std::string> kSchemes = {"none", "rope",  "alibi",  "t5",
-                                                  "shaw", "xl", "deberta"};
+inline const std::vector<std::string> kSchemes = {"none", "rope", "alibi",  "t5",
+                                                  "shaw", "xl",   "deberta"};
 
 // Owns the tables behind a PositionScheme.
 struct SchemeBox {
@@ -29,9 +29,8 @@ inline std::vector<float> randn_f(std::mt19937_64& rng, int64_t n, double sd = 1
 
 // Scheme `name` for heads_q heads of head_dim; variant picks sub-options (shared/per-head Shaw
 // tables, bucketed DeBERTa, interleaved RoPE with partial rotary, ...).
-inline std::unique_ptr<SchemeBox> make_scheme(const std::string& name, int64_t heads,
-                                              int64_t dim, std::mt19937_64& rng,
-                                              int variant = 0) {
+inline std::unique_ptr<SchemeBox> make_scheme(const std::string& name, int64_t heads, int64_t dim,
+                                              std::mt19937_64& rng, int variant = 0) {
   using namespace posenc;
   auto box = std::make_unique<SchemeBox>();
   if (name == "none") {
@@ -52,9 +51,8 @@ inline std::unique_ptr<SchemeBox> make_scheme(const std::string& name, int64_t h
     const int64_t th = variant % 2 ? heads : 1;
     box->a = randn_f(rng, (2 * k + 1) * th * dim, 0.5);
     box->b = randn_f(rng, (2 * k + 1) * th * dim, 0.5);
-    box->scheme =
-        Shaw{View<const float, 3>::contiguous(box->a.data(), {2 * k + 1, th, dim}),
-             View<const float, 3>::contiguous(box->b.data(), {2 * k + 1, th, dim})};
+    box->scheme = Shaw{View<const float, 3>::contiguous(box->a.data(), {2 * k + 1, th, dim}),
+                       View<const float, 3>::contiguous(box->b.data(), {2 * k + 1, th, dim})};
   } else if (name == "xl") {
     const int64_t dm = 10;
     box->a = randn_f(rng, 2 * heads * dim, 0.5);
@@ -71,9 +69,9 @@ inline std::unique_ptr<SchemeBox> make_scheme(const std::string& name, int64_t h
     const int64_t k = cfg.span();
     box->a = randn_f(rng, 2 * k * heads * dim, 0.5);
     box->b = randn_f(rng, 2 * k * heads * dim, 0.5);
-    box->scheme = DeBERTa{View<const float, 3>::contiguous(box->a.data(), {2 * k, heads, dim}),
-                          View<const float, 3>::contiguous(box->b.data(), {2 * k, heads, dim}),
-                          cfg};
+    box->scheme =
+        DeBERTa{View<const float, 3>::contiguous(box->a.data(), {2 * k, heads, dim}),
+                View<const float, 3>::contiguous(box->b.data(), {2 * k, heads, dim}), cfg};
   }
   return box;
 }

@@ -75,8 +75,8 @@ inline std::vector<double> attention(const Problem& p, const posenc::PositionSch
   std::vector<double> out(static_cast<std::size_t>(p.batch * p.seq_q * p.heads_q * p.dim));
   std::vector<double> alibi;
   if (auto* a = std::get_if<Alibi>(&scheme)) {
-    alibi = a->slopes.empty() ? alibi_slopes({.heads = p.heads_q, .max_bias = a->max_bias})
-                              : a->slopes;
+    alibi =
+        a->slopes.empty() ? alibi_slopes({.heads = p.heads_q, .max_bias = a->max_bias}) : a->slopes;
   }
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.heads_q; ++h) {

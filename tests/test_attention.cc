@@ -54,11 +54,11 @@ std::vector<double> run_ref(const Inputs& in, const PositionScheme& scheme,
                             const Positions* kp = nullptr) {
   const Shape& s = in.s;
   std::vector<double> out(in.q.size());
-  ref::attention(View<const double, 4>::contiguous(in.q.data(), {s.batch, s.seq_q, s.heads_q, s.dim}),
-                 View<const double, 4>::contiguous(in.k.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}),
-                 View<const double, 4>::contiguous(in.v.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}),
-                 scheme, opt, View<double, 4>::contiguous(out.data(), {s.batch, s.seq_q, s.heads_q, s.dim}),
-                 qp, kp);
+  ref::attention(
+      View<const double, 4>::contiguous(in.q.data(), {s.batch, s.seq_q, s.heads_q, s.dim}),
+      View<const double, 4>::contiguous(in.k.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}),
+      View<const double, 4>::contiguous(in.v.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}), scheme,
+      opt, View<double, 4>::contiguous(out.data(), {s.batch, s.seq_q, s.heads_q, s.dim}), qp, kp);
   return out;
 }
 
@@ -71,24 +71,23 @@ std::vector<double> run_f32(const Inputs& in, const PositionScheme& scheme,
   attention(View<const float, 4>::contiguous(q.data(), {s.batch, s.seq_q, s.heads_q, s.dim}),
             View<const float, 4>::contiguous(k.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}),
             View<const float, 4>::contiguous(v.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}),
-            scheme, opt, View<float, 4>::contiguous(out.data(), {s.batch, s.seq_q, s.heads_q, s.dim}),
-            qp, kp);
+            scheme, opt,
+            View<float, 4>::contiguous(out.data(), {s.batch, s.seq_q, s.heads_q, s.dim}), qp, kp);
   return to_f64(out);
 }
 
 textbook::Problem textbook_problem(const Inputs& in, const AttentionOptions& opt,
                                    const Positions& qp, const Positions& kp) {
   const Shape& s = in.s;
-  return textbook::Problem{s.batch, s.seq_q,  s.seq_k, s.heads_q,  s.heads_kv, s.dim, in.q,
-                           in.k,    in.v,     qp,      kp,         opt.causal, opt.scale,
-                           opt.window};
+  return textbook::Problem{s.batch, s.seq_q, s.seq_k, s.heads_q, s.heads_kv, s.dim,     in.q,
+                           in.k,    in.v,    qp,      kp,        opt.causal, opt.scale, opt.window};
 }
 
 // Every scheme x causal/bidirectional x MHA/GQA/MQA x Lq != Lk x sizes, default positions:
 // oracle == textbook to 1e-12, float32 path == oracle to float32 accuracy.
 TEST(Attention, ReferenceMatchesTextbookAndFloat32MatchesReference) {
   const std::vector<Shape> shapes = {
-      {1, 1, 1, 1, 1, 1},  {2, 3, 5, 4, 2, 4},   {1, 7, 7, 8, 1, 6},   {2, 4, 9, 3, 3, 2},
+      {1, 1, 1, 1, 1, 1},    {2, 3, 5, 4, 2, 4},   {1, 7, 7, 8, 1, 6}, {2, 4, 9, 3, 3, 2},
       {1, 17, 17, 4, 4, 17}, {1, 2, 33, 8, 2, 16}, {3, 5, 6, 2, 1, 3},
   };
   uint64_t seed = 1;
@@ -188,7 +187,8 @@ TEST(Attention, HandComputedShawValueTerm) {
 }
 
 TEST(Attention, T5UsesScaleOneWhenAsked) {
-  const Inputs in{{1, 1, 2, 1, 1, 4}, {1, 1, 1, 1}, {1, 1, 1, 1, 0, 0, 0, 0}, {1, 0, 0, 0, 0, 0, 0, 0}};
+  const Inputs in{
+      {1, 1, 2, 1, 1, 4}, {1, 1, 1, 1}, {1, 1, 1, 1, 0, 0, 0, 0}, {1, 0, 0, 0, 0, 0, 0, 0}};
   std::vector<float> table(32, 0.0f);
   const T5Bias t5{View<const float, 2>::contiguous(table.data(), {32, 1})};
   // Scores 4 * scale vs 0: with scale 1 the weight of key 0 is e^4 / (e^4 + 1).
@@ -219,12 +219,15 @@ TEST(Attention, NonContiguousViewsGiveTheSameResult) {
     v[row * 2 * s.dim + c] = static_cast<float>(in.v[t]);
   }
   std::vector<float> out(2 * in.q.size(), -1.0f);
-  View<const float, 4> qv{q.data(), {s.batch, s.seq_q, s.heads_q, s.dim},
+  View<const float, 4> qv{q.data(),
+                          {s.batch, s.seq_q, s.heads_q, s.dim},
                           {s.heads_q * s.seq_q * s.dim, s.dim, s.seq_q * s.dim, 1}};
-  View<const float, 4> kv{k.data(), {s.batch, s.seq_k, s.heads_kv, s.dim},
+  View<const float, 4> kv{k.data(),
+                          {s.batch, s.seq_k, s.heads_kv, s.dim},
                           {s.seq_k * s.heads_kv * 2 * s.dim, s.heads_kv * 2 * s.dim, 2 * s.dim, 1}};
   View<const float, 4> vv{v.data(), kv.shape, kv.stride};
-  View<float, 4> ov{out.data(), {s.batch, s.seq_q, s.heads_q, s.dim},
+  View<float, 4> ov{out.data(),
+                    {s.batch, s.seq_q, s.heads_q, s.dim},
                     {s.seq_q * s.heads_q * 2 * s.dim, s.heads_q * 2 * s.dim, 2 * s.dim, 1}};
   attention(qv, kv, vv, box->scheme, opt, ov);
   for (int64_t r = 0; r < s.batch * s.seq_q * s.heads_q; ++r) {
@@ -247,8 +250,8 @@ void call(const Shape& s, const PositionScheme& scheme = NoPositions{},
   const int64_t vd = v_dim < 0 ? s.dim : v_dim;
   const int64_t oh = out_heads < 0 ? s.heads_q : out_heads;
   std::vector<float> q(s.batch * s.seq_q * s.heads_q * s.dim, 0.5f),
-      k(s.batch * s.seq_k * s.heads_kv * s.dim, 0.25f), v(s.batch * s.seq_k * s.heads_kv * vd, 1.0f),
-      out(s.batch * s.seq_q * oh * s.dim);
+      k(s.batch * s.seq_k * s.heads_kv * s.dim, 0.25f),
+      v(s.batch * s.seq_k * s.heads_kv * vd, 1.0f), out(s.batch * s.seq_q * oh * s.dim);
   attention(View<const float, 4>::contiguous(q.data(), {s.batch, s.seq_q, s.heads_q, s.dim}),
             View<const float, 4>::contiguous(k.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}),
             View<const float, 4>::contiguous(v.data(), {s.batch, s.seq_k, s.heads_kv, vd}), scheme,
@@ -266,12 +269,26 @@ void expect_error(const std::function<void()>& f, const std::string& needle) {
 }
 
 TEST(AttentionValidation, ShapesAndHeads) {
-  expect_error<ShapeError>([] { call({1, 2, 2, 8, 3, 4}); }, "kv heads (3) must divide q heads (8)");
-  expect_error<ShapeError>([] { call({1, 2, 2, 2, 2, 4}, NoPositions{}, {}, nullptr, nullptr, 5); },
-                           "same shape");
-  expect_error<ShapeError>([] { call({1, 2, 2, 2, 2, 4}, NoPositions{}, {}, nullptr, nullptr, -1, 1); },
-                           "out");
-  expect_error<ValueError>([] { call({1, 3, 2, 1, 1, 4}); }, "query length (3) exceeds key length (2)");
+  expect_error<ShapeError>(
+      [] {
+        call({1, 2, 2, 8, 3, 4});
+      },
+      "kv heads (3) must divide q heads (8)");
+  expect_error<ShapeError>(
+      [] {
+        call({1, 2, 2, 2, 2, 4}, NoPositions{}, {}, nullptr, nullptr, 5);
+      },
+      "same shape");
+  expect_error<ShapeError>(
+      [] {
+        call({1, 2, 2, 2, 2, 4}, NoPositions{}, {}, nullptr, nullptr, -1, 1);
+      },
+      "out");
+  expect_error<ValueError>(
+      [] {
+        call({1, 3, 2, 1, 1, 4});
+      },
+      "query length (3) exceeds key length (2)");
   // Lq > Lk is fine with explicit positions.
   const auto qp = Positions::offset(0), kp = Positions::offset(0);
   EXPECT_NO_THROW(call({1, 3, 2, 1, 1, 4}, NoPositions{}, {.allow_fully_masked = true}, &qp, &kp));
@@ -283,17 +300,32 @@ TEST(AttentionValidation, EmptyAndSingleToken) {
   EXPECT_NO_THROW(call({1, 1, 1, 1, 1, 1}, NoPositions{}, {.causal = true}));
   // Queries but no keys: every row is fully masked.
   const auto qp = Positions::offset(0);
-  expect_error<ValueError>([&] { call({1, 1, 0, 1, 1, 4}, NoPositions{}, {}, &qp); }, "sees no key");
+  expect_error<ValueError>(
+      [&] {
+        call({1, 1, 0, 1, 1, 4}, NoPositions{}, {}, &qp);
+      },
+      "sees no key");
 }
 
 TEST(AttentionValidation, PositionsAndOptions) {
   const auto bad = Positions::shared({0, -1});
   expect_error<ValueError>([&] { call({1, 2, 2, 1, 1, 4}, NoPositions{}, {}, &bad); }, "-1");
   const auto short_ids = Positions::shared({0});
-  expect_error<ShapeError>([&] { call({1, 2, 2, 1, 1, 4}, NoPositions{}, {}, &short_ids); },
-                           "1 position ids given for a sequence of 2");
-  expect_error<ValueError>([] { call({1, 2, 2, 1, 1, 4}, NoPositions{}, {.window = 0}); }, "window");
-  expect_error<ValueError>([] { call({1, 2, 2, 1, 1, 4}, NoPositions{}, {.scale = NAN}); }, "scale");
+  expect_error<ShapeError>(
+      [&] {
+        call({1, 2, 2, 1, 1, 4}, NoPositions{}, {}, &short_ids);
+      },
+      "1 position ids given for a sequence of 2");
+  expect_error<ValueError>(
+      [] {
+        call({1, 2, 2, 1, 1, 4}, NoPositions{}, {.window = 0});
+      },
+      "window");
+  expect_error<ValueError>(
+      [] {
+        call({1, 2, 2, 1, 1, 4}, NoPositions{}, {.scale = NAN});
+      },
+      "scale");
 }
 
 TEST(AttentionValidation, NonFiniteInputs) {
@@ -313,10 +345,14 @@ TEST(AttentionValidation, SchemeTables) {
   const Shape s{1, 2, 2, 2, 2, 4};
   std::vector<float> t(32 * 3, 0.0f);
   expect_error<ValueError>(
-      [&] { call(s, T5Bias{View<const float, 2>::contiguous(t.data(), {31, 2})}); },
+      [&] {
+        call(s, T5Bias{View<const float, 2>::contiguous(t.data(), {31, 2})});
+      },
       "num_buckets must be even");
   expect_error<ShapeError>(
-      [&] { call(s, T5Bias{View<const float, 2>::contiguous(t.data(), {30, 1})}); },
+      [&] {
+        call(s, T5Bias{View<const float, 2>::contiguous(t.data(), {30, 1})});
+      },
       "relative_attention_bias");
   expect_error<ShapeError>([&] { call(s, Alibi{.slopes = {0.5}}); }, "1 slopes given for 2");
   expect_error<ShapeError>(
@@ -336,14 +372,13 @@ TEST(AttentionValidation, SchemeTables) {
                         {.max_relative_positions = 4}});
       },
       "pos_key [2K, heads, head_dim] (K = 4)");
-  expect_error<ShapeError>(
-      [&] {
-        call(s, Rope{rope_frequencies({.head_dim = 8})});
-      },
-      "rotary_dim (8) exceeds head_dim (4)");
+  expect_error<ShapeError>([&] { call(s, Rope{rope_frequencies({.head_dim = 8})}); },
+                           "rotary_dim (8) exceeds head_dim (4)");
   t[0] = INFINITY;
   expect_error<ValueError>(
-      [&] { call(s, T5Bias{View<const float, 2>::contiguous(t.data(), {32, 2})}); },
+      [&] {
+        call(s, T5Bias{View<const float, 2>::contiguous(t.data(), {32, 2})});
+      },
       "non-finite");
 }
 

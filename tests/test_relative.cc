@@ -37,14 +37,15 @@ TEST(Shaw, ScoresUseTheClippedTable) {
   const auto q = randn(rng, len * dim), k = randn(rng, len * dim);
   const auto rk = cases::randn_f(rng, 5 * dim);  // K = 2
   const Shaw shaw{shaw_table(View<const float, 2>::contiguous(rk.data(), {5, dim})), {}};
-  const auto s = ref::attention_scores(View<const double, 4>::contiguous(q.data(), {1, len, 1, dim}),
-                                       View<const double, 4>::contiguous(k.data(), {1, len, 1, dim}),
-                                       shaw, {}, 0, 0);
+  const auto s = ref::attention_scores(
+      View<const double, 4>::contiguous(q.data(), {1, len, 1, dim}),
+      View<const double, 4>::contiguous(k.data(), {1, len, 1, dim}), shaw, {}, 0, 0);
   for (int64_t i = 0; i < len; ++i) {
     for (int64_t j = 0; j < len; ++j) {
       const int64_t idx = std::clamp<int64_t>(j - i, -2, 2) + 2;
       double want = 0;
-      for (int64_t c = 0; c < dim; ++c) want += q[i * dim + c] * (k[j * dim + c] + rk[idx * dim + c]);
+      for (int64_t c = 0; c < dim; ++c)
+        want += q[i * dim + c] * (k[j * dim + c] + rk[idx * dim + c]);
       EXPECT_NEAR(s[i * len + j], want / 2.0, 1e-12) << i << "," << j;
     }
   }
@@ -166,9 +167,9 @@ TEST(Deberta, PlainSpanClipsRho) {
   EXPECT_EQ(b.span(), 4);
   EXPECT_EQ(deberta_c2p_index(10, 10, b), 4);
   EXPECT_EQ(deberta_c2p_index(10, 7, b), 7);
-  EXPECT_EQ(deberta_c2p_index(10, 2, b), 7);   // rho = 8 clamps to 2K - 1
-  EXPECT_EQ(deberta_c2p_index(2, 10, b), 0);   // rho = -8 clamps to 0
-  EXPECT_EQ(deberta_p2c_index(10, 7, b), 7);   // model: same as c2p
+  EXPECT_EQ(deberta_c2p_index(10, 2, b), 7);  // rho = 8 clamps to 2K - 1
+  EXPECT_EQ(deberta_c2p_index(2, 10, b), 0);  // rho = -8 clamps to 0
+  EXPECT_EQ(deberta_p2c_index(10, 7, b), 7);  // model: same as c2p
   DebertaBuckets paper = b;
   paper.p2c = DebertaP2c::kPaper;
   EXPECT_EQ(deberta_p2c_index(10, 7, paper), 1);  // -rho + K
@@ -198,12 +199,15 @@ TEST(Deberta, LogBucketProperties) {
   for (int64_t r = 0; r < 3000; ++r) {
     const int64_t v = deberta_bucket(r, b);
     EXPECT_EQ(deberta_bucket(-r, b), -v);
-    if (r <= mid) EXPECT_EQ(v, r);
+    if (r <= mid) {
+      EXPECT_EQ(v, r);
+    }
     EXPECT_GE(v, prev);
     prev = v;
     if (r > mid) {
-      const double want = std::ceil(std::log(static_cast<double>(r) / mid) /
-                                    std::log(511.0 / mid) * (mid - 1)) + mid;
+      const double want =
+          std::ceil(std::log(static_cast<double>(r) / mid) / std::log(511.0 / mid) * (mid - 1)) +
+          mid;
       EXPECT_EQ(v, static_cast<int64_t>(want)) << r;
     }
   }
@@ -223,9 +227,9 @@ TEST(Deberta, ModelP2cEqualsGatherThenTranspose) {
   // Scores with pos_key = 0 isolate q.k + p2c.
   const DeBERTa deb{View<const float, 3>::contiguous(zeros.data(), {2 * kspan, heads, dim}),
                     View<const float, 3>::contiguous(pq.data(), {2 * kspan, heads, dim}), b};
-  const auto s = ref::attention_scores(View<const double, 4>::contiguous(q.data(), {1, len, 1, dim}),
-                                       View<const double, 4>::contiguous(k.data(), {1, len, 1, dim}),
-                                       deb, {.scale = 1.0}, 0, 0);
+  const auto s = ref::attention_scores(
+      View<const double, 4>::contiguous(q.data(), {1, len, 1, dim}),
+      View<const double, 4>::contiguous(k.data(), {1, len, 1, dim}), deb, {.scale = 1.0}, 0, 0);
   // p2c_att[a][r] = k_a . pos_query[r];  r_pos[a][c] = bucket(a - c);
   // g[a][c] = p2c_att[a][clamp(-r_pos[a][c] + K)];  term[i][j] = g[j][i].
   for (int64_t i = 0; i < len; ++i) {

@@ -15,8 +15,8 @@
 namespace posenc {
 
 struct AlibiConfig {
-  int64_t heads = 0;     // H >= 1
-  double max_bias = 8.0; // B > 0
+  int64_t heads = 0;      // H >= 1
+  double max_bias = 8.0;  // B > 0
 };
 
 // Slopes in double, head order. Throws ValueError on heads < 1 or max_bias <= 0 / non-finite.

@@ -56,10 +56,10 @@ std::string scheme_name(const PositionScheme& scheme);
 
 struct AttentionOptions {
   bool causal = false;
-  std::optional<double> scale;           // default 1/sqrt(D) (DeBERTa 1/sqrt(3D))
-  std::optional<int64_t> window;         // sliding window w >= 1: visible iff |rel| < w
-  bool allow_fully_masked = false;       // a row with no visible key: output 0 instead of error
-  int num_threads = 0;                   // 0 = all available
+  std::optional<double> scale;      // default 1/sqrt(D) (DeBERTa 1/sqrt(3D))
+  std::optional<int64_t> window;    // sliding window w >= 1: visible iff |rel| < w
+  bool allow_fully_masked = false;  // a row with no visible key: output 0 instead of error
+  int num_threads = 0;              // 0 = all available
 };
 
 // Float32 attention. Positions: nullptr = the SPEC §0 defaults. Throws ShapeError / ValueError

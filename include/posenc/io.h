@@ -18,7 +18,8 @@ namespace posenc {
 
 enum class DType { kF16, kBF16, kF32, kF64, kI32, kI64 };
 
-// "float32", "int64", ... and the .npy descr ("<f4") / safetensors name ("F32").
+// "float32", "int64", ... (NumPy's names, for messages; files store "<f4" / "F32") and the
+// element size in bytes.
 const char* dtype_name(DType t);
 int64_t dtype_size(DType t);
 
@@ -28,22 +29,26 @@ struct Tensor {
   std::vector<int64_t> shape;
   std::vector<unsigned char> bytes;
 
+  // Element count (1 for a scalar); throws ShapeError on a negative or overflowing shape.
   int64_t numel() const;
   std::string shape_str() const;  // "[2, 3]"
 
   // Element conversions. to_f32/to_f64 accept every float dtype (f16 and bf16 widen exactly);
-  // to_i64 accepts int32/int64. They throw IoError on other dtypes, naming `what`.
+  // to_i64 accepts int32/int64. They throw IoError on other dtypes, or when `bytes` does not
+  // hold exactly dtype x shape, naming `what`.
   std::vector<float> to_f32(const std::string& what = "tensor") const;
   std::vector<double> to_f64(const std::string& what = "tensor") const;
   std::vector<int64_t> to_i64(const std::string& what = "tensor") const;
 
+  // Throw ShapeError unless values.size() equals the shape's element count.
   static Tensor from_f32(std::vector<int64_t> shape, const std::vector<float>& values);
   static Tensor from_f64(std::vector<int64_t> shape, const std::vector<double>& values);
   static Tensor from_i64(std::vector<int64_t> shape, const std::vector<int64_t>& values);
 };
 
-// .npy (format versions 1.0, 2.0 and 3.0; little-endian <f2 <f4 <f8 <i4 <i8 and |-prefixed
-// single bytes are not accepted; C order only).
+// .npy (format versions 1.0, 2.0 and 3.0; dtypes <f2 <f4 <f8 <i4 <i8 only, so no big-endian or
+// |-prefixed single-byte types; C order only). The writer emits version 1.0 like np.save (2.0
+// only for a header over 64 KiB) and throws IoError for bfloat16, which NumPy lacks.
 Tensor read_npy(const std::string& path);
 Tensor parse_npy(const unsigned char* data, std::size_t size, const std::string& what);
 std::vector<unsigned char> encode_npy(const Tensor& t);

@@ -2,12 +2,15 @@
 //
 //   inv_freq[i] = theta^(-2i/R), i in [0, R/2);  a = p * inv_freq[i];  c = cos(a)*af, s = sin(a)*af
 //   half (GPT-NeoX, HF rotate_half):  y[i] = x[i] c - x[i+R/2] s,   y[i+R/2] = x[i+R/2] c + x[i] s
-//   interleaved (GPT-J, RoFormer, Meta Llama):  y[2i] = x[2i] c - x[2i+1] s,  y[2i+1] = ... + x[2i] s
+//   interleaved (GPT-J, RoFormer, Meta Llama):  y[2i] = x[2i] c - x[2i+1] s,  y[2i+1] = ... + x[2i]
+//   s
 // Dims >= R pass through. Inverse (= backward): rotate by -a (and multiply by af).
 //
 // Precision: p * inv_freq and cos/sin are evaluated in double and rounded once, so the float32
-// output equals the float64 reference to float32 rounding at every position up to kMaxPosition
-// (measured: see docs/rope.md). Peers form the angle in float32 (~1e-2 rad error at 128k).
+// output equals the float64 reference to float32 rounding at every position (measured: see
+// docs/rope.md). The double angle itself carries a relative error of 2^-53, i.e. about p * 1e-16
+// rad: negligible below 2^28 (1e-8 rad), 1e-4 rad at 2^40. Peers form the angle in float32
+// (~1e-2 rad error at 128k).
 #pragma once
 
 #include <cstdint>
@@ -24,19 +27,19 @@ enum class Direction { kForward, kInverse };
 enum class RopeScalingType { kDefault, kLinear, kDynamic, kYarn, kLlama3, kLongRope };
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kDefault;
-  double factor = 1.0;                        // f
+  double factor = 1.0;                           // f
   int64_t original_max_position_embeddings = 0;  // Lo (dynamic, yarn, llama3, longrope)
-  int64_t max_position_embeddings = 0;        // longrope's default attention factor
-  double low_freq_factor = 1.0;               // llama3
-  double high_freq_factor = 4.0;              // llama3
-  double beta_fast = 32.0;                    // yarn
-  double beta_slow = 1.0;                     // yarn
-  bool truncate = true;                       // yarn
-  double mscale = 0.0;                        // yarn (0 = not given)
-  double mscale_all_dim = 0.0;                // yarn (0 = not given)
-  double attention_factor = 0.0;              // yarn, longrope (0 = not given)
-  std::vector<double> short_factor;           // longrope, R/2 entries
-  std::vector<double> long_factor;            // longrope, R/2 entries
+  int64_t max_position_embeddings = 0;           // longrope's default attention factor
+  double low_freq_factor = 1.0;                  // llama3
+  double high_freq_factor = 4.0;                 // llama3
+  double beta_fast = 32.0;                       // yarn
+  double beta_slow = 1.0;                        // yarn
+  bool truncate = true;                          // yarn
+  double mscale = 0.0;                           // yarn (0 = not given)
+  double mscale_all_dim = 0.0;                   // yarn (0 = not given)
+  double attention_factor = 0.0;                 // yarn, longrope (0 = not given)
+  std::vector<double> short_factor;              // longrope, R/2 entries
+  std::vector<double> long_factor;               // longrope, R/2 entries
 };
 
 struct RopeConfig {

@@ -3,8 +3,10 @@
 //   w_i = base^(-2i / den),  i in [0, d/2)
 //   interleaved (paper):      PE[p, 2i] = sin(p w_i),  PE[p, 2i+1] = cos(p w_i)
 //   concat (Transformer-XL, Marian, BART, Pegasus): PE[p] = [sin(p w_0 ..), cos(p w_0 ..)]
-// Angles and sines are evaluated in double and rounded once to float32, so float32 tables are
-// correctly rounded at any position up to kMaxPosition (peers form p*w in float32).
+// Angles and sines are evaluated in double and rounded once to float32: float32 tables equal the
+// float64 values to float32 rounding, and are correctly rounded with respect to the exact formula
+// up to about p = 2^28 (the double angle's error is about p * 1e-16 rad). Peers form p*w in
+// float32.
 #pragma once
 
 #include <cstdint>
@@ -26,12 +28,12 @@ enum class SinDenominator { kDim, kHalfMinusOne };
 enum class SinOddDim { kError, kZeroPad };
 
 struct SinusoidalConfig {
-  int64_t dim = 0;        // d, the model (embedding) width
-  double base = 1e4;      // > 1
+  int64_t dim = 0;    // d, the model (embedding) width
+  double base = 1e4;  // > 1
   SinLayout layout = SinLayout::kInterleaved;
   SinDenominator denominator = SinDenominator::kDim;
-  int64_t origin = 0;     // position of the first token when positions are implicit (fairseq:
-                          // padding_idx + 1)
+  int64_t origin = 0;  // position of the first token when positions are implicit (fairseq:
+                       // padding_idx + 1)
   SinOddDim odd_dim = SinOddDim::kError;
 };
 

@@ -1,0 +1,346 @@
+// NumPy .npy reader and writer (SPEC §9).
+//
+// Format (numpy/lib/format.py): magic "\x93NUMPY", major and minor version bytes, header length
+// (2 bytes little-endian in 1.0; 4 bytes in 2.0 and 3.0), then a Python dict literal such as
+//   {'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }
+// padded with spaces and a final '\n', then the raw C-order element bytes.
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "io/io_util.h"
+#include "posenc/error.h"
+#include "posenc/io.h"
+
+namespace posenc {
+
+namespace {
+
+constexpr unsigned char kMagic[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
+constexpr std::size_t kPreludeV1 = 10;  // magic, version, u16 header length
+constexpr std::size_t kPreludeV2 = 12;  // magic, version, u32 header length
+constexpr int64_t kMaxRank = 64;        // NumPy's NPY_MAXDIMS is 32 (64 in NumPy 2)
+
+std::optional<DType> dtype_from_descr(const std::string& d) {
+  if (d == "<f2") return DType::kF16;
+  if (d == "<f4") return DType::kF32;
+  if (d == "<f8") return DType::kF64;
+  if (d == "<i4") return DType::kI32;
+  if (d == "<i8") return DType::kI64;
+  return std::nullopt;
+}
+
+const char* descr_of(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return "<f2";
+    case DType::kF32:
+      return "<f4";
+    case DType::kF64:
+      return "<f8";
+    case DType::kI32:
+      return "<i4";
+    case DType::kI64:
+      return "<i8";
+    default:
+      return nullptr;  // bfloat16 has no NumPy dtype
+  }
+}
+
+// The header text for messages: printable, one line, bounded length, padding dropped.
+std::string snippet(const std::string& text) {
+  constexpr std::size_t kMax = 160;
+  std::size_t end = text.size();
+  while (end > 0 && (text[end - 1] == ' ' || text[end - 1] == '\n')) --end;
+  if (end <= kMax) return io_detail::printable(text.substr(0, end));
+  return io_detail::printable(text.substr(0, kMax)) + "...";
+}
+
+// The header dict, parsed.
+struct NpyHeader {
+  std::optional<std::string> descr;
+  std::optional<bool> fortran_order;
+  std::optional<std::vector<int64_t>> shape;
+};
+
+// Recursive-descent parser for the small subset of Python literal syntax NumPy writes: a dict
+// with string keys whose values are strings, True/False, or tuples of non-negative integers.
+class HeaderParser {
+ public:
+  HeaderParser(const std::string& text, const std::string& what) : s_(text), what_(what) {}
+
+  NpyHeader parse() {
+    NpyHeader h;
+    skip_ws();
+    expect('{');
+    skip_ws();
+    while (!at('}')) {
+      const std::string key = parse_string("a quoted key");
+      skip_ws();
+      expect(':');
+      skip_ws();
+      if (key == "descr") {
+        if (h.descr) fail("duplicate key 'descr'");
+        if (at('[')) {
+          // A list here is a structured dtype, which we do not read.
+          throw IoError(what_ + ": unsupported dtype (structured); " +
+                        "expected one of <f2 <f4 <f8 <i4 <i8");
+        }
+        h.descr = parse_string("a quoted dtype string");
+      } else if (key == "fortran_order") {
+        if (h.fortran_order) fail("duplicate key 'fortran_order'");
+        h.fortran_order = parse_bool();
+      } else if (key == "shape") {
+        if (h.shape) fail("duplicate key 'shape'");
+        h.shape = parse_shape();
+      } else {
+        fail("unexpected key '" + io_detail::printable(key) + "'");
+      }
+      skip_ws();
+      if (at(',')) {
+        ++pos_;
+        skip_ws();
+      } else if (!at('}')) {
+        fail("expected ',' or '}'");
+      }
+    }
+    ++pos_;
+    skip_ws();
+    if (pos_ != s_.size()) fail("unexpected text after '}'");
+    if (!h.descr) fail("missing key 'descr'");
+    if (!h.fortran_order) fail("missing key 'fortran_order'");
+    if (!h.shape) fail("missing key 'shape'");
+    return h;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& msg) const {
+    throw IoError(what_ + ": malformed .npy header: " + msg + " at offset " + std::to_string(pos_) +
+                  " in \"" + snippet(s_) + "\"");
+  }
+
+  bool at(char c) const { return pos_ < s_.size() && s_[pos_] == c; }
+
+  void expect(char c) {
+    if (!at(c)) fail(std::string("expected '") + c + "'");
+    ++pos_;
+  }
+
+  void skip_ws() {
+    while (pos_ < s_.size() &&
+           (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) {
+      ++pos_;
+    }
+  }
+
+  // A single- or double-quoted string without escapes (NumPy never writes any).
+  std::string parse_string(const char* expected) {
+    if (!at('\'') && !at('"')) fail(std::string("expected ") + expected);
+    const char quote = s_[pos_++];
+    const std::size_t start = pos_;
+    while (pos_ < s_.size() && s_[pos_] != quote) {
+      if (s_[pos_] == '\\') fail("escape sequences in strings are not supported");
+      ++pos_;
+    }
+    if (pos_ >= s_.size()) fail("unterminated string");
+    std::string out = s_.substr(start, pos_ - start);
+    ++pos_;
+    return out;
+  }
+
+  bool parse_bool() {
+    if (s_.compare(pos_, 4, "True") == 0) {
+      pos_ += 4;
+      return true;
+    }
+    if (s_.compare(pos_, 5, "False") == 0) {
+      pos_ += 5;
+      return false;
+    }
+    fail("expected True or False");
+  }
+
+  // "()", "(5,)", "(2, 3)", "(2, 3,)"; Python 2 long suffixes ("3L") are accepted.
+  std::vector<int64_t> parse_shape() {
+    std::vector<int64_t> dims;
+    expect('(');
+    skip_ws();
+    while (!at(')')) {
+      dims.push_back(parse_dim());
+      if (static_cast<int64_t>(dims.size()) > kMaxRank) {
+        fail("more than " + std::to_string(kMaxRank) + " dimensions");
+      }
+      skip_ws();
+      if (at(',')) {
+        ++pos_;
+        skip_ws();
+      } else if (!at(')')) {
+        fail("expected ',' or ')' in shape");
+      } else if (dims.size() == 1) {
+        fail("a 1-element shape needs a trailing comma, as in (5,)");
+      }
+    }
+    ++pos_;
+    return dims;
+  }
+
+  int64_t parse_dim() {
+    if (at('-')) {
+      throw IoError(what_ + ": negative dimension in .npy shape \"" + snippet(s_) + "\"");
+    }
+    if (pos_ >= s_.size() || s_[pos_] < '0' || s_[pos_] > '9') fail("expected a dimension");
+    int64_t v = 0;
+    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') {
+      const int digit = s_[pos_] - '0';
+      if (v > (std::numeric_limits<int64_t>::max() - digit) / 10) {
+        throw IoError(what_ + ": dimension too large in .npy shape \"" + snippet(s_) + "\"");
+      }
+      v = v * 10 + digit;
+      ++pos_;
+    }
+    if (at('L')) ++pos_;
+    return v;
+  }
+
+  const std::string& s_;
+  const std::string& what_;
+  std::size_t pos_ = 0;
+};
+
+std::string shape_tuple(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    if (d) s += ", ";
+    s += std::to_string(shape[d]);
+  }
+  if (shape.size() == 1) s += ",";
+  return s + ")";
+}
+
+}  // namespace
+
+Tensor parse_npy(const unsigned char* data, std::size_t size, const std::string& what) {
+  if (size < sizeof(kMagic) || std::memcmp(data, kMagic, sizeof(kMagic)) != 0) {
+    throw IoError(what + ": not a .npy file (missing \\x93NUMPY magic)");
+  }
+  if (size < 8) {
+    throw IoError(what + ": truncated header: file has " + std::to_string(size) +
+                  " bytes, no format version");
+  }
+  const int major = data[6];
+  const int minor = data[7];
+  if ((major != 1 && major != 2 && major != 3) || minor != 0) {
+    throw IoError(what + ": unsupported .npy format version " + std::to_string(major) + "." +
+                  std::to_string(minor) + " (expected 1.0, 2.0 or 3.0)");
+  }
+  const std::size_t prelude = major == 1 ? kPreludeV1 : kPreludeV2;
+  if (size < prelude) {
+    throw IoError(what + ": truncated header: file has " + std::to_string(size) +
+                  " bytes, the .npy prelude needs " + std::to_string(prelude));
+  }
+  std::size_t header_len = static_cast<std::size_t>(data[8]) | (std::size_t{data[9]} << 8);
+  if (major != 1) header_len |= (std::size_t{data[10]} << 16) | (std::size_t{data[11]} << 24);
+  if (header_len > size - prelude) {
+    throw IoError(what + ": truncated header: header length " + std::to_string(header_len) +
+                  " exceeds the " + std::to_string(size - prelude) + " bytes after the prelude");
+  }
+  const std::string text(reinterpret_cast<const char*>(data + prelude), header_len);
+  const NpyHeader h = HeaderParser(text, what).parse();
+
+  const std::string& descr = *h.descr;
+  const std::optional<DType> dtype = dtype_from_descr(descr);
+  if (!dtype) {
+    const std::string d = io_detail::printable(descr);
+    if (!descr.empty() && descr[0] == '>') {
+      throw IoError(what + ": big-endian dtype '" + d +
+                    "' not supported; save little-endian data (e.g. arr.astype('<f4'))");
+    }
+    throw IoError(what + ": unsupported dtype '" + d + "'; expected one of <f2 <f4 <f8 <i4 <i8");
+  }
+  if (*h.fortran_order) {
+    throw IoError(what + ": fortran_order True is not supported; save a C-order array " +
+                  "(np.ascontiguousarray)");
+  }
+  Tensor t;
+  t.dtype = *dtype;
+  t.shape = *h.shape;
+  int64_t numel = 0;
+  int64_t nbytes = 0;
+  if (!io_detail::checked_nbytes(t.shape, dtype_size(t.dtype), &numel, &nbytes)) {
+    throw IoError(what + ": shape " + t.shape_str() + " of " + dtype_name(t.dtype) +
+                  " overflows the element count");
+  }
+  const std::size_t offset = prelude + header_len;
+  const std::size_t have = size - offset;
+  if (static_cast<uint64_t>(nbytes) > have) {
+    throw IoError(what + ": truncated: header declares " + std::to_string(nbytes) +
+                  " bytes of data, file has " + std::to_string(have));
+  }
+  if (static_cast<uint64_t>(nbytes) < have) {
+    throw IoError(what + ": trailing data: header declares " + std::to_string(nbytes) +
+                  " bytes of data, file has " + std::to_string(have));
+  }
+  t.bytes.assign(data + offset, data + size);
+  return t;
+}
+
+Tensor read_npy(const std::string& path) {
+  const std::vector<unsigned char> data = read_file(path);
+  return parse_npy(data.data(), data.size(), path);
+}
+
+namespace {
+
+std::vector<unsigned char> encode(const Tensor& t, const std::string& what) {
+  const char* descr = descr_of(t.dtype);
+  if (!descr) {
+    throw IoError(what + ": " + dtype_name(t.dtype) + " has no .npy dtype; use .safetensors");
+  }
+  int64_t numel = 0;
+  int64_t nbytes = 0;
+  if (!io_detail::checked_nbytes(t.shape, dtype_size(t.dtype), &numel, &nbytes)) {
+    throw IoError(what + ": shape " + t.shape_str() + " has a negative or too large dimension");
+  }
+  if (static_cast<uint64_t>(nbytes) != t.bytes.size()) {
+    throw IoError(what + ": " + std::to_string(t.bytes.size()) + " bytes do not match " +
+                  dtype_name(t.dtype) + " x shape " + t.shape_str() + " (" +
+                  std::to_string(nbytes) + " bytes)");
+  }
+  std::string header = std::string("{'descr': '") + descr +
+                       "', 'fortran_order': False, 'shape': " + shape_tuple(t.shape) + ", }";
+  // Like NumPy: pad with spaces and a final '\n' so the data starts at a multiple of 64 bytes;
+  // fall back to version 2.0 only when the header does not fit a 16-bit length.
+  std::size_t prelude = kPreludeV1;
+  std::size_t total = (prelude + header.size() + 1 + 63) / 64 * 64;
+  if (total - prelude > 0xffff) {
+    prelude = kPreludeV2;
+    total = (prelude + header.size() + 1 + 63) / 64 * 64;
+  }
+  header.append(total - prelude - header.size() - 1, ' ');
+  header += '\n';
+
+  std::vector<unsigned char> out(total + t.bytes.size());
+  std::memcpy(out.data(), kMagic, sizeof(kMagic));
+  out[6] = prelude == kPreludeV1 ? 1 : 2;
+  out[7] = 0;
+  for (std::size_t i = 8; i < prelude; ++i) {
+    out[i] = static_cast<unsigned char>(header.size() >> (8 * (i - 8)));
+  }
+  std::memcpy(out.data() + prelude, header.data(), header.size());
+  if (!t.bytes.empty()) std::memcpy(out.data() + total, t.bytes.data(), t.bytes.size());
+  return out;
+}
+
+}  // namespace
+
+std::vector<unsigned char> encode_npy(const Tensor& t) { return encode(t, "encode_npy"); }
+
+void write_npy(const std::string& path, const Tensor& t) {
+  const std::vector<unsigned char> data = encode(t, path);
+  write_file_atomic(path, data.data(), data.size());
+}
+
+}  // namespace posenc

@@ -1,0 +1,276 @@
+// .safetensors reader and writer (SPEC §9).
+//
+// Format (huggingface/safetensors): u64 little-endian header length N, N bytes of JSON
+//   {"__metadata__": {"k": "v"}, "name": {"dtype": "F32", "shape": [2, 3],
+//                                         "data_offsets": [begin, end]}, ...}
+// then the data section; offsets are relative to its start.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "io/io_util.h"
+#include "posenc/error.h"
+#include "posenc/io.h"
+
+namespace posenc {
+
+namespace {
+
+using nlohmann::json;
+
+constexpr uint64_t kMaxHeader = uint64_t{100} << 20;  // 100 MiB, as in the reference reader
+constexpr const char* kMetadataKey = "__metadata__";
+
+std::optional<DType> dtype_from_name(const std::string& s) {
+  if (s == "F16") return DType::kF16;
+  if (s == "BF16") return DType::kBF16;
+  if (s == "F32") return DType::kF32;
+  if (s == "F64") return DType::kF64;
+  if (s == "I32") return DType::kI32;
+  if (s == "I64") return DType::kI64;
+  return std::nullopt;
+}
+
+const char* st_name(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF32:
+      return "F32";
+    case DType::kF64:
+      return "F64";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
+  }
+  return "?";
+}
+
+std::string quoted(const std::string& name) {
+  std::string s(1, '\'');
+  s += io_detail::printable(name);
+  s += '\'';
+  return s;
+}
+
+// A JSON value for messages, one line and bounded. Only scalars and flat arrays are printed:
+// dumping is recursive, and a hostile header may nest a million levels deep.
+std::string brief(const json& v) {
+  bool flat = !v.is_object();
+  if (v.is_array()) {
+    for (const json& e : v) flat = flat && e.is_primitive();
+  }
+  if (!flat) return std::string("a JSON ") + v.type_name();
+  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (s.size() > 80) s = s.substr(0, 80) + "...";
+  return io_detail::printable(s);
+}
+
+struct Range {
+  uint64_t begin;
+  uint64_t end;
+  const std::string* name;
+};
+
+uint64_t load_u64(const unsigned char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+SafetensorsFile parse_safetensors(const unsigned char* data, std::size_t size,
+                                  const std::string& what) {
+  if (size < 8) {
+    throw IoError(what + ": truncated: file has " + std::to_string(size) +
+                  " bytes, a .safetensors file starts with an 8-byte header length");
+  }
+  const uint64_t n = load_u64(data);
+  if (n > kMaxHeader) {
+    throw IoError(what + ": header length " + std::to_string(n) + " exceeds the limit of " +
+                  std::to_string(kMaxHeader) + " bytes (not a .safetensors file?)");
+  }
+  if (n > size - 8) {
+    throw IoError(what + ": truncated: header length " + std::to_string(n) + " exceeds the " +
+                  std::to_string(size - 8) + " bytes after the length field");
+  }
+  json header;
+  try {
+    header = json::parse(data + 8, data + 8 + n);
+  } catch (const json::exception& e) {
+    throw IoError(what + ": malformed JSON header: " + io_detail::printable(e.what()));
+  }
+  if (!header.is_object()) {
+    throw IoError(what + ": malformed header: expected a JSON object, got " +
+                  std::string(header.type_name()));
+  }
+
+  const unsigned char* section = data + 8 + n;
+  const uint64_t section_size = size - 8 - n;
+  SafetensorsFile out;
+  std::vector<Range> ranges;
+  for (const auto& [name, info] : header.items()) {
+    if (name == kMetadataKey) {
+      if (!info.is_object()) {
+        throw IoError(what + ": __metadata__ must be an object of strings, got " +
+                      std::string(info.type_name()));
+      }
+      for (const auto& [key, value] : info.items()) {
+        if (!value.is_string()) {
+          throw IoError(what + ": __metadata__ " + quoted(key) + " must be a string, got " +
+                        brief(value));
+        }
+        out.metadata[key] = value.get<std::string>();
+      }
+      continue;
+    }
+    const std::string where = what + ": tensor " + quoted(name);
+    if (!info.is_object()) {
+      throw IoError(where + ": expected an object with dtype, shape and data_offsets, got " +
+                    brief(info));
+    }
+    const auto dt = info.find("dtype");
+    const auto sh = info.find("shape");
+    const auto off = info.find("data_offsets");
+    if (dt == info.end()) throw IoError(where + ": missing \"dtype\"");
+    if (sh == info.end()) throw IoError(where + ": missing \"shape\"");
+    if (off == info.end()) throw IoError(where + ": missing \"data_offsets\"");
+    if (!dt->is_string()) throw IoError(where + ": dtype must be a string, got " + brief(*dt));
+    const std::string dtype_str = dt->get<std::string>();
+    const std::optional<DType> dtype = dtype_from_name(dtype_str);
+    if (!dtype) {
+      throw IoError(where + ": unsupported dtype " + quoted(dtype_str) +
+                    " (supported: F16, BF16, F32, F64, I32, I64)");
+    }
+    if (!sh->is_array()) {
+      throw IoError(where + ": shape must be an array of non-negative integers, got " + brief(*sh));
+    }
+    Tensor t;
+    t.dtype = *dtype;
+    for (const json& d : *sh) {
+      if (!d.is_number_unsigned() ||
+          d.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        throw IoError(where + ": shape must be an array of non-negative integers, got " +
+                      brief(*sh));
+      }
+      t.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+    }
+    int64_t numel = 0;
+    int64_t nbytes = 0;
+    if (!io_detail::checked_nbytes(t.shape, dtype_size(t.dtype), &numel, &nbytes)) {
+      throw IoError(where + ": shape " + t.shape_str() + " of " + dtype_str +
+                    " overflows the element count");
+    }
+    if (!off->is_array() || off->size() != 2 || !(*off)[0].is_number_unsigned() ||
+        !(*off)[1].is_number_unsigned()) {
+      throw IoError(where + ": data_offsets must be [begin, end] non-negative integers, got " +
+                    brief(*off));
+    }
+    const uint64_t begin = (*off)[0].get<uint64_t>();
+    const uint64_t end = (*off)[1].get<uint64_t>();
+    const std::string offsets_str =
+        "data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "]";
+    if (begin > end) throw IoError(where + ": " + offsets_str + " has begin > end");
+    if (end > section_size) {
+      throw IoError(where + ": " + offsets_str + " lie outside the data section of " +
+                    std::to_string(section_size) + " bytes (truncated file?)");
+    }
+    if (end - begin != static_cast<uint64_t>(nbytes)) {
+      throw IoError(where + ": " + offsets_str + " do not match dtype " + dtype_str + " x shape " +
+                    t.shape_str() + " (" + std::to_string(nbytes) + " bytes)");
+    }
+    t.bytes.assign(section + begin, section + end);
+    ranges.push_back({begin, end, &out.tensors.emplace(name, std::move(t)).first->first});
+  }
+
+  // No two tensors may share bytes. Empty tensors occupy nothing.
+  std::erase_if(ranges, [](const Range& r) { return r.begin == r.end; });
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+  });
+  for (std::size_t i = 1; i < ranges.size(); ++i) {
+    const Range& a = ranges[i - 1];
+    const Range& b = ranges[i];
+    if (b.begin < a.end) {
+      throw IoError(what + ": tensors " + quoted(*a.name) + " (data_offsets [" +
+                    std::to_string(a.begin) + ", " + std::to_string(a.end) + "]) and " +
+                    quoted(*b.name) + " (data_offsets [" + std::to_string(b.begin) + ", " +
+                    std::to_string(b.end) + "]) overlap");
+    }
+  }
+  return out;
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  const std::vector<unsigned char> data = read_file(path);
+  return parse_safetensors(data.data(), data.size(), path);
+}
+
+namespace {
+
+std::vector<unsigned char> encode(const SafetensorsFile& f, const std::string& what) {
+  json header = json::object();
+  if (!f.metadata.empty()) {
+    json meta = json::object();
+    for (const auto& [key, value] : f.metadata) meta[key] = value;
+    header[kMetadataKey] = std::move(meta);
+  }
+  uint64_t offset = 0;
+  for (const auto& [name, t] : f.tensors) {  // std::map: sorted by name
+    const std::string where = what + ": tensor " + quoted(name);
+    if (name == kMetadataKey) throw IoError(where + ": the name is reserved for metadata");
+    int64_t numel = 0;
+    int64_t nbytes = 0;
+    if (!io_detail::checked_nbytes(t.shape, dtype_size(t.dtype), &numel, &nbytes)) {
+      throw IoError(where + ": shape " + t.shape_str() + " has a negative or too large dimension");
+    }
+    if (static_cast<uint64_t>(nbytes) != t.bytes.size()) {
+      throw IoError(where + ": " + std::to_string(t.bytes.size()) + " bytes do not match " +
+                    st_name(t.dtype) + " x shape " + t.shape_str() + " (" + std::to_string(nbytes) +
+                    " bytes)");
+    }
+    header[name] = {{"dtype", st_name(t.dtype)},
+                    {"shape", t.shape},
+                    {"data_offsets", {offset, offset + t.bytes.size()}}};
+    offset += t.bytes.size();
+  }
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const json::exception& e) {
+    // Names and metadata must be valid UTF-8.
+    throw IoError(what + ": cannot encode the header: " + io_detail::printable(e.what()));
+  }
+  // Pad with spaces so the data section starts 8-byte aligned.
+  text.append((8 - text.size() % 8) % 8, ' ');
+
+  std::vector<unsigned char> out;
+  out.reserve(8 + text.size() + offset);
+  const uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<unsigned char>(n >> (8 * i)));
+  out.insert(out.end(), text.begin(), text.end());
+  for (const auto& [name, t] : f.tensors) out.insert(out.end(), t.bytes.begin(), t.bytes.end());
+  return out;
+}
+
+}  // namespace
+
+std::vector<unsigned char> encode_safetensors(const SafetensorsFile& f) {
+  return encode(f, "encode_safetensors");
+}
+
+void write_safetensors(const std::string& path, const SafetensorsFile& f) {
+  const std::vector<unsigned char> data = encode(f, path);
+  write_file_atomic(path, data.data(), data.size());
+}
+
+}  // namespace posenc
