@@ -168,7 +168,12 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
     require_table_shape(s->rel_k, {rows, th, d.head_dim},
                         "attention: shaw: rel_k [2K+1, heads, head_dim]");
     if (s->rel_v.data != nullptr) {
-      require_table_shape(s->rel_v, {rows, th, d.head_dim},
+      const int64_t tv = s->rel_v.shape[1];
+      if (tv != 1 && tv != d.heads_q) {
+        fail<ShapeError>("attention: shaw: rel_v heads (" + std::to_string(tv) +
+                         ") must be 1 (shared) or heads_q (" + std::to_string(d.heads_q) + ")");
+      }
+      require_table_shape(s->rel_v, {rows, tv, d.head_dim},
                           "attention: shaw: rel_v [2K+1, heads, head_dim]");
     }
     p.rel_k = s->rel_k;

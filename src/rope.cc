@@ -108,7 +108,7 @@ void validate(const RopeConfig& cfg) {
   }
 }
 
-RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len) {
+RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len, RopeAngles angles) {
   validate(cfg);
   if (seq_len < 0) detail::fail("rope_frequencies: seq_len must be >= 0");
   const int64_t r = effective_rotary_dim(cfg);
@@ -117,10 +117,18 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len) {
   const RopeScaling& s = cfg.scaling;
   RopeFrequencies out;
   out.inv_freq.resize(static_cast<std::size_t>(pairs));
+  out.angles = angles;
   auto base_inv = [&](double theta) {
     for (int64_t i = 0; i < pairs; ++i) {
-      out.inv_freq[static_cast<std::size_t>(i)] =
-          std::pow(theta, -2.0 * static_cast<double>(i) / rd);
+      if (angles == RopeAngles::kFloat32) {
+        // The frameworks' float32 recipe: 1 / theta ** (arange(0, R, 2).float() / R).
+        const float e = static_cast<float>(2 * i) / static_cast<float>(r);
+        out.inv_freq[static_cast<std::size_t>(i)] =
+            static_cast<double>(1.0f / std::pow(static_cast<float>(theta), e));
+      } else {
+        out.inv_freq[static_cast<std::size_t>(i)] =
+            std::pow(theta, -2.0 * static_cast<double>(i) / rd);
+      }
     }
   };
   const double lo = static_cast<double>(s.original_max_position_embeddings);
@@ -199,63 +207,75 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len) {
       break;
     }
   }
+  if (angles == RopeAngles::kFloat32) {
+    for (auto& f : out.inv_freq) f = static_cast<double>(static_cast<float>(f));
+    out.attention_factor = static_cast<double>(static_cast<float>(out.attention_factor));
+  }
   return out;
 }
 
 namespace {
 
-void validate_apply(const RopeFrequencies& freqs, const std::array<int64_t, 4>& xs,
-                    const std::array<int64_t, 4>& os, const char* fn) {
-  const std::string f = fn;
+void validate_freqs(const RopeFrequencies& freqs, const std::string& f) {
   if (freqs.inv_freq.empty()) detail::fail(f + ": freqs.inv_freq is empty");
   for (double v : freqs.inv_freq) {
     if (!std::isfinite(v)) detail::fail(f + ": freqs.inv_freq has a non-finite entry");
   }
-  if (!std::isfinite(freqs.attention_factor)) {
-    detail::fail(f + ": attention_factor must be finite");
+  if (!std::isfinite(freqs.attention_factor) || freqs.attention_factor <= 0) {
+    detail::fail(f + ": attention_factor must be finite and > 0");
   }
-  if (xs != os) {
-    detail::fail<ShapeError>(f + ": out shape " + shape_str(os) + " differs from x shape " +
-                             shape_str(xs));
+}
+
+template <class T>
+void validate_apply(const RopeFrequencies& freqs, const View<const T, 4>& x, const View<T, 4>& out,
+                    const std::string& f) {
+  detail::require_data(x, f + ": x");
+  detail::require_data(out, f + ": out");
+  validate_freqs(freqs, f);
+  if (x.shape != out.shape) {
+    detail::fail<ShapeError>(f + ": out shape " + shape_str(out.shape) + " differs from x shape " +
+                             shape_str(x.shape));
   }
-  if (freqs.rotary_dim() > xs[3]) {
+  if (freqs.rotary_dim() > x.shape[3]) {
     detail::fail<ShapeError>(f + ": rotary_dim (" + std::to_string(freqs.rotary_dim()) +
-                             ") exceeds head_dim (" + std::to_string(xs[3]) +
+                             ") exceeds head_dim (" + std::to_string(x.shape[3]) +
                              ") of x [batch, seq, heads, head_dim]");
   }
 }
 
-// One kernel for float (API) and double (reference); the arithmetic is double in both.
-template <class T>
-void rope_impl(const RopeFrequencies& freqs, RopeStyle style, View<const T, 4> x, View<T, 4> out,
-               const Positions& pos, Direction dir) {
+// Rotates every (batch, token) of x into out. `fill(b, i, cs)` writes c_k at cs[2k] and s_k at
+// cs[2k + 1] (attention factor and direction included) for every pair k. Accurate mode forms the
+// pair in double and rounds once; float32 mode multiplies and subtracts in float32 as the
+// frameworks do.
+template <class T, class Fill>
+void rotate(int64_t pairs, RopeStyle style, bool float32_math, const View<const T, 4>& x,
+            const View<T, 4>& out, Fill&& fill) {
   const int64_t batch = x.shape[0], seq = x.shape[1], heads = x.shape[2], dim = x.shape[3];
-  const int64_t pairs = static_cast<int64_t>(freqs.inv_freq.size());
-  const int64_t half = pairs;
-  const double af = freqs.attention_factor;
-  const double sign = dir == Direction::kForward ? 1.0 : -1.0;
   std::vector<double> cs(static_cast<std::size_t>(2 * pairs));
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i = 0; i < seq; ++i) {
-      const double p = static_cast<double>(pos.at(b, i));
-      for (int64_t k = 0; k < pairs; ++k) {
-        const double a = p * freqs.inv_freq[static_cast<std::size_t>(k)];
-        cs[static_cast<std::size_t>(2 * k)] = std::cos(a) * af;
-        cs[static_cast<std::size_t>(2 * k + 1)] = sign * std::sin(a) * af;
-      }
+      fill(b, i, cs.data());
       for (int64_t h = 0; h < heads; ++h) {
         const T* xr = x.data + b * x.stride[0] + i * x.stride[1] + h * x.stride[2];
         T* orow = out.data + b * out.stride[0] + i * out.stride[1] + h * out.stride[2];
         const int64_t xs = x.stride[3], ost = out.stride[3];
         for (int64_t k = 0; k < pairs; ++k) {
           const int64_t i0 = style == RopeStyle::kHalf ? k : 2 * k;
-          const int64_t i1 = style == RopeStyle::kHalf ? k + half : 2 * k + 1;
+          const int64_t i1 = style == RopeStyle::kHalf ? k + pairs : 2 * k + 1;
           const double c = cs[static_cast<std::size_t>(2 * k)];
           const double s = cs[static_cast<std::size_t>(2 * k + 1)];
-          const double x0 = static_cast<double>(xr[i0 * xs]);
-          const double x1 = static_cast<double>(xr[i1 * xs]);
-          orow[i0 * ost] = static_cast<T>(x0 * c - x1 * s);
-          orow[i1 * ost] = static_cast<T>(x1 * c + x0 * s);
+          if (float32_math) {
+            const float x0 = static_cast<float>(xr[i0 * xs]), x1 = static_cast<float>(xr[i1 * xs]);
+            const float cf = static_cast<float>(c), sf = static_cast<float>(s);
+            const float a = x0 * cf, bb = x1 * sf, e = x1 * cf, g = x0 * sf;
+            orow[i0 * ost] = static_cast<T>(a - bb);
+            orow[i1 * ost] = static_cast<T>(e + g);
+          } else {
+            const double x0 = static_cast<double>(xr[i0 * xs]);
+            const double x1 = static_cast<double>(xr[i1 * xs]);
+            orow[i0 * ost] = static_cast<T>(x0 * c - x1 * s);
+            orow[i1 * ost] = static_cast<T>(x1 * c + x0 * s);
+          }
         }
         if (static_cast<const void*>(orow) != static_cast<const void*>(xr) || ost != xs) {
           for (int64_t d = 2 * pairs; d < dim; ++d) orow[d * ost] = xr[d * xs];
@@ -265,15 +285,62 @@ void rope_impl(const RopeFrequencies& freqs, RopeStyle style, View<const T, 4> x
   }
 }
 
+// cos/sin of p * inv_freq[k] for the pairs whose position component is `pos_of(k)`.
+template <class PosOf>
+void fill_angles(const RopeFrequencies& freqs, Direction dir, PosOf&& pos_of, double* cs) {
+  const double af = freqs.attention_factor;
+  const double sign = dir == Direction::kForward ? 1.0 : -1.0;
+  const std::size_t pairs = freqs.inv_freq.size();
+  for (std::size_t k = 0; k < pairs; ++k) {
+    const int64_t p = pos_of(k);
+    if (freqs.angles == RopeAngles::kFloat32) {
+      const float a = static_cast<float>(p) * static_cast<float>(freqs.inv_freq[k]);
+      const float aff = static_cast<float>(af);
+      cs[2 * k] = static_cast<double>(std::cos(a) * aff);
+      cs[2 * k + 1] = static_cast<double>(static_cast<float>(sign) * (std::sin(a) * aff));
+    } else {
+      const double a = static_cast<double>(p) * freqs.inv_freq[k];
+      cs[2 * k] = std::cos(a) * af;
+      cs[2 * k + 1] = sign * std::sin(a) * af;
+    }
+  }
+}
+
 template <class T>
 void apply_checked(const RopeFrequencies& freqs, RopeStyle style, View<const T, 4> x,
                    View<T, 4> out, const Positions* positions, Direction dir, const char* fn) {
-  detail::require_data(x, std::string(fn) + ": x");
-  detail::require_data(out, std::string(fn) + ": out");
-  validate_apply(freqs, x.shape, out.shape, fn);
+  validate_apply(freqs, x, out, fn);
   const Positions pos = positions ? *positions : Positions::offset(0);
   pos.validate(x.shape[0], x.shape[1], std::string(fn) + ": positions");
-  rope_impl<T>(freqs, style, x, out, pos, dir);
+  const bool f32 = freqs.angles == RopeAngles::kFloat32 && std::is_same_v<T, float>;
+  rotate<T>(static_cast<int64_t>(freqs.inv_freq.size()), style, f32, x, out,
+            [&](int64_t b, int64_t i, double* cs) {
+              const int64_t p = pos.at(b, i);
+              fill_angles(
+                  freqs, dir, [p](std::size_t) { return p; }, cs);
+            });
+}
+
+template <class T>
+void apply_mrope_checked(const RopeFrequencies& freqs, RopeStyle style, const MRope& m,
+                         View<const T, 4> x, View<T, 4> out,
+                         const std::array<Positions, 3>& positions, Direction dir, const char* fn) {
+  validate_apply(freqs, x, out, fn);
+  const int64_t pairs = static_cast<int64_t>(freqs.inv_freq.size());
+  validate(m, pairs);
+  static const char* kNames[] = {"t", "h", "w"};
+  for (int c = 0; c < 3; ++c) {
+    positions[static_cast<std::size_t>(c)].validate(
+        x.shape[0], x.shape[1], std::string(fn) + ": positions (" + kNames[c] + ")");
+  }
+  std::vector<int> comp(static_cast<std::size_t>(pairs));
+  for (int64_t k = 0; k < pairs; ++k) comp[static_cast<std::size_t>(k)] = mrope_component(m, k);
+  const bool f32 = freqs.angles == RopeAngles::kFloat32 && std::is_same_v<T, float>;
+  rotate<T>(pairs, style, f32, x, out, [&](int64_t b, int64_t i, double* cs) {
+    fill_angles(
+        freqs, dir,
+        [&](std::size_t k) { return positions[static_cast<std::size_t>(comp[k])].at(b, i); }, cs);
+  });
 }
 
 }  // namespace
@@ -288,10 +355,72 @@ void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<float, 4> x,
   apply_checked<float>(freqs, style, x, x, positions, direction, "apply_rope");
 }
 
+void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
+                   View<float, 4> k, const Positions* positions) {
+  const std::string fn = "rerotate_rope";
+  validate_apply<float>(to, k, k, fn);
+  validate_freqs(from, fn + ": from");
+  if (from.inv_freq.size() != to.inv_freq.size()) {
+    detail::fail<ShapeError>(fn + ": from and to have different rotary dims (" +
+                             std::to_string(from.rotary_dim()) + " vs " +
+                             std::to_string(to.rotary_dim()) + ")");
+  }
+  if (from.angles != RopeAngles::kAccurate || to.angles != RopeAngles::kAccurate) {
+    detail::fail(fn + ": needs accurate angles");
+  }
+  const Positions pos = positions ? *positions : Positions::offset(0);
+  pos.validate(k.shape[0], k.shape[1], fn + ": positions");
+  const double scale = to.attention_factor / from.attention_factor;
+  const std::size_t pairs = to.inv_freq.size();
+  rotate<float>(static_cast<int64_t>(pairs), style, false, k, k,
+                [&](int64_t b, int64_t i, double* cs) {
+                  const double p = static_cast<double>(pos.at(b, i));
+                  for (std::size_t j = 0; j < pairs; ++j) {
+                    const double a = p * to.inv_freq[j] - p * from.inv_freq[j];
+                    cs[2 * j] = std::cos(a) * scale;
+                    cs[2 * j + 1] = std::sin(a) * scale;
+                  }
+                });
+}
+
+int mrope_component(const MRope& m, int64_t pair) {
+  const auto& s = m.sections;
+  if (m.layout == MRopeLayout::kSectioned) {
+    if (pair < s[0]) return 0;
+    if (pair < s[0] + s[1]) return 1;
+    return 2;
+  }
+  if (pair % 3 == 1 && pair < 3 * s[1]) return 1;
+  if (pair % 3 == 2 && pair < 3 * s[2]) return 2;
+  return 0;
+}
+
+void validate(const MRope& m, int64_t pairs) {
+  const auto& s = m.sections;
+  if (s[0] < 0 || s[1] < 0 || s[2] < 0 || s[0] + s[1] + s[2] != pairs) {
+    detail::fail("mrope: sections [" + std::to_string(s[0]) + ", " + std::to_string(s[1]) + ", " +
+                 std::to_string(s[2]) +
+                 "] must be >= 0 and add up to rotary_dim / 2 = " + std::to_string(pairs));
+  }
+}
+
+void apply_mrope(const RopeFrequencies& freqs, RopeStyle style, const MRope& mrope,
+                 View<const float, 4> x, View<float, 4> out,
+                 const std::array<Positions, 3>& positions, Direction direction) {
+  apply_mrope_checked<float>(freqs, style, mrope, x, out, positions, direction, "apply_mrope");
+}
+
 namespace ref {
 void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<const double, 4> x,
                 View<double, 4> out, const Positions* positions, Direction direction) {
   apply_checked<double>(freqs, style, x, out, positions, direction, "ref::apply_rope");
+}
+
+void apply_mrope(const RopeFrequencies& freqs, RopeStyle style, const MRope& mrope,
+                 View<const double, 4> x, View<double, 4> out,
+                 const std::array<Positions, 3>& positions, Direction direction) {
+  apply_mrope_checked<double>(freqs, style, mrope, x, out, positions, direction,
+                              "ref::apply_mrope");
 }
 }  // namespace ref
 

@@ -13,6 +13,7 @@
 // (~1e-2 rad error at 128k).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -50,10 +51,22 @@ struct RopeConfig {
   RopeScaling scaling = {};
 };
 
-// Inverse frequencies (double, R/2 entries) and the attention factor af.
+// How angles are formed (SPEC §10).
+//   kAccurate (default): p * inv_freq, cos and sin in double, the rotation in double, one
+//     rounding: float32 output equals the float64 reference to float32 rounding at any position.
+//   kFloat32: the frameworks' recipe, for comparison and compatibility: inverse frequencies
+//     rounded to float32 (the base ones computed as 1 / float32(theta^(2i/R)) in float32), then
+//     float32(p) * inv_freq, cosf/sinf and the rotation in float32. Its error grows with p
+//     (about 3e-2 rad at p = 2^20). Bit-identity with one framework build needs its own inv_freq
+//     (inject a RopeFrequencies) and its math library.
+enum class RopeAngles { kAccurate, kFloat32 };
+
+// Inverse frequencies (double, R/2 entries), the attention factor af and the angle mode. Callers
+// may fill one directly to inject a framework's inv_freq table.
 struct RopeFrequencies {
   std::vector<double> inv_freq;
   double attention_factor = 1.0;
+  RopeAngles angles = RopeAngles::kAccurate;
   int64_t rotary_dim() const { return 2 * static_cast<int64_t>(inv_freq.size()); }
 };
 
@@ -63,7 +76,8 @@ void validate(const RopeConfig& cfg);
 
 // inv_freq and af for a sequence of length `seq_len` (max position + 1; only dynamic NTK and
 // LongRoPE depend on it).
-RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len = 0);
+RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len = 0,
+                                 RopeAngles angles = RopeAngles::kAccurate);
 
 // Rotates x [batch, seq, heads, head_dim] into out (same shape; any strides; out may be x itself
 // for in-place, other partial overlap is undefined). head_dim >= freqs.rotary_dim(); positions
@@ -75,7 +89,45 @@ void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<const float,
 void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<float, 4> x,
                 const Positions* positions = nullptr, Direction direction = Direction::kForward);
 
+// Re-rotates keys cached as rope(k, p; from) into rope(k, p; to) in place, without the
+// unrotated keys: a rotation by the angle difference p * to_i - p * from_i (formed in double) and
+// a scaling by to.af / from.af. For dynamic-NTK growth and LongRoPE crossing the original length:
+// cached keys keep the frequencies in force when they were written, and this moves them to new
+// ones exactly (to float32 rounding) instead of a re-prefill. Both tables need the same rotary
+// dim; accurate angles only.
+void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
+                   View<float, 4> k, const Positions* positions = nullptr);
+
+// Multimodal RoPE (M-RoPE): positions have three components (t, h, w) and each frequency pair
+// takes its angle from one of them.
+//   kSectioned (Qwen2-VL, Qwen2.5-VL; `mrope_section` [s0, s1, s2] in pairs): pair i uses t for
+//     i < s0, h for i < s0 + s1, w below s0 + s1 + s2.
+//   kInterleaved (Qwen3-VL; default sections [24, 20, 20]): pair i uses h if i % 3 == 1 and
+//     i < 3 s1, w if i % 3 == 2 and i < 3 s2, else t.
+// The sections must add up to rotary_dim / 2.
+enum class MRopeLayout { kSectioned, kInterleaved };
+struct MRope {
+  std::array<int64_t, 3> sections = {16, 24, 24};
+  MRopeLayout layout = MRopeLayout::kSectioned;
+};
+
+// Component (0 = t, 1 = h, 2 = w) that drives frequency pair `pair`.
+int mrope_component(const MRope& m, int64_t pair);
+// Throws ValueError unless the sections are >= 0 and add up to `pairs`.
+void validate(const MRope& m, int64_t pairs);
+
+// Rotates x [batch, seq, heads, head_dim] with 3-component positions (t, h, w), each a Positions
+// for [batch, seq]. Text tokens have t = h = w.
+void apply_mrope(const RopeFrequencies& freqs, RopeStyle style, const MRope& mrope,
+                 View<const float, 4> x, View<float, 4> out,
+                 const std::array<Positions, 3>& positions,
+                 Direction direction = Direction::kForward);
+
 namespace ref {
+void apply_mrope(const RopeFrequencies& freqs, RopeStyle style, const MRope& mrope,
+                 View<const double, 4> x, View<double, 4> out,
+                 const std::array<Positions, 3>& positions,
+                 Direction direction = Direction::kForward);
 // The float64 oracle, same contract.
 void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<const double, 4> x,
                 View<double, 4> out, const Positions* positions = nullptr,

@@ -17,7 +17,8 @@ inline int64_t shaw_index(int64_t rel, int64_t max_relative_position) {
 }
 
 // Shaw scheme parameters (non-owning). Tables are [2K+1, table_heads, head_dim] where
-// table_heads is 1 (shared by every head, the paper) or heads_q (per-head variant). Use
+// table_heads is 1 (shared by every head, the paper) or heads_q (per-head variant), chosen for
+// each table independently. Use
 // shaw_table() to view a [2K+1, head_dim] table as shared. rel_v may be empty (data == nullptr):
 // then there is no value term.
 struct Shaw {

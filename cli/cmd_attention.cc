@@ -1,0 +1,343 @@
+// cli/cmd_attention.cc - `posenc attention`: attention with any positional scheme (SPEC §0-§9).
+//
+// Reads q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] (.npy, any float dtype), builds the
+// posenc::PositionScheme from flags and a .safetensors parameter file (tensor names of SPEC §9),
+// runs posenc::attention (or the float64 oracle posenc::ref::attention with --reference) and
+// writes out [B, Lq, Hq, D].
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "posenc/attention.h"
+
+namespace posenc::cli {
+
+namespace {
+
+struct AttentionArgs {
+  std::string q, k, v, out;
+  std::string scheme;
+  bool causal = false;
+  std::optional<double> scale;
+  std::string params;
+  // rope (base also serves xl)
+  double base = 1e4;
+  int64_t rotary_dim = 0;
+  std::string style = "half";
+  // alibi
+  double max_bias = 8.0;
+  // t5
+  std::optional<int64_t> num_buckets;
+  int64_t max_distance = 128;
+  // deberta
+  int64_t position_buckets = 0;
+  int64_t max_relative_positions = 512;
+  std::string deberta_p2c = "model";
+  bool deberta_float64_log = false;
+  // positions and options
+  std::string positions_q, positions_k;
+  std::optional<int64_t> window;
+  bool allow_fully_masked = false;
+  bool reference = false;
+  std::string out_dtype = "float32";
+  int threads = 0;
+};
+
+// The scheme and the parameter arrays its views point into (deque: stable addresses).
+struct SchemeHolder {
+  SafetensorsFile file;
+  std::deque<FloatArray> arrays;
+  PositionScheme scheme;
+};
+
+class SchemeBuilder {
+ public:
+  SchemeBuilder(const AttentionArgs& a, SchemeHolder& h) : a_(a), h_(h) {}
+
+  void load_params(bool required) {
+    if (a_.params.empty()) {
+      if (required) {
+        throw UsageError("--scheme " + a_.scheme + " needs --params P.safetensors with " +
+                         needed_tensors());
+      }
+      return;
+    }
+    h_.file = read_safetensors(a_.params);
+  }
+
+  // A parameter tensor as float32, checked for rank (one of `ranks`) and finiteness.
+  const FloatArray* get(const std::string& name, std::vector<std::size_t> ranks,
+                        const std::string& layout, bool required) {
+    const Tensor* t = find_tensor(h_.file, name);
+    if (!t) {
+      if (!required) return nullptr;
+      if (a_.params.empty()) {
+        throw UsageError("--scheme " + a_.scheme + " needs --params with tensor '" + name + "'");
+      }
+      t = &require_tensor(h_.file, name, a_.params, "--scheme " + a_.scheme);
+    }
+    const std::string what = a_.params + ": " + name;
+    if (std::find(ranks.begin(), ranks.end(), t->shape.size()) == ranks.end()) {
+      require_rank(*t, ranks.front(), layout, what);
+    }
+    h_.arrays.push_back(to_float_array(*t, what, true));
+    return &h_.arrays.back();
+  }
+
+  std::string needed_tensors() const {
+    if (a_.scheme == "t5") return "'relative_attention_bias' [num_buckets, heads]";
+    if (a_.scheme == "shaw") return "'rel_k' (and optionally 'rel_v') [2K+1, head_dim]";
+    if (a_.scheme == "xl") return "'r_w_bias', 'r_r_bias' [heads, head_dim], 'r_net'";
+    if (a_.scheme == "deberta") return "'pos_key', 'pos_query' [2K, heads, head_dim]";
+    return "its parameter tensors";
+  }
+
+ private:
+  const AttentionArgs& a_;
+  SchemeHolder& h_;
+};
+
+View<const float, 3> shaw_view(const FloatArray* t) {
+  if (!t) return {};
+  return t->shape.size() == 2 ? shaw_table(t->view<2>()) : t->view<3>();
+}
+
+void build_scheme(const AttentionArgs& a, int64_t head_dim, int64_t seq_len, SchemeHolder& h) {
+  SchemeBuilder b(a, h);
+  const std::string& s = a.scheme;
+  if (s == "none") {
+    h.scheme = NoPositions{};
+  } else if (s == "rope") {
+    RopeConfig cfg;
+    cfg.head_dim = head_dim;
+    cfg.rotary_dim = a.rotary_dim;
+    cfg.base = a.base;
+    cfg.style = parse_rope_style(a.style);
+    validate(cfg);
+    h.scheme = Rope{rope_frequencies(cfg, seq_len), cfg.style};
+  } else if (s == "alibi") {
+    b.load_params(false);
+    Alibi alibi;
+    alibi.max_bias = a.max_bias;
+    if (b.get("slopes", {1}, "[heads]", false)) {
+      // Slopes are double in the API: keep a float64 file's precision.
+      const std::string what = a.params + ": slopes";
+      alibi.slopes = find_tensor(h.file, "slopes")->to_f64(what);
+    }
+    h.scheme = std::move(alibi);
+  } else if (s == "t5") {
+    b.load_params(true);
+    const FloatArray* table = b.get("relative_attention_bias", {2}, "[num_buckets, heads]", true);
+    if (a.num_buckets && *a.num_buckets != table->shape[0]) {
+      throw UsageError("--num-buckets " + std::to_string(*a.num_buckets) + " does not match " +
+                       a.params + ": relative_attention_bias with " +
+                       std::to_string(table->shape[0]) + " buckets");
+    }
+    h.scheme = T5Bias{table->view<2>(), a.max_distance, std::nullopt};
+  } else if (s == "shaw") {
+    b.load_params(true);
+    const FloatArray* rk =
+        b.get("rel_k", {2, 3}, "[2K+1, head_dim] or [2K+1, heads, head_dim]", true);
+    const FloatArray* rv =
+        b.get("rel_v", {2, 3}, "[2K+1, head_dim] or [2K+1, heads, head_dim]", false);
+    Shaw shaw{shaw_view(rk), shaw_view(rv)};
+    // One shared table with one per-head table: broadcast the shared one over the heads
+    // (stride 0), as the library wants both with the same number of table heads.
+    if (rv && shaw.rel_k.shape[1] != shaw.rel_v.shape[1]) {
+      View<const float, 3>& shared = shaw.rel_k.shape[1] == 1 ? shaw.rel_k : shaw.rel_v;
+      const int64_t heads = std::max(shaw.rel_k.shape[1], shaw.rel_v.shape[1]);
+      if (shared.shape[1] == 1) {
+        shared.shape[1] = heads;
+        shared.stride[1] = 0;
+      }
+    }
+    h.scheme = shaw;
+  } else if (s == "xl") {
+    b.load_params(true);
+    const FloatArray* u = b.get("r_w_bias", {2}, "[heads, head_dim]", true);
+    const FloatArray* v = b.get("r_r_bias", {2}, "[heads, head_dim]", true);
+    const FloatArray* r = b.get("r_net", {2}, "[heads * head_dim, d_model]", true);
+    h.scheme = TransformerXL{u->view<2>(), v->view<2>(), r->view<2>(), a.base};
+  } else if (s == "deberta") {
+    DebertaBuckets buckets;
+    buckets.max_relative_positions = a.max_relative_positions;
+    buckets.position_buckets = a.position_buckets;
+    buckets.float64_log = a.deberta_float64_log;
+    buckets.p2c = a.deberta_p2c == "paper" ? DebertaP2c::kPaper : DebertaP2c::kModel;
+    validate(buckets);
+    b.load_params(true);
+    const FloatArray* pk = b.get("pos_key", {3}, "[2K, heads, head_dim]", true);
+    const FloatArray* pq = b.get("pos_query", {3}, "[2K, heads, head_dim]", true);
+    const int64_t k = buckets.span();
+    const std::string origin = buckets.position_buckets > 0
+                                   ? "--position-buckets " + std::to_string(k)
+                                   : "--max-relative-positions " + std::to_string(k);
+    for (const auto& [name, t] : {std::pair{"pos_key", pk}, std::pair{"pos_query", pq}}) {
+      if (t->shape[0] != 2 * k) {
+        throw ShapeError(a.params + ": " + name + " has " + std::to_string(t->shape[0]) +
+                         " rows, expected 2K = " + std::to_string(2 * k) + " (K = " + origin + ")");
+      }
+    }
+    h.scheme = DeBERTa{pk->view<3>(), pq->view<3>(), buckets};
+  } else {
+    throw UsageError("unknown --scheme '" + s + "' (none, rope, alibi, t5, shaw, xl, deberta)");
+  }
+}
+
+// Shapes the CLI can name by file before the library sees them.
+void check_shapes(const AttentionArgs& a, const std::vector<int64_t>& q,
+                  const std::vector<int64_t>& k, const std::vector<int64_t>& v) {
+  auto str = [](const std::vector<int64_t>& s) {
+    std::string r = "[";
+    for (std::size_t d = 0; d < s.size(); ++d) r += (d ? ", " : "") + std::to_string(s[d]);
+    return r + "]";
+  };
+  if (k != v) {
+    throw ShapeError(a.v + ": v " + str(v) + " must have the shape of k " + str(k) + " (" + a.k +
+                     ")");
+  }
+  if (k[0] != q[0]) {
+    throw ShapeError(a.k + ": k batch (" + std::to_string(k[0]) + ") must equal q batch (" +
+                     std::to_string(q[0]) + ")");
+  }
+  if (k[3] != q[3]) {
+    throw ShapeError(a.k + ": k head_dim (" + std::to_string(k[3]) + ") must equal q head_dim (" +
+                     std::to_string(q[3]) + ")");
+  }
+  if (k[2] < 1 || q[2] % k[2] != 0) {
+    throw ShapeError(a.k + ": kv heads (" + std::to_string(k[2]) + ") must divide q heads (" +
+                     std::to_string(q[2]) + ")");
+  }
+}
+
+int run_attention(const AttentionArgs& a) {
+  if (a.out_dtype == "float64" && !a.reference) {
+    throw UsageError("--out-dtype float64 needs --reference (the float32 path computes float32)");
+  }
+  if (a.threads < 0)
+    throw UsageError("--threads must be >= 0 (got " + std::to_string(a.threads) + ")");
+  const char* layout_q = "[batch, seq_q, heads_q, head_dim]";
+  const char* layout_kv = "[batch, seq_k, heads_kv, head_dim]";
+  const Tensor tq = read_npy(a.q);
+  require_rank(tq, 4, layout_q, a.q);
+  const Tensor tk = read_npy(a.k);
+  require_rank(tk, 4, layout_kv, a.k);
+  const Tensor tv = read_npy(a.v);
+  require_rank(tv, 4, layout_kv, a.v);
+  const FloatArray q = to_float_array(tq, a.q, true);
+  const FloatArray k = to_float_array(tk, a.k, true);
+  const FloatArray v = to_float_array(tv, a.v, true);
+  check_shapes(a, q.shape, k.shape, v.shape);
+  const int64_t batch = q.shape[0], seq_q = q.shape[1], seq_k = k.shape[1];
+
+  std::optional<Positions> pos_q, pos_k;
+  if (!a.positions_q.empty()) pos_q = read_positions(a.positions_q, batch, seq_q);
+  if (!a.positions_k.empty()) pos_k = read_positions(a.positions_k, batch, seq_k);
+  // Sequence length for length-dependent RoPE frequencies: the largest position + 1.
+  const int64_t max_q = pos_q ? pos_q->max_position(batch, seq_q) : seq_k - 1;
+  const int64_t max_k = pos_k ? pos_k->max_position(batch, seq_k) : seq_k - 1;
+  const int64_t seq_len = std::max<int64_t>({max_q, max_k, 0}) + 1;
+
+  SchemeHolder holder;
+  build_scheme(a, q.shape[3], seq_len, holder);
+
+  AttentionOptions opt;
+  opt.causal = a.causal;
+  opt.scale = a.scale;
+  opt.window = a.window;
+  opt.allow_fully_masked = a.allow_fully_masked;
+  opt.num_threads = a.threads;
+  const Positions* pq = pos_q ? &*pos_q : nullptr;
+  const Positions* pk = pos_k ? &*pos_k : nullptr;
+
+  if (a.reference) {
+    const std::vector<double> q64 = tq.to_f64(a.q), k64 = tk.to_f64(a.k), v64 = tv.to_f64(a.v);
+    std::vector<double> out(q64.size());
+    auto dims = q.dims<4>();
+    ref::attention(View<const double, 4>::contiguous(q64.data(), dims),
+                   View<const double, 4>::contiguous(k64.data(), k.dims<4>()),
+                   View<const double, 4>::contiguous(v64.data(), v.dims<4>()), holder.scheme, opt,
+                   View<double, 4>::contiguous(out.data(), dims), pq, pk);
+    if (a.out_dtype == "float64") {
+      write_f64(a.out, q.shape, out);
+    } else {
+      std::vector<float> out32(out.size());
+      for (std::size_t i = 0; i < out.size(); ++i) out32[i] = static_cast<float>(out[i]);
+      write_f32(a.out, q.shape, out32);
+    }
+    return 0;
+  }
+  FloatArray out;
+  out.shape = q.shape;
+  out.data.resize(q.data.size());
+  attention(q.view<4>(), k.view<4>(), v.view<4>(), holder.scheme, opt, out.mutable_view<4>(), pq,
+            pk);
+  write_f32(a.out, out.shape, out.data);
+  return 0;
+}
+
+}  // namespace
+
+Command add_attention_command(CLI::App& parent) {
+  auto a = std::make_shared<AttentionArgs>();
+  CLI::App* app = parent.add_subcommand(
+      "attention",
+      "Attention out [B, Lq, Hq, D] from q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] (.npy) with a "
+      "positional scheme; parameters from a .safetensors file (SPEC section 9 names)");
+  app->add_option("--q", a->q, "Queries .npy [batch, seq_q, heads_q, head_dim]")->required();
+  app->add_option("--k", a->k, "Keys .npy [batch, seq_k, heads_kv, head_dim]")->required();
+  app->add_option("--v", a->v, "Values .npy [batch, seq_k, heads_kv, head_dim]")->required();
+  app->add_option("--out", a->out, "Output .npy [batch, seq_q, heads_q, head_dim]")->required();
+  app->add_option("--scheme", a->scheme, "none, rope, alibi, t5, shaw, xl or deberta")
+      ->required()
+      ->check(CLI::IsMember({"none", "rope", "alibi", "t5", "shaw", "xl", "deberta"}));
+  app->add_flag("--causal", a->causal, "Key j visible iff pos_k(j) <= pos_q(i)");
+  app->add_option("--scale", a->scale, "Score scale (default 1/sqrt(D); DeBERTa 1/sqrt(3D))");
+  app->add_option("--params", a->params,
+                  "Parameters .safetensors: t5 relative_attention_bias [NB, H]; alibi slopes [H] "
+                  "(optional); shaw rel_k, rel_v [2K+1, D] or [2K+1, H, D]; xl r_w_bias, "
+                  "r_r_bias [H, D], r_net [H*D, Dm]; deberta pos_key, pos_query [2K, H, D]");
+  app->add_option("--base", a->base, "rope: theta; xl: sinusoid base")->capture_default_str();
+  app->add_option("--rotary-dim", a->rotary_dim, "rope: rotary dim R (default head_dim)");
+  app->add_option("--style", a->style, "rope: half or interleaved")
+      ->check(CLI::IsMember({"half", "interleaved"}))
+      ->capture_default_str();
+  app->add_option("--max-bias", a->max_bias, "alibi: maximum bias B when slopes are computed")
+      ->capture_default_str();
+  app->add_option("--num-buckets", a->num_buckets,
+                  "t5: number of buckets (must equal the table's rows; default: the table's)");
+  app->add_option("--max-distance", a->max_distance, "t5: max distance")->capture_default_str();
+  app->add_option("--position-buckets", a->position_buckets,
+                  "deberta: position_buckets (0 = no log bucketing)")
+      ->capture_default_str();
+  app->add_option("--max-relative-positions", a->max_relative_positions,
+                  "deberta: max_relative_positions")
+      ->capture_default_str();
+  app->add_option("--deberta-p2c", a->deberta_p2c, "deberta: p2c index, model or paper")
+      ->check(CLI::IsMember({"model", "paper"}))
+      ->capture_default_str();
+  app->add_flag("--deberta-float64-log", a->deberta_float64_log,
+                "deberta: log bucketing in float64 (the authors' code) instead of float32 (HF)");
+  app->add_option("--positions-q", a->positions_q,
+                  "int64 query positions [Lq] or [B, Lq] (.npy); default Lk - Lq + i");
+  app->add_option("--positions-k", a->positions_k,
+                  "int64 key positions [Lk] or [B, Lk] (.npy); default j");
+  app->add_option("--window", a->window, "Sliding window w >= 1: key visible iff |rel| < w");
+  app->add_flag("--allow-fully-masked", a->allow_fully_masked,
+                "A query row with no visible key outputs 0 instead of an error");
+  app->add_flag("--reference", a->reference,
+                "Run the float64 reference (posenc::ref::attention) instead of the float32 path");
+  app->add_option("--out-dtype", a->out_dtype, "float32, or float64 with --reference")
+      ->check(CLI::IsMember({"float32", "float64"}))
+      ->capture_default_str();
+  app->add_option("--threads", a->threads, "Worker threads (0 = all available)")
+      ->capture_default_str();
+  return {app, [a] { return run_attention(*a); }};
+}
+
+}  // namespace posenc::cli

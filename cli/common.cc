@@ -1,0 +1,295 @@
+// cli/common.cc - shared helpers of the posenc command-line tool.
+#include "common.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <iomanip>
+#include <ostream>
+#include <sstream>
+#include <system_error>
+#include <utility>
+
+namespace posenc::cli {
+
+namespace {
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    if (d) s += ", ";
+    s += std::to_string(shape[d]);
+  }
+  return s + "]";
+}
+
+// Multi-index of flat element `flat` in a C-order tensor of `shape`, as "[i, j, ...]".
+std::string index_string(std::size_t flat, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> idx(shape.size(), 0);
+  auto rest = static_cast<int64_t>(flat);
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    const int64_t n = std::max<int64_t>(shape[d], 1);
+    idx[d] = rest % n;
+    rest /= n;
+  }
+  return shape_string(idx);
+}
+
+template <class T>
+void check_finite_impl(const std::vector<T>& values, const std::vector<int64_t>& shape,
+                       const std::string& what) {
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      throw ValueError(what + ": non-finite value (" +
+                       format_number(static_cast<double>(values[i])) + ") at index " +
+                       index_string(i, shape) + "; inputs must be finite");
+    }
+  }
+}
+
+bool is_float(DType t) {
+  return t == DType::kF16 || t == DType::kBF16 || t == DType::kF32 || t == DType::kF64;
+}
+
+}  // namespace
+
+void require_rank(const Tensor& t, std::size_t rank, const std::string& layout,
+                  const std::string& what) {
+  if (t.shape.size() != rank) {
+    throw ShapeError(what + ": expected rank " + std::to_string(rank) + " " + layout + ", got " +
+                     std::to_string(t.shape.size()) + "-d tensor " + shape_string(t.shape));
+  }
+}
+
+FloatArray to_float_array(const Tensor& t, const std::string& what, bool require_finite) {
+  if (!is_float(t.dtype)) {
+    throw IoError(what + ": expected a float tensor (float16, bfloat16, float32 or float64), got " +
+                  dtype_name(t.dtype));
+  }
+  FloatArray a;
+  a.shape = t.shape;
+  if (require_finite && t.dtype == DType::kF64) {
+    // Check before narrowing so the message shows the value that was in the file.
+    check_finite(t.to_f64(what), t.shape, what);
+  }
+  a.data = t.to_f32(what);
+  if (require_finite) check_finite(a.data, a.shape, what);
+  return a;
+}
+
+FloatArray read_float_npy(const std::string& path, std::size_t rank, const std::string& layout,
+                          bool require_finite) {
+  const Tensor t = read_npy(path);
+  require_rank(t, rank, layout, path);
+  return to_float_array(t, path, require_finite);
+}
+
+void check_finite(const std::vector<float>& values, const std::vector<int64_t>& shape,
+                  const std::string& what) {
+  check_finite_impl(values, shape, what);
+}
+
+void check_finite(const std::vector<double>& values, const std::vector<int64_t>& shape,
+                  const std::string& what) {
+  check_finite_impl(values, shape, what);
+}
+
+Positions read_positions(const std::string& path, int64_t batch, int64_t seq) {
+  const Tensor t = read_npy(path);
+  if (t.dtype != DType::kI64 && t.dtype != DType::kI32) {
+    throw IoError(path + ": position ids must be int64 (or int32), got " + dtype_name(t.dtype));
+  }
+  std::vector<int64_t> ids = t.to_i64(path);
+  Positions p;
+  if (t.shape.size() == 1) {
+    if (t.shape[0] != seq) {
+      throw ShapeError(path + ": positions " + shape_string(t.shape) + " do not match seq " +
+                       std::to_string(seq) + " (expected [" + std::to_string(seq) + "] or [" +
+                       std::to_string(batch) + ", " + std::to_string(seq) + "])");
+    }
+    p = Positions::shared(std::move(ids));
+  } else if (t.shape.size() == 2) {
+    if (t.shape[1] != seq || (t.shape[0] != batch && t.shape[0] != 1)) {
+      throw ShapeError(path + ": positions " + shape_string(t.shape) +
+                       " do not match [batch, seq] = [" + std::to_string(batch) + ", " +
+                       std::to_string(seq) + "]");
+    }
+    p = t.shape[0] == batch ? Positions::per_row(std::move(ids), batch, seq)
+                            : Positions::shared(std::move(ids));
+  } else {
+    throw ShapeError(path + ": positions must be [seq] or [batch, seq], got " +
+                     shape_string(t.shape));
+  }
+  p.validate(batch, seq, path);
+  return p;
+}
+
+Positions positions_from_flags(const std::optional<int64_t>& offset, const std::string& path,
+                               int64_t batch, int64_t seq) {
+  if (offset && !path.empty()) throw UsageError("--offset and --positions are mutually exclusive");
+  if (!path.empty()) return read_positions(path, batch, seq);
+  Positions p = Positions::offset(offset.value_or(0));
+  p.validate(batch, seq, "--offset");
+  return p;
+}
+
+const Tensor* find_tensor(const SafetensorsFile& file, const std::string& name) {
+  auto it = file.tensors.find(name);
+  return it == file.tensors.end() ? nullptr : &it->second;
+}
+
+const Tensor& require_tensor(const SafetensorsFile& file, const std::string& name,
+                             const std::string& path, const std::string& needed_by) {
+  if (const Tensor* t = find_tensor(file, name)) return *t;
+  std::string have;
+  for (const auto& [key, value] : file.tensors) {
+    have += (have.empty() ? "" : ", ") + key;
+  }
+  throw UsageError(path + ": missing tensor '" + name + "' (needed by " + needed_by +
+                   "); the file has: " + (have.empty() ? "no tensors" : have));
+}
+
+void write_f32(const std::string& path, std::vector<int64_t> shape,
+               const std::vector<float>& values) {
+  write_npy(path, Tensor::from_f32(std::move(shape), values));
+}
+
+void write_f64(const std::string& path, std::vector<int64_t> shape,
+               const std::vector<double>& values) {
+  write_npy(path, Tensor::from_f64(std::move(shape), values));
+}
+
+void write_i64(const std::string& path, std::vector<int64_t> shape,
+               const std::vector<int64_t>& values) {
+  write_npy(path, Tensor::from_i64(std::move(shape), values));
+}
+
+RopeStyle parse_rope_style(const std::string& s) {
+  if (s == "half") return RopeStyle::kHalf;
+  if (s == "interleaved") return RopeStyle::kInterleaved;
+  throw UsageError("--style must be half or interleaved (got '" + s + "')");
+}
+
+void require_at_least(const std::string& flag, int64_t value, int64_t min) {
+  if (value < min) {
+    throw UsageError(flag + " must be >= " + std::to_string(min) + " (got " +
+                     std::to_string(value) + ")");
+  }
+}
+
+std::string one_line(std::string s) {
+  for (char& c : s) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
+}
+
+std::string format_number(double v, int digits) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::ostringstream os;
+  os << std::setprecision(digits) << v;
+  return os.str();
+}
+
+std::string expected_text(const CheckResult& r) {
+  if (r.expect.empty()) return "<= " + format_number(r.threshold, 6);
+  std::string e = r.expect;
+  const std::string word = "threshold";
+  if (auto pos = e.find(word); pos != std::string::npos) {
+    e.replace(pos, word.size(), format_number(r.threshold, 6));
+  }
+  return e;
+}
+
+void print_check_table(std::ostream& os, const std::vector<CheckResult>& results) {
+  const std::array<std::string, 5> header = {"property", "scheme", "measured", "expected",
+                                             "result"};
+  std::vector<std::array<std::string, 5>> rows;
+  rows.reserve(results.size());
+  for (const CheckResult& r : results) {
+    rows.push_back({r.property, r.scheme, format_number(r.measured, 6), expected_text(r),
+                    r.pass ? "PASS" : "FAIL"});
+  }
+  std::array<std::size_t, 5> width{};
+  for (std::size_t c = 0; c < 5; ++c) width[c] = header[c].size();
+  for (const auto& row : rows) {
+    for (std::size_t c = 0; c < 5; ++c) width[c] = std::max(width[c], row[c].size());
+  }
+  auto print_row = [&](const std::array<std::string, 5>& row) {
+    for (std::size_t c = 0; c < 5; ++c) {
+      os << row[c];
+      if (c + 1 < 5) os << std::string(width[c] - row[c].size() + 2, ' ');
+    }
+    os << '\n';
+  };
+  print_row(header);
+  std::array<std::string, 5> rule;
+  for (std::size_t c = 0; c < 5; ++c) rule[c] = std::string(width[c], '-');
+  print_row(rule);
+  std::size_t failed = 0;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    print_row(rows[i]);
+    if (!results[i].pass) ++failed;
+  }
+  os << results.size() << " checks, " << (results.size() - failed) << " passed, " << failed
+     << " failed\n";
+}
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  out.reserve(s.size() + 2);
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
+          out += buf;
+        } else {
+          out += ch;
+        }
+    }
+  }
+  return out;
+}
+
+namespace {
+// Shortest representation that reads back to the same double.
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";  // JSON has no NaN/Inf
+  char buf[32];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return ec == std::errc() ? std::string(buf, end) : format_number(v, 17);
+}
+}  // namespace
+
+void print_check_json(std::ostream& os, const std::vector<CheckResult>& results) {
+  for (const CheckResult& r : results) {
+    os << "{\"property\": \"" << json_escape(r.property) << "\", \"scheme\": \""
+       << json_escape(r.scheme) << "\", \"measured\": " << json_number(r.measured)
+       << ", \"threshold\": " << json_number(r.threshold) << ", \"expected\": \""
+       << json_escape(expected_text(r)) << "\", \"result\": \"" << (r.pass ? "PASS" : "FAIL")
+       << "\", \"pass\": " << (r.pass ? "true" : "false") << "}\n";
+  }
+}
+
+}  // namespace posenc::cli

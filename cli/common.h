@@ -1,0 +1,137 @@
+// cli/common.h - shared helpers of the posenc command-line tool.
+//
+// The CLI is a thin layer: parse the command line, read tensors with posenc/io.h, call the public
+// API, write the result with posenc::write_npy (atomic) once everything succeeded. Every usage or
+// input error is a posenc::Error (UsageError for the ones the CLI finds itself); main() turns it
+// into one stderr line and exit status 2.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "posenc/check.h"
+#include "posenc/error.h"
+#include "posenc/io.h"
+#include "posenc/rope.h"
+#include "posenc/tensor.h"
+
+namespace CLI {
+class App;
+}  // namespace CLI
+
+namespace posenc::cli {
+
+// A usage error the CLI detects itself (exit status 2, like every posenc::Error).
+class UsageError : public posenc::Error {
+ public:
+  using Error::Error;
+};
+
+// A registered subcommand: its CLI11 app and what runs it once parsing succeeded. `run` returns
+// the exit status and throws on errors.
+struct Command {
+  CLI::App* app = nullptr;
+  std::function<int()> run;
+};
+
+// One registration function per subcommand (cli/cmd_<name>.cc).
+Command add_sinusoidal_command(CLI::App& parent);
+Command add_rope_command(CLI::App& parent);
+Command add_alibi_slopes_command(CLI::App& parent);
+Command add_t5_buckets_command(CLI::App& parent);
+Command add_deberta_buckets_command(CLI::App& parent);
+Command add_learned_command(CLI::App& parent);
+Command add_attention_command(CLI::App& parent);
+Command add_check_command(CLI::App& parent);
+Command add_demo_command(CLI::App& parent);
+Command add_version_command(CLI::App& parent);
+
+// A dense float32 array in C order (what the CLI hands to the API).
+struct FloatArray {
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+
+  template <std::size_t R>
+  View<const float, R> view() const {
+    return View<const float, R>::contiguous(data.data(), dims<R>());
+  }
+  template <std::size_t R>
+  View<float, R> mutable_view() {
+    return View<float, R>::contiguous(data.data(), dims<R>());
+  }
+  template <std::size_t R>
+  std::array<int64_t, R> dims() const {
+    std::array<int64_t, R> a{};
+    for (std::size_t d = 0; d < R && d < shape.size(); ++d) a[d] = shape[d];
+    return a;
+  }
+};
+
+// Throws ShapeError unless `t` has rank `rank`; `layout` names the dimensions, e.g.
+// "[batch, seq, heads, head_dim]", and `what` the file or tensor.
+void require_rank(const Tensor& t, std::size_t rank, const std::string& layout,
+                  const std::string& what);
+
+// Converts a tensor of any float dtype to float32 (IoError naming `what` on other dtypes). With
+// `require_finite`, a NaN or infinity is a ValueError naming `what` and the element.
+FloatArray to_float_array(const Tensor& t, const std::string& what, bool require_finite);
+
+// Reads a .npy float tensor of the given rank as float32 (see to_float_array).
+FloatArray read_float_npy(const std::string& path, std::size_t rank, const std::string& layout,
+                          bool require_finite);
+
+// Throws ValueError naming `what` unless every value is finite.
+void check_finite(const std::vector<float>& values, const std::vector<int64_t>& shape,
+                  const std::string& what);
+void check_finite(const std::vector<double>& values, const std::vector<int64_t>& shape,
+                  const std::string& what);
+
+// Reads int64 (or int32) position ids from `path`: [seq] (Positions::shared) or [batch, seq]
+// (Positions::per_row), checked against the tensor they place.
+Positions read_positions(const std::string& path, int64_t batch, int64_t seq);
+
+// Positions from --offset K / --positions P.npy (at most one given; none: offset 0).
+Positions positions_from_flags(const std::optional<int64_t>& offset, const std::string& path,
+                               int64_t batch, int64_t seq);
+
+// The tensor `name` of a safetensors file, or UsageError naming it, the file and who needs it.
+const Tensor& require_tensor(const SafetensorsFile& file, const std::string& name,
+                             const std::string& path, const std::string& needed_by);
+const Tensor* find_tensor(const SafetensorsFile& file, const std::string& name);
+
+// Writers (atomic, through posenc::write_npy).
+void write_f32(const std::string& path, std::vector<int64_t> shape,
+               const std::vector<float>& values);
+void write_f64(const std::string& path, std::vector<int64_t> shape,
+               const std::vector<double>& values);
+void write_i64(const std::string& path, std::vector<int64_t> shape,
+               const std::vector<int64_t>& values);
+
+// Choice parsing (the CLI11 option already restricts the spelling).
+RopeStyle parse_rope_style(const std::string& s);
+
+// Throws UsageError "<flag> must be >= <min> (got <value>)" when value < min.
+void require_at_least(const std::string& flag, int64_t value, int64_t min);
+
+// `s` with line breaks replaced by spaces (error messages are one line).
+std::string one_line(std::string s);
+
+// Formatting for text output: shortest round-trip-ish representation with `digits` significant
+// digits, e.g. 0.00390625, 7.4852, 1e-07.
+std::string format_number(double v, int digits = 6);
+
+// The expected column: `expect` with the word "threshold" replaced by its value.
+std::string expected_text(const CheckResult& r);
+// The `posenc check` table (columns property, scheme, measured, expected, result).
+void print_check_table(std::ostream& os, const std::vector<CheckResult>& results);
+// One JSON object per line.
+void print_check_json(std::ostream& os, const std::vector<CheckResult>& results);
+std::string json_escape(const std::string& s);
+
+}  // namespace posenc::cli

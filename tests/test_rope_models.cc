@@ -1,0 +1,227 @@
+// tests/test_rope_models.cc - RoPE as real model families use it: float32-angle compatibility
+// mode vs accurate angles at long positions, re-rotation of cached keys, M-RoPE.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <complex>
+#include <random>
+
+#include "posenc/posenc.h"
+
+namespace {
+
+using namespace posenc;
+
+std::vector<float> randn_f(std::mt19937_64& rng, int64_t n) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+// Max |float32 path - float64 reference| over x [1, L, H, D] at the given positions.
+double rope_error(const RopeFrequencies& freqs, RopeStyle style, const std::vector<float>& x,
+                  std::array<int64_t, 4> shape, const Positions& pos) {
+  std::vector<float> y(x.size());
+  apply_rope(freqs, style, View<const float, 4>::contiguous(x.data(), shape),
+             View<float, 4>::contiguous(y.data(), shape), &pos);
+  RopeFrequencies exact = freqs;
+  exact.angles = RopeAngles::kAccurate;
+  std::vector<double> xd(x.begin(), x.end()), yd(x.size());
+  ref::apply_rope(exact, style, View<const double, 4>::contiguous(xd.data(), shape),
+                  View<double, 4>::contiguous(yd.data(), shape), &pos);
+  double e = 0;
+  for (std::size_t i = 0; i < y.size(); ++i) e = std::max(e, std::abs(y[i] - yd[i]));
+  return e;
+}
+
+// SPEC §10: accurate angles stay at float32 rounding at 2^16, 2^20, 2^24; the frameworks'
+// float32 recipe shows the error that grows with the position.
+TEST(RopePrecision, AccurateVsFloat32AnglesAtLongPositions) {
+  std::mt19937_64 rng(7);
+  const int64_t l = 16, h = 2, d = 128;
+  const auto x = randn_f(rng, l * h * d);
+  const RopeConfig cfg{.head_dim = d, .base = 5e5};
+  for (int64_t p0 : {int64_t{1} << 16, int64_t{1} << 20, int64_t{1} << 24}) {
+    SCOPED_TRACE("position " + std::to_string(p0));
+    const auto pos = Positions::offset(p0);
+    // Unit-normal inputs: |y| < ~5, so float32 rounding of the output is <= ~5e-7.
+    const double acc = rope_error(rope_frequencies(cfg), RopeStyle::kHalf, x, {1, l, h, d}, pos);
+    // The float32 mode uses float32 inverse frequencies; its reference uses the same ones so the
+    // measured error is the angle's, not the frequency table's.
+    auto f32 = rope_frequencies(cfg, 0, RopeAngles::kFloat32);
+    const double fe = rope_error(f32, RopeStyle::kHalf, x, {1, l, h, d}, pos);
+    EXPECT_LE(acc, 1e-6);
+    // float32(p) * inv_freq rounds to ~p * 2^-24 rad: 4e-3 at 2^16, growing with p.
+    EXPECT_GE(fe, 1e-4 * static_cast<double>(p0 >> 16));
+    RecordProperty("accurate_error_" + std::to_string(p0), std::to_string(acc));
+    RecordProperty("float32_error_" + std::to_string(p0), std::to_string(fe));
+  }
+}
+
+TEST(RopePrecision, Float32ModeRoundsTheFrequencyTable) {
+  const auto f = rope_frequencies({.head_dim = 64, .base = 1e4}, 0, RopeAngles::kFloat32);
+  EXPECT_EQ(f.angles, RopeAngles::kFloat32);
+  for (std::size_t i = 0; i < f.inv_freq.size(); ++i) {
+    EXPECT_EQ(f.inv_freq[i], static_cast<double>(static_cast<float>(f.inv_freq[i])));
+    EXPECT_NEAR(f.inv_freq[i], std::pow(1e4, -2.0 * static_cast<double>(i) / 64.0),
+                1e-6 * f.inv_freq[i]);
+  }
+}
+
+// Keys written with one set of frequencies and moved to another by rerotate_rope equal keys
+// rotated with the new set directly, to float32 rounding.
+void expect_rerotation_exact(const RopeFrequencies& from, const RopeFrequencies& to,
+                             RopeStyle style, int64_t p0) {
+  std::mt19937_64 rng(11);
+  const int64_t l = 9, h = 3, d = 64;
+  const std::array<int64_t, 4> shape{1, l, h, d};
+  const auto k = randn_f(rng, l * h * d);
+  const auto pos = Positions::offset(p0);
+  std::vector<float> cached(k.size()), direct(k.size());
+  apply_rope(from, style, View<const float, 4>::contiguous(k.data(), shape),
+             View<float, 4>::contiguous(cached.data(), shape), &pos);
+  apply_rope(to, style, View<const float, 4>::contiguous(k.data(), shape),
+             View<float, 4>::contiguous(direct.data(), shape), &pos);
+  rerotate_rope(from, to, style, View<float, 4>::contiguous(cached.data(), shape), &pos);
+  double e = 0, moved = 0;
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    e = std::max(e, static_cast<double>(std::abs(cached[i] - direct[i])));
+  }
+  apply_rope(from, style, View<const float, 4>::contiguous(k.data(), shape),
+             View<float, 4>::contiguous(cached.data(), shape), &pos);
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    moved = std::max(moved, static_cast<double>(std::abs(cached[i] - direct[i])));
+  }
+  // Two float32 roundings of values below ~6 in magnitude.
+  EXPECT_LE(e, 2e-6) << "re-rotated keys differ from directly rotated ones";
+  EXPECT_GT(moved, 1e-3) << "the two frequency sets should give different keys";
+}
+
+TEST(RopeRerotation, DynamicNtkGrowth) {
+  RopeConfig cfg{.head_dim = 64, .base = 1e4};
+  cfg.scaling = {.type = RopeScalingType::kDynamic, .factor = 2.0,
+                 .original_max_position_embeddings = 4096};
+  const auto before = rope_frequencies(cfg, 4096);  // unchanged at Lo
+  const auto after = rope_frequencies(cfg, 20000);  // theta grown
+  EXPECT_NE(before.inv_freq[5], after.inv_freq[5]);
+  expect_rerotation_exact(before, after, RopeStyle::kHalf, 4000);
+  expect_rerotation_exact(before, after, RopeStyle::kInterleaved, int64_t{1} << 20);
+}
+
+TEST(RopeRerotation, LongRopeCrossingTheOriginalLength) {
+  RopeConfig cfg{.head_dim = 64, .base = 1e4};
+  cfg.scaling.type = RopeScalingType::kLongRope;
+  cfg.scaling.original_max_position_embeddings = 4096;
+  cfg.scaling.max_position_embeddings = 131072;
+  for (int i = 0; i < 32; ++i) {
+    cfg.scaling.short_factor.push_back(1.0 + 0.01 * i);
+    cfg.scaling.long_factor.push_back(1.0 + 0.5 * i);
+  }
+  const auto short_f = rope_frequencies(cfg, 4096);
+  const auto long_f = rope_frequencies(cfg, 4097);
+  EXPECT_NE(short_f.inv_freq[3], long_f.inv_freq[3]);
+  expect_rerotation_exact(short_f, long_f, RopeStyle::kHalf, 0);
+  expect_rerotation_exact(short_f, long_f, RopeStyle::kHalf, 100000);
+  // Attention factor changes are carried too (from af 1 to af 1.2).
+  RopeFrequencies scaled = long_f;
+  scaled.attention_factor = 1.2;
+  expect_rerotation_exact(short_f, scaled, RopeStyle::kHalf, 4000);
+}
+
+TEST(RopeRerotation, Validation) {
+  std::vector<float> k(8, 1.0f);
+  const auto a = rope_frequencies({.head_dim = 8}), b = rope_frequencies({.head_dim = 4});
+  EXPECT_THROW(rerotate_rope(a, b, RopeStyle::kHalf, View<float, 4>::contiguous(k.data(), {1, 1, 1, 8})),
+               ShapeError);
+  const auto f32 = rope_frequencies({.head_dim = 8}, 0, RopeAngles::kFloat32);
+  EXPECT_THROW(rerotate_rope(a, f32, RopeStyle::kHalf, View<float, 4>::contiguous(k.data(), {1, 1, 1, 8})),
+               ValueError);
+}
+
+// ---- M-RoPE ------------------------------------------------------------------------------------
+
+TEST(MRope, ComponentsSectioned) {
+  const MRope m{.sections = {16, 24, 24}};
+  EXPECT_EQ(mrope_component(m, 0), 0);
+  EXPECT_EQ(mrope_component(m, 15), 0);
+  EXPECT_EQ(mrope_component(m, 16), 1);
+  EXPECT_EQ(mrope_component(m, 39), 1);
+  EXPECT_EQ(mrope_component(m, 40), 2);
+  EXPECT_EQ(mrope_component(m, 63), 2);
+}
+
+TEST(MRope, ComponentsInterleaved) {
+  const MRope m{.sections = {24, 20, 20}, .layout = MRopeLayout::kInterleaved};
+  // h at 1, 4, ..., 58 (< 60); w at 2, 5, ..., 59 (< 60); t elsewhere, including 60..63.
+  int counts[3] = {0, 0, 0};
+  for (int64_t i = 0; i < 64; ++i) {
+    const int c = mrope_component(m, i);
+    ++counts[c];
+    if (i >= 60) {
+      EXPECT_EQ(c, 0) << i;
+    } else {
+      EXPECT_EQ(c, static_cast<int>(i % 3)) << i;
+    }
+  }
+  EXPECT_EQ(counts[0], 24);
+  EXPECT_EQ(counts[1], 20);
+  EXPECT_EQ(counts[2], 20);
+}
+
+// With t = h = w, M-RoPE is plain RoPE; with distinct components each pair follows its own.
+TEST(MRope, MatchesPlainRopeAndAnIndependentFormula) {
+  std::mt19937_64 rng(5);
+  const int64_t b = 2, l = 5, h = 2, d = 128;
+  const std::array<int64_t, 4> shape{b, l, h, d};
+  const auto x = randn_f(rng, b * l * h * d);
+  const auto freqs = rope_frequencies({.head_dim = d, .base = 1e6});
+  for (MRopeLayout layout : {MRopeLayout::kSectioned, MRopeLayout::kInterleaved}) {
+    const MRope m{.sections = layout == MRopeLayout::kSectioned ? std::array<int64_t, 3>{16, 24, 24}
+                                                                : std::array<int64_t, 3>{24, 20, 20},
+                  .layout = layout};
+    const auto same = Positions::offset(3);
+    std::vector<float> y1(x.size()), y2(x.size());
+    apply_mrope(freqs, RopeStyle::kHalf, m, View<const float, 4>::contiguous(x.data(), shape),
+                View<float, 4>::contiguous(y1.data(), shape), {same, same, same});
+    apply_rope(freqs, RopeStyle::kHalf, View<const float, 4>::contiguous(x.data(), shape),
+               View<float, 4>::contiguous(y2.data(), shape), &same);
+    EXPECT_EQ(y1, y2);
+    // Vision tokens: t, h, w differ per row.
+    const auto t = Positions::per_row({0, 1, 1, 1, 1, 0, 1, 2, 3, 4}, b, l);
+    const auto hh = Positions::per_row({0, 1, 1, 2, 2, 0, 1, 2, 3, 4}, b, l);
+    const auto w = Positions::per_row({0, 1, 2, 1, 2, 7, 8, 9, 10, 11}, b, l);
+    apply_mrope(freqs, RopeStyle::kHalf, m, View<const float, 4>::contiguous(x.data(), shape),
+                View<float, 4>::contiguous(y1.data(), shape), {t, hh, w});
+    const Positions* comps[3] = {&t, &hh, &w};
+    double e = 0;
+    for (int64_t bb = 0; bb < b; ++bb)
+      for (int64_t i = 0; i < l; ++i)
+        for (int64_t hd = 0; hd < h; ++hd)
+          for (int64_t k = 0; k < d / 2; ++k) {
+            const int64_t p = comps[mrope_component(m, k)]->at(bb, i);
+            const std::size_t base = static_cast<std::size_t>(((bb * l + i) * h + hd) * d);
+            const std::complex<double> z(x[base + k], x[base + k + d / 2]);
+            const auto r = z * std::polar(1.0, static_cast<double>(p) * freqs.inv_freq[k]);
+            e = std::max({e, std::abs(r.real() - y1[base + k]), std::abs(r.imag() - y1[base + k + d / 2])});
+          }
+    EXPECT_LE(e, 1e-6);
+  }
+}
+
+TEST(MRope, Validation) {
+  std::vector<float> x(128, 1.0f), y(128);
+  const auto p = Positions::offset(0);
+  const auto freqs = rope_frequencies({.head_dim = 128});
+  EXPECT_THROW(apply_mrope(freqs, RopeStyle::kHalf, MRope{.sections = {16, 24, 16}},
+                           View<const float, 4>::contiguous(x.data(), {1, 1, 1, 128}),
+                           View<float, 4>::contiguous(y.data(), {1, 1, 1, 128}), {p, p, p}),
+               ValueError);
+  const auto short_ids = Positions::shared({0, 1});
+  EXPECT_THROW(apply_mrope(freqs, RopeStyle::kHalf, MRope{},
+                           View<const float, 4>::contiguous(x.data(), {1, 1, 1, 128}),
+                           View<float, 4>::contiguous(y.data(), {1, 1, 1, 128}), {p, short_ids, p}),
+               ShapeError);
+}
+
+}  // namespace
