@@ -100,8 +100,8 @@ void expect_rerotation_exact(const RopeFrequencies& from, const RopeFrequencies&
 
 TEST(RopeRerotation, DynamicNtkGrowth) {
   RopeConfig cfg{.head_dim = 64, .base = 1e4};
-  cfg.scaling = {.type = RopeScalingType::kDynamic, .factor = 2.0,
-                 .original_max_position_embeddings = 4096};
+  cfg.scaling = {
+      .type = RopeScalingType::kDynamic, .factor = 2.0, .original_max_position_embeddings = 4096};
   const auto before = rope_frequencies(cfg, 4096);  // unchanged at Lo
   const auto after = rope_frequencies(cfg, 20000);  // theta grown
   EXPECT_NE(before.inv_freq[5], after.inv_freq[5]);
@@ -132,11 +132,13 @@ TEST(RopeRerotation, LongRopeCrossingTheOriginalLength) {
 TEST(RopeRerotation, Validation) {
   std::vector<float> k(8, 1.0f);
   const auto a = rope_frequencies({.head_dim = 8}), b = rope_frequencies({.head_dim = 4});
-  EXPECT_THROW(rerotate_rope(a, b, RopeStyle::kHalf, View<float, 4>::contiguous(k.data(), {1, 1, 1, 8})),
-               ShapeError);
+  EXPECT_THROW(
+      rerotate_rope(a, b, RopeStyle::kHalf, View<float, 4>::contiguous(k.data(), {1, 1, 1, 8})),
+      ShapeError);
   const auto f32 = rope_frequencies({.head_dim = 8}, 0, RopeAngles::kFloat32);
-  EXPECT_THROW(rerotate_rope(a, f32, RopeStyle::kHalf, View<float, 4>::contiguous(k.data(), {1, 1, 1, 8})),
-               ValueError);
+  EXPECT_THROW(
+      rerotate_rope(a, f32, RopeStyle::kHalf, View<float, 4>::contiguous(k.data(), {1, 1, 1, 8})),
+      ValueError);
 }
 
 // ---- M-RoPE ------------------------------------------------------------------------------------
@@ -177,8 +179,9 @@ TEST(MRope, MatchesPlainRopeAndAnIndependentFormula) {
   const auto x = randn_f(rng, b * l * h * d);
   const auto freqs = rope_frequencies({.head_dim = d, .base = 1e6});
   for (MRopeLayout layout : {MRopeLayout::kSectioned, MRopeLayout::kInterleaved}) {
-    const MRope m{.sections = layout == MRopeLayout::kSectioned ? std::array<int64_t, 3>{16, 24, 24}
-                                                                : std::array<int64_t, 3>{24, 20, 20},
+    const MRope m{.sections = layout == MRopeLayout::kSectioned
+                                  ? std::array<int64_t, 3>{16, 24, 24}
+                                  : std::array<int64_t, 3>{24, 20, 20},
                   .layout = layout};
     const auto same = Positions::offset(3);
     std::vector<float> y1(x.size()), y2(x.size());
@@ -203,7 +206,8 @@ TEST(MRope, MatchesPlainRopeAndAnIndependentFormula) {
             const std::size_t base = static_cast<std::size_t>(((bb * l + i) * h + hd) * d);
             const std::complex<double> z(x[base + k], x[base + k + d / 2]);
             const auto r = z * std::polar(1.0, static_cast<double>(p) * freqs.inv_freq[k]);
-            e = std::max({e, std::abs(r.real() - y1[base + k]), std::abs(r.imag() - y1[base + k + d / 2])});
+            e = std::max(
+                {e, std::abs(r.real() - y1[base + k]), std::abs(r.imag() - y1[base + k + d / 2])});
           }
     EXPECT_LE(e, 1e-6);
   }
