@@ -50,7 +50,7 @@ void validate(const SinusoidalConfig& cfg) {
   detail::require_positive(cfg.dim, "sinusoidal: dim");
   if (cfg.dim % 2 == 1 && cfg.odd_dim == SinOddDim::kError) {
     detail::fail("sinusoidal: dim must be even (got " + std::to_string(cfg.dim) +
-                 "); use odd_dim = zero-pad for fairseq's zero column");
+                 "); odd_dim = kZeroPad (CLI: --odd-dim zero-pad) appends fairseq's zero column");
   }
   if (!std::isfinite(cfg.base) || cfg.base <= 1.0) {
     detail::fail("sinusoidal: base must be finite and > 1 (got " + detail::num(cfg.base) + ")");

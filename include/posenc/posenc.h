@@ -4,6 +4,7 @@
 #include "posenc/alibi.h"
 #include "posenc/attention.h"
 #include "posenc/check.h"
+#include "posenc/config.h"
 #include "posenc/deberta.h"
 #include "posenc/error.h"
 #include "posenc/io.h"
