@@ -141,6 +141,25 @@ TEST(RopeRerotation, Validation) {
       ValueError);
 }
 
+// Published LongRoPE settings of a Phi-3 128k model (tests/configs/phi-3-vision-128k.json):
+// short factors up to 4096 tokens, long factors beyond, attention factor sqrt(1 + ln 32 / ln 4096).
+TEST(RopeModels, Phi3LongRopeFromAPublishedConfig) {
+  const auto cfg =
+      read_model_config(std::string(POSENC_TEST_CONFIGS_DIR) + "/phi-3-vision-128k.json");
+  ASSERT_EQ(cfg.rope.scaling.type, RopeScalingType::kLongRope);
+  ASSERT_EQ(cfg.rope.scaling.short_factor.size(), 48u);
+  const auto at_lo = model_rope_frequencies(cfg, 4096), past_lo = model_rope_frequencies(cfg, 4097);
+  const double af = std::sqrt(1.0 + std::log(32.0) / std::log(4096.0));
+  EXPECT_NEAR(at_lo.attention_factor, af, 1e-15);
+  EXPECT_NEAR(past_lo.attention_factor, af, 1e-15);
+  for (int i : {0, 10, 47}) {
+    const double base = std::pow(1e4, 2.0 * i / 96.0);
+    EXPECT_DOUBLE_EQ(at_lo.inv_freq[i], 1.0 / (cfg.rope.scaling.short_factor[i] * base)) << i;
+    EXPECT_DOUBLE_EQ(past_lo.inv_freq[i], 1.0 / (cfg.rope.scaling.long_factor[i] * base)) << i;
+  }
+  EXPECT_DOUBLE_EQ(cfg.rope.scaling.long_factor[47], 64.81001281738281);
+}
+
 // ---- M-RoPE ------------------------------------------------------------------------------------
 
 TEST(MRope, ComponentsSectioned) {
