@@ -160,6 +160,20 @@ TEST(RopeModels, Phi3LongRopeFromAPublishedConfig) {
   EXPECT_DOUBLE_EQ(cfg.rope.scaling.long_factor[47], 64.81001281738281);
 }
 
+// YaRN with low == high after rounding and clamping (SPEC §3.1: "hi += 0.001 if equal"): with
+// Lo = 6, corr(32) < 0 and corr(1) = -0.32 both clamp to 0, so pair 0 keeps inv_freq and every
+// other pair is interpolated (inv / f).
+TEST(RopeModels, YarnLowEqualsHigh) {
+  RopeConfig cfg{.head_dim = 128, .base = 1e4};
+  cfg.scaling = {
+      .type = RopeScalingType::kYarn, .factor = 4.0, .original_max_position_embeddings = 6};
+  const auto f = rope_frequencies(cfg);
+  const auto plain = rope_frequencies({.head_dim = 128, .base = 1e4});
+  EXPECT_DOUBLE_EQ(f.inv_freq[0], plain.inv_freq[0]);
+  for (std::size_t i = 1; i < 64; ++i)
+    EXPECT_DOUBLE_EQ(f.inv_freq[i], plain.inv_freq[i] / 4.0) << i;
+}
+
 // ---- M-RoPE ------------------------------------------------------------------------------------
 
 TEST(MRope, ComponentsSectioned) {
