@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages posenc needs, only those that are missing.
 set -euo pipefail
-pkgs=(g++ cmake ninja-build ccache pkg-config libgtest-dev nlohmann-json3-dev libcli11-dev)
+pkgs=(g++ cmake ninja-build ccache pkg-config libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev
+      libhwy-dev libopenblas-dev libcairo2-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
