@@ -16,6 +16,8 @@
 #include <unordered_map>
 
 #include "common.h"
+#include "kernels/attention_kernels.h"
+#include "kernels/parallel.h"
 
 namespace posenc {
 
@@ -107,7 +109,7 @@ struct Prepared {
 template <class T>
 Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, const Dims& d,
                     const View<const T, 4>& q, const View<const T, 4>& k, const Positions& qp,
-                    const Positions& kp) {
+                    const Positions& kp, bool build_xl_table = true) {
   Prepared<T> p;
   p.kind = static_cast<int>(scheme.index());
   const double default_scale =
@@ -215,7 +217,7 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
       }
       p.xl_r.emplace(delta, std::move(proj));
     };
-    for (int64_t b = 0; b < d.batch && d.seq_q > 0 && d.seq_k > 0; ++b) {
+    for (int64_t b = 0; build_xl_table && b < d.batch && d.seq_q > 0 && d.seq_k > 0; ++b) {
       int64_t qlo = qp.at(b, 0), qhi = qlo, klo = kp.at(b, 0), khi = klo;
       for (int64_t i = 1; i < d.seq_q; ++i) {
         qlo = std::min(qlo, qp.at(b, i));
@@ -429,12 +431,271 @@ void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out) {
   }
 }
 
+// ---- the fused float32 path ------------------------------------------------------------------
+
+// Rejects (or, when allowed, leaves to the kernel's zero output) query rows that see no key:
+// O((seq_q + seq_k) log seq_k) per batch row with the key positions sorted.
+void check_fully_masked(const Problem<float>& pr) {
+  const Dims& d = pr.d;
+  if (pr.opt.allow_fully_masked || d.seq_q == 0) return;
+  const AttentionOptions& opt = pr.opt;
+  for (int64_t b = 0; b < d.batch; ++b) {
+    std::vector<int64_t> ks(static_cast<std::size_t>(d.seq_k));
+    for (int64_t j = 0; j < d.seq_k; ++j) ks[static_cast<std::size_t>(j)] = pr.kp.at(b, j);
+    std::sort(ks.begin(), ks.end());
+    for (int64_t i = 0; i < d.seq_q; ++i) {
+      const int64_t pq = pr.qp.at(b, i);
+      // Visible keys lie in [lo, hi].
+      int64_t lo = std::numeric_limits<int64_t>::min(), hi = std::numeric_limits<int64_t>::max();
+      if (opt.causal) hi = pq;
+      if (opt.window) {
+        lo = pq - *opt.window + 1;
+        if (!opt.causal) hi = pq + *opt.window - 1;
+      }
+      const auto it = std::lower_bound(ks.begin(), ks.end(), lo);
+      if (it == ks.end() || *it > hi) {
+        fail("attention: query " + std::to_string(i) + " (batch " + std::to_string(b) +
+             ", position " + std::to_string(pq) +
+             ") sees no key under the mask; allow_fully_masked gives 0 for such rows");
+      }
+    }
+  }
+}
+
+// Fills kernels::FusedAttentionParams (positions as int32 offsets, per-scheme tables) and runs
+// the fused kernel. Returns false when the call is outside the kernel's domain.
+bool run_fused(const Problem<float>& pr, const Prepared<float>& p, const PositionScheme& scheme,
+               View<float, 4> out) {
+  const Dims& d = pr.d;
+  if (!pr.q.last_dim_contiguous() || !pr.k.last_dim_contiguous() || !pr.v.last_dim_contiguous() ||
+      !out.last_dim_contiguous()) {
+    return false;
+  }
+  if (d.batch == 0 || d.seq_q == 0) return true;
+  if (d.seq_k == 0) {  // every row fully masked (and allowed)
+    for (int64_t b = 0; b < d.batch; ++b)
+      for (int64_t i = 0; i < d.seq_q; ++i)
+        for (int64_t h = 0; h < d.heads_q; ++h)
+          for (int64_t c = 0; c < d.head_dim; ++c) out(b, i, h, c) = 0.0f;
+    return true;
+  }
+  constexpr int64_t kPad = 64;  // the kernel's key tile: tables are padded by one tile
+  kernels::FusedAttentionParams fp;
+  // Positions relative to a per-row base; distance range per row.
+  std::vector<int32_t> qpos(static_cast<std::size_t>(d.batch * d.seq_q));
+  std::vector<int32_t> kpos(static_cast<std::size_t>(d.batch * d.seq_k));
+  std::vector<int32_t> dmax(static_cast<std::size_t>(d.batch));
+  int64_t range = 0, gdmin = std::numeric_limits<int64_t>::max(),
+          gdmax = std::numeric_limits<int64_t>::min();
+  for (int64_t b = 0; b < d.batch; ++b) {
+    int64_t qlo = pr.qp.at(b, 0), qhi = qlo, klo = pr.kp.at(b, 0), khi = klo;
+    for (int64_t i = 0; i < d.seq_q; ++i) {
+      qlo = std::min(qlo, pr.qp.at(b, i));
+      qhi = std::max(qhi, pr.qp.at(b, i));
+    }
+    for (int64_t j = 0; j < d.seq_k; ++j) {
+      klo = std::min(klo, pr.kp.at(b, j));
+      khi = std::max(khi, pr.kp.at(b, j));
+    }
+    const int64_t base = std::min(qlo, klo);
+    if (std::max(qhi, khi) - base >= (int64_t{1} << 30)) return false;
+    for (int64_t i = 0; i < d.seq_q; ++i) {
+      qpos[static_cast<std::size_t>(b * d.seq_q + i)] = static_cast<int32_t>(pr.qp.at(b, i) - base);
+    }
+    for (int64_t j = 0; j < d.seq_k; ++j) {
+      kpos[static_cast<std::size_t>(b * d.seq_k + j)] = static_cast<int32_t>(pr.kp.at(b, j) - base);
+    }
+    dmax[static_cast<std::size_t>(b)] = static_cast<int32_t>(qhi - klo);
+    range = std::max(range, (qhi - klo) - (qlo - khi) + 1);
+    gdmin = std::min(gdmin, qlo - khi);
+    gdmax = std::max(gdmax, qhi - klo);
+  }
+  const bool tables = p.kind == 2 || p.kind == 3 || p.kind == 5 || p.kind == 6;
+  if (tables && range > 4 * (d.seq_q + d.seq_k) + 4096) return false;
+
+  fp.q = pr.q.data;
+  fp.q_stride = {pr.q.stride[0], pr.q.stride[1], pr.q.stride[2]};
+  fp.k = pr.k.data;
+  fp.k_stride = {pr.k.stride[0], pr.k.stride[1], pr.k.stride[2]};
+  if (p.kind == 1) {  // RoPE: the rotated contiguous copies
+    fp.q = p.q_rot.data();
+    fp.q_stride = {d.seq_q * d.heads_q * d.head_dim, d.heads_q * d.head_dim, d.head_dim};
+    fp.k = p.k_rot.data();
+    fp.k_stride = {d.seq_k * d.heads_kv * d.head_dim, d.heads_kv * d.head_dim, d.head_dim};
+  }
+  fp.v = pr.v.data;
+  fp.v_stride = {pr.v.stride[0], pr.v.stride[1], pr.v.stride[2]};
+  fp.out = out.data;
+  fp.out_stride = {out.stride[0], out.stride[1], out.stride[2]};
+  fp.batch = d.batch;
+  fp.seq_q = d.seq_q;
+  fp.seq_k = d.seq_k;
+  fp.heads_q = d.heads_q;
+  fp.heads_kv = d.heads_kv;
+  fp.head_dim = d.head_dim;
+  fp.scale = static_cast<float>(p.scale);
+  fp.causal = pr.opt.causal;
+  fp.window = pr.opt.window.value_or(0);
+  fp.qpos = qpos.data();
+  fp.kpos = kpos.data();
+  fp.num_threads = pr.opt.num_threads;
+  const int threads = kernels::resolve_threads(pr.opt.num_threads);
+
+  // ALiBi and T5: bias by distance per (batch row, head), index dmax - delta.
+  std::vector<float> bias;
+  if (p.kind == 2 || p.kind == 3) {
+    const int64_t len = range + kPad;
+    bias.assign(static_cast<std::size_t>(d.batch * d.heads_q * len), 0.0f);
+    kernels::parallel_for(d.batch * d.heads_q, threads, [&](int64_t bh) {
+      const int64_t b = bh / d.heads_q, h = bh % d.heads_q;
+      float* row = bias.data() + bh * len;
+      for (int64_t t = 0; t < range; ++t) {
+        const int64_t delta = dmax[static_cast<std::size_t>(b)] - t;
+        if (p.kind == 2) {
+          row[t] = static_cast<float>(-p.slopes[static_cast<std::size_t>(h)] *
+                                      static_cast<double>(delta < 0 ? -delta : delta));
+        } else {
+          row[t] = p.t5_table(t5_bucket(-delta, p.t5), h);
+        }
+      }
+    });
+    fp.bias = bias.data();
+    fp.bias_len = len;
+    fp.bias_batch_stride = d.heads_q * len;
+    fp.bias_dmax = dmax.data();
+  }
+
+  // Shaw: contiguous tables.
+  std::vector<float> rel_k, rel_v;
+  auto dense3 = [](const View<const float, 3>& t) {
+    std::vector<float> o(static_cast<std::size_t>(t.numel()));
+    std::size_t at = 0;
+    for (int64_t a = 0; a < t.shape[0]; ++a)
+      for (int64_t b = 0; b < t.shape[1]; ++b)
+        for (int64_t c = 0; c < t.shape[2]; ++c) o[at++] = t(a, b, c);
+    return o;
+  };
+  if (p.kind == 4) {
+    rel_k = dense3(p.rel_k);
+    fp.shaw_rel_k = rel_k.data();
+    fp.shaw_rel_k_heads = p.rel_k.shape[1];
+    fp.shaw_k = p.shaw_k;
+    if (p.rel_v.data != nullptr) {
+      rel_v = dense3(p.rel_v);
+      fp.shaw_rel_v = rel_v.data();
+      fp.shaw_rel_v_heads = p.rel_v.shape[1];
+    }
+  }
+
+  // DeBERTa: row indices by distance, pos_key dense, p2c values k_j . pos_query[r, h].
+  std::vector<float> pos_key, kpq;
+  std::vector<int32_t> c2p, p2c;
+  if (p.kind == 6) {
+    const int64_t span2 = 2 * p.deberta.span();
+    const int64_t len = range + kPad;
+    c2p.assign(static_cast<std::size_t>(len), 0);
+    p2c.assign(static_cast<std::size_t>(len), 0);
+    // One index table for every batch row: index by (global dmax - delta).
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t delta = gdmax - t;
+      c2p[static_cast<std::size_t>(t)] =
+          static_cast<int32_t>(deberta_c2p_index(delta, 0, p.deberta));
+      p2c[static_cast<std::size_t>(t)] =
+          static_cast<int32_t>(deberta_p2c_index(delta, 0, p.deberta));
+    }
+    if (gdmax - gdmin + 1 > range) return false;  // rows with different distance ranges
+    for (auto& x : dmax) x = static_cast<int32_t>(gdmax);
+    pos_key = dense3(p.pos_key);
+    fp.deberta_pos_key = pos_key.data();
+    fp.deberta_span = p.deberta.span();
+    fp.deberta_c2p = c2p.data();
+    fp.deberta_p2c = p2c.data();
+    fp.deberta_len = len;
+    fp.deberta_dmax = dmax.data();
+    kpq.assign(static_cast<std::size_t>(d.batch * d.heads_q * span2 * d.seq_k), 0.0f);
+    const auto pq = dense3(p.pos_query);
+    kernels::parallel_for(d.batch * d.heads_q, threads, [&](int64_t bh) {
+      const int64_t b = bh / d.heads_q, h = bh % d.heads_q, hk = h / d.group;
+      for (int64_t r = 0; r < span2; ++r) {
+        const float* w = pq.data() + (r * d.heads_q + h) * d.head_dim;
+        float* dst = kpq.data() + (bh * span2 + r) * d.seq_k;
+        for (int64_t j = 0; j < d.seq_k; ++j) {
+          const float* kr = fp.k + b * fp.k_stride[0] + j * fp.k_stride[1] + hk * fp.k_stride[2];
+          float acc = 0;
+          for (int64_t c = 0; c < d.head_dim; ++c) acc += kr[c] * w[c];
+          dst[j] = acc * fp.scale;
+        }
+      }
+    });
+    fp.deberta_kpq = kpq.data();
+  }
+
+  // Transformer-XL: projected distance table r(delta) per head over the global distance range,
+  // u . k_j per (batch, head, key), v as a dense [heads, head_dim] table.
+  std::vector<float> xl_r, xl_u, xl_v;
+  if (p.kind == 5) {
+    const int64_t len = gdmax - gdmin + 1 + kPad;
+    const int64_t dm = p.xl_rnet.shape[1];
+    xl_r.assign(static_cast<std::size_t>(d.heads_q * len * d.head_dim), 0.0f);
+    std::vector<std::vector<double>> sin_rows(static_cast<std::size_t>(gdmax - gdmin + 1));
+    for (int64_t t = 0; t <= gdmax - gdmin; ++t) {
+      sin_rows[static_cast<std::size_t>(t)] = xl_sinusoid(gdmax - t, dm, p.xl_base);
+    }
+    kernels::parallel_for(d.heads_q, threads, [&](int64_t h) {
+      for (int64_t t = 0; t <= gdmax - gdmin; ++t) {
+        const auto& rr = sin_rows[static_cast<std::size_t>(t)];
+        float* dst = xl_r.data() + (h * len + t) * d.head_dim;
+        for (int64_t c = 0; c < d.head_dim; ++c) {
+          float acc = 0;
+          for (int64_t m = 0; m < dm; ++m) {
+            acc += p.xl_rnet(h * d.head_dim + c, m) *
+                   static_cast<float>(rr[static_cast<std::size_t>(m)]);
+          }
+          dst[c] = acc;
+        }
+      }
+    });
+    xl_u.resize(static_cast<std::size_t>(d.heads_q * d.head_dim));
+    xl_v.resize(xl_u.size());
+    for (int64_t h = 0; h < d.heads_q; ++h) {
+      for (int64_t c = 0; c < d.head_dim; ++c) {
+        xl_u[static_cast<std::size_t>(h * d.head_dim + c)] = p.xl_u(h, c);
+        xl_v[static_cast<std::size_t>(h * d.head_dim + c)] = p.xl_v(h, c);
+      }
+    }
+    fp.xl_r = xl_r.data();
+    fp.xl_len = len;
+    fp.xl_dmax = gdmax;
+    fp.xl_u = xl_u.data();
+    fp.xl_v = xl_v.data();
+  }
+  kernels::fused_attention(fp);
+  return true;
+}
+
 }  // namespace
 
 void attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
                const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
                const Positions* query_positions, const Positions* key_positions) {
   detail::require_data(out, "attention: out");
+  auto pr = make_problem<float>(q, k, v, out.shape, options, query_positions, key_positions);
+  const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
+                                /*build_xl_table=*/false);
+  check_fully_masked(pr);
+  if (!run_fused(pr, p, scheme, out)) {
+    // Outside the fused kernel's domain (positions too sparse for int32 distance tables, a
+    // non-contiguous last dimension): the simple path.
+    const auto pn = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
+    run<float>(pr, pn, out);
+  }
+}
+
+void attention_naive(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+                     const PositionScheme& scheme, const AttentionOptions& options,
+                     View<float, 4> out, const Positions* query_positions,
+                     const Positions* key_positions) {
+  detail::require_data(out, "attention_naive: out");
   auto pr = make_problem<float>(q, k, v, out.shape, options, query_positions, key_positions);
   const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
   run<float>(pr, p, out);

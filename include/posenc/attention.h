@@ -62,13 +62,25 @@ struct AttentionOptions {
   int num_threads = 0;              // 0 = all available
 };
 
-// Float32 attention. Positions: nullptr = the SPEC §0 defaults. Throws ShapeError / ValueError
-// naming the argument (shapes, heads ratio, scheme tables, positions, fully masked rows).
-// `out` must not overlap the inputs. Thread-safe for distinct outputs.
+// Float32 attention, fused: a flash-attention kernel (Highway SIMD, OpenMP threads over
+// (batch, kv head, query block)) that computes every scheme inside its tiles and never forms the
+// [seq_q, seq_k] score matrix; memory O(threads x block) beyond the inputs and O(L) or O(L x K)
+// scheme tables. Results are bit-identical for any options.num_threads. Positions: nullptr = the
+// SPEC §0 defaults. Throws ShapeError / ValueError naming the argument (shapes, heads ratio,
+// scheme tables, positions, fully masked rows). `out` must not overlap the inputs. Thread-safe
+// for distinct outputs. Views whose last dimension is strided, and positions too sparse for
+// int32 distance tables, take the simple path (attention_naive).
 void attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
                const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
                const Positions* query_positions = nullptr,
                const Positions* key_positions = nullptr);
+
+// The simple float32 path: one row of scores at a time, float accumulation, single thread.
+// The yardstick of the fused kernel's tolerance (twice its error against the float64 oracle).
+void attention_naive(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+                     const PositionScheme& scheme, const AttentionOptions& options,
+                     View<float, 4> out, const Positions* query_positions = nullptr,
+                     const Positions* key_positions = nullptr);
 
 namespace ref {
 // The float64 oracle: materialized scores, straight from SPEC. Same contract and validation;

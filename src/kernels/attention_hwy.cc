@@ -1,0 +1,684 @@
+// src/kernels/attention_hwy.cc - fused (flash-style) attention for every positional scheme.
+//
+// Computes out_i = sum_j softmax_j(s_ij) (v_j + value terms) with
+//   s_ij = scale * (q_i . k_j + relative-content terms) + bias(pos_q - pos_k),
+// following Dao et al. 2022 ("FlashAttention"): the queries of one block and the keys of one
+// tile give a [rows x kTileK] block of scores; each row keeps a running maximum m and sum l, so
+// the [seq_q x seq_k] matrix is never formed and memory stays O(rows x head_dim) per thread.
+//
+// Layout of the work. One work item = (batch row, kv head, block of query positions). Its rows
+// are the query heads that share the kv head (GQA/MQA) times the block's positions, so every K/V
+// tile is loaded and transposed once for all of them. Per key tile:
+//   1. K tile transposed to Kt[d][c] (kTileK columns), so S = Q . Kt is a broadcast-FMA
+//      micro-kernel (4 rows x up to 4 vectors of keys);
+//   2. the scheme's terms are added per row, vectorized over keys: a bias by distance (ALiBi,
+//      T5) loaded contiguously when the tile's key positions are consecutive, gathered
+//      otherwise; Shaw's and DeBERTa's per-query projections onto the clipped relative tables,
+//      loaded contiguously outside the clipping band; Transformer-XL's (q + v) . r(delta) from a
+//      second product against the band of projected distances the tile needs;
+//   3. masking (causal, window, tile tail), online softmax with Highway's Exp;
+//   4. O += P . V (4 rows x 4 vectors of head_dim micro-kernel), plus Shaw's per-bucket weights.
+// Tiles a causal mask hides entirely are skipped. Each item is computed by one thread, so the
+// results do not depend on the thread count. Decoding shapes (few items, many keys) split the
+// keys of an item into fixed chunks merged exactly afterwards (m, l and O rescaled to a common
+// maximum); the chunking depends on the shape only, never on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/attention_kernels.h"
+#include "kernels/parallel.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/attention_hwy.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// Must come after foreach_target.h.
+#include "hwy/aligned_allocator.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace posenc::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using DI = hn::RebindToSigned<DF>;
+
+// Keys per tile: a multiple of every target's lane count (<= 16 floats).
+constexpr int64_t kTileK = 64;
+// Query rows per work item: about this many (query heads of the group x positions).
+constexpr int64_t kRowsPerItem = 128;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Per-thread buffers of one work item (aligned, reused across tiles).
+struct Scratch {
+  hwy::AlignedFreeUniquePtr<float[]> qp, kt, vt, s, o, extra;
+  hwy::AlignedFreeUniquePtr<int32_t[]> kpos;
+  std::vector<float> m, l, wsum;
+  size_t qp_n = 0, kt_n = 0, vt_n = 0, s_n = 0, o_n = 0, extra_n = 0;
+
+  static void Ensure(hwy::AlignedFreeUniquePtr<float[]>& p, size_t& have, size_t want) {
+    if (have < want) {
+      p = hwy::AllocateAligned<float>(want);
+      have = want;
+    }
+  }
+};
+
+// Geometry of one work item.
+struct Item {
+  int64_t b = 0, hk = 0;
+  int64_t i0 = 0, nq = 0;  // query positions [i0, i0 + nq)
+  int64_t group = 1;       // query heads per kv head
+  int64_t rows = 0;        // group * nq, row r <-> (head hk * group + r / nq, query i0 + r % nq)
+  int64_t rows_pad = 0;    // rows rounded up to 4
+};
+
+// S[r][c] = sum_d Qp[r][d] * Kt[d][c] for r < rows_pad (multiple of 4), c < kTileK.
+HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const float* HWY_RESTRICT kt,
+                           int64_t rows_pad, float* HWY_RESTRICT s) {
+  const DF d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  // Column chunk: 4 vectors when registers allow (AVX-512: 32 registers), else 2.
+  const int64_t cv = HWY_MAX_BYTES >= 64 ? 4 : 2;
+  const int64_t chunk = cv * n;
+  for (int64_t r = 0; r < rows_pad; r += 4) {
+    const float* q0 = qp + r * dim;
+    for (int64_t c0 = 0; c0 < kTileK; c0 += chunk) {
+      const int64_t nv = std::min<int64_t>(cv, (kTileK - c0) / n);
+      auto a00 = hn::Zero(d), a01 = hn::Zero(d), a02 = hn::Zero(d), a03 = hn::Zero(d);
+      auto a10 = hn::Zero(d), a11 = hn::Zero(d), a12 = hn::Zero(d), a13 = hn::Zero(d);
+      auto a20 = hn::Zero(d), a21 = hn::Zero(d), a22 = hn::Zero(d), a23 = hn::Zero(d);
+      auto a30 = hn::Zero(d), a31 = hn::Zero(d), a32 = hn::Zero(d), a33 = hn::Zero(d);
+      if (nv == 4) {
+        for (int64_t k = 0; k < dim; ++k) {
+          const float* kr = kt + k * kTileK + c0;
+          const auto k0 = hn::Load(d, kr), k1 = hn::Load(d, kr + n), k2 = hn::Load(d, kr + 2 * n),
+                     k3 = hn::Load(d, kr + 3 * n);
+          const auto b0 = hn::Set(d, q0[k]), b1 = hn::Set(d, q0[dim + k]),
+                     b2 = hn::Set(d, q0[2 * dim + k]), b3 = hn::Set(d, q0[3 * dim + k]);
+          a00 = hn::MulAdd(b0, k0, a00), a01 = hn::MulAdd(b0, k1, a01);
+          a02 = hn::MulAdd(b0, k2, a02), a03 = hn::MulAdd(b0, k3, a03);
+          a10 = hn::MulAdd(b1, k0, a10), a11 = hn::MulAdd(b1, k1, a11);
+          a12 = hn::MulAdd(b1, k2, a12), a13 = hn::MulAdd(b1, k3, a13);
+          a20 = hn::MulAdd(b2, k0, a20), a21 = hn::MulAdd(b2, k1, a21);
+          a22 = hn::MulAdd(b2, k2, a22), a23 = hn::MulAdd(b2, k3, a23);
+          a30 = hn::MulAdd(b3, k0, a30), a31 = hn::MulAdd(b3, k1, a31);
+          a32 = hn::MulAdd(b3, k2, a32), a33 = hn::MulAdd(b3, k3, a33);
+        }
+        float* s0 = s + r * kTileK + c0;
+        hn::Store(a00, d, s0), hn::Store(a01, d, s0 + n), hn::Store(a02, d, s0 + 2 * n);
+        hn::Store(a03, d, s0 + 3 * n);
+        hn::Store(a10, d, s0 + kTileK), hn::Store(a11, d, s0 + kTileK + n);
+        hn::Store(a12, d, s0 + kTileK + 2 * n), hn::Store(a13, d, s0 + kTileK + 3 * n);
+        hn::Store(a20, d, s0 + 2 * kTileK), hn::Store(a21, d, s0 + 2 * kTileK + n);
+        hn::Store(a22, d, s0 + 2 * kTileK + 2 * n), hn::Store(a23, d, s0 + 2 * kTileK + 3 * n);
+        hn::Store(a30, d, s0 + 3 * kTileK), hn::Store(a31, d, s0 + 3 * kTileK + n);
+        hn::Store(a32, d, s0 + 3 * kTileK + 2 * n), hn::Store(a33, d, s0 + 3 * kTileK + 3 * n);
+      } else {
+        for (int64_t k = 0; k < dim; ++k) {
+          const float* kr = kt + k * kTileK + c0;
+          const auto k0 = hn::Load(d, kr), k1 = hn::Load(d, kr + n);
+          const auto b0 = hn::Set(d, q0[k]), b1 = hn::Set(d, q0[dim + k]),
+                     b2 = hn::Set(d, q0[2 * dim + k]), b3 = hn::Set(d, q0[3 * dim + k]);
+          a00 = hn::MulAdd(b0, k0, a00), a01 = hn::MulAdd(b0, k1, a01);
+          a10 = hn::MulAdd(b1, k0, a10), a11 = hn::MulAdd(b1, k1, a11);
+          a20 = hn::MulAdd(b2, k0, a20), a21 = hn::MulAdd(b2, k1, a21);
+          a30 = hn::MulAdd(b3, k0, a30), a31 = hn::MulAdd(b3, k1, a31);
+        }
+        float* s0 = s + r * kTileK + c0;
+        hn::Store(a00, d, s0), hn::Store(a01, d, s0 + n);
+        hn::Store(a10, d, s0 + kTileK), hn::Store(a11, d, s0 + kTileK + n);
+        hn::Store(a20, d, s0 + 2 * kTileK), hn::Store(a21, d, s0 + 2 * kTileK + n);
+        hn::Store(a30, d, s0 + 3 * kTileK), hn::Store(a31, d, s0 + 3 * kTileK + n);
+      }
+    }
+  }
+}
+
+// O[r][:] += sum_{c < nk} P[r][c] * V[c][:] for r < rows_pad (multiple of 4); O rows have dpad
+// (multiple of lanes) floats, V rows vstride floats apart with at least dpad readable.
+HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const float* v,
+                               int64_t vstride, int64_t dpad, int64_t rows_pad,
+                               float* HWY_RESTRICT o) {
+  const DF d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t dv = HWY_MAX_BYTES >= 64 ? 4 : 2;
+  for (int64_t r = 0; r < rows_pad; r += 4) {
+    const float* p0 = pm + r * kTileK;
+    float* o0 = o + r * dpad;
+    for (int64_t x0 = 0; x0 < dpad; x0 += dv * n) {
+      const int64_t nv = std::min<int64_t>(dv, (dpad - x0) / n);
+      if (nv == 4) {
+        auto a00 = hn::Load(d, o0 + x0), a01 = hn::Load(d, o0 + x0 + n),
+             a02 = hn::Load(d, o0 + x0 + 2 * n), a03 = hn::Load(d, o0 + x0 + 3 * n);
+        auto a10 = hn::Load(d, o0 + dpad + x0), a11 = hn::Load(d, o0 + dpad + x0 + n),
+             a12 = hn::Load(d, o0 + dpad + x0 + 2 * n), a13 = hn::Load(d, o0 + dpad + x0 + 3 * n);
+        auto a20 = hn::Load(d, o0 + 2 * dpad + x0), a21 = hn::Load(d, o0 + 2 * dpad + x0 + n),
+             a22 = hn::Load(d, o0 + 2 * dpad + x0 + 2 * n),
+             a23 = hn::Load(d, o0 + 2 * dpad + x0 + 3 * n);
+        auto a30 = hn::Load(d, o0 + 3 * dpad + x0), a31 = hn::Load(d, o0 + 3 * dpad + x0 + n),
+             a32 = hn::Load(d, o0 + 3 * dpad + x0 + 2 * n),
+             a33 = hn::Load(d, o0 + 3 * dpad + x0 + 3 * n);
+        for (int64_t c = 0; c < nk; ++c) {
+          const float* vr = v + c * vstride + x0;
+          const auto v0 = hn::LoadU(d, vr), v1 = hn::LoadU(d, vr + n),
+                     v2 = hn::LoadU(d, vr + 2 * n), v3 = hn::LoadU(d, vr + 3 * n);
+          const auto b0 = hn::Set(d, p0[c]), b1 = hn::Set(d, p0[kTileK + c]),
+                     b2 = hn::Set(d, p0[2 * kTileK + c]), b3 = hn::Set(d, p0[3 * kTileK + c]);
+          a00 = hn::MulAdd(b0, v0, a00), a01 = hn::MulAdd(b0, v1, a01);
+          a02 = hn::MulAdd(b0, v2, a02), a03 = hn::MulAdd(b0, v3, a03);
+          a10 = hn::MulAdd(b1, v0, a10), a11 = hn::MulAdd(b1, v1, a11);
+          a12 = hn::MulAdd(b1, v2, a12), a13 = hn::MulAdd(b1, v3, a13);
+          a20 = hn::MulAdd(b2, v0, a20), a21 = hn::MulAdd(b2, v1, a21);
+          a22 = hn::MulAdd(b2, v2, a22), a23 = hn::MulAdd(b2, v3, a23);
+          a30 = hn::MulAdd(b3, v0, a30), a31 = hn::MulAdd(b3, v1, a31);
+          a32 = hn::MulAdd(b3, v2, a32), a33 = hn::MulAdd(b3, v3, a33);
+        }
+        hn::Store(a00, d, o0 + x0), hn::Store(a01, d, o0 + x0 + n);
+        hn::Store(a02, d, o0 + x0 + 2 * n), hn::Store(a03, d, o0 + x0 + 3 * n);
+        hn::Store(a10, d, o0 + dpad + x0), hn::Store(a11, d, o0 + dpad + x0 + n);
+        hn::Store(a12, d, o0 + dpad + x0 + 2 * n), hn::Store(a13, d, o0 + dpad + x0 + 3 * n);
+        hn::Store(a20, d, o0 + 2 * dpad + x0), hn::Store(a21, d, o0 + 2 * dpad + x0 + n);
+        hn::Store(a22, d, o0 + 2 * dpad + x0 + 2 * n);
+        hn::Store(a23, d, o0 + 2 * dpad + x0 + 3 * n);
+        hn::Store(a30, d, o0 + 3 * dpad + x0), hn::Store(a31, d, o0 + 3 * dpad + x0 + n);
+        hn::Store(a32, d, o0 + 3 * dpad + x0 + 2 * n);
+        hn::Store(a33, d, o0 + 3 * dpad + x0 + 3 * n);
+      } else {
+        for (int64_t xv = 0; xv < nv; ++xv) {
+          const int64_t x = x0 + xv * n;
+          auto a0 = hn::Load(d, o0 + x), a1 = hn::Load(d, o0 + dpad + x),
+               a2 = hn::Load(d, o0 + 2 * dpad + x), a3 = hn::Load(d, o0 + 3 * dpad + x);
+          for (int64_t c = 0; c < nk; ++c) {
+            const auto vv = hn::LoadU(d, v + c * vstride + x);
+            a0 = hn::MulAdd(hn::Set(d, p0[c]), vv, a0);
+            a1 = hn::MulAdd(hn::Set(d, p0[kTileK + c]), vv, a1);
+            a2 = hn::MulAdd(hn::Set(d, p0[2 * kTileK + c]), vv, a2);
+            a3 = hn::MulAdd(hn::Set(d, p0[3 * kTileK + c]), vv, a3);
+          }
+          hn::Store(a0, d, o0 + x), hn::Store(a1, d, o0 + dpad + x);
+          hn::Store(a2, d, o0 + 2 * dpad + x), hn::Store(a3, d, o0 + 3 * dpad + x);
+        }
+      }
+    }
+  }
+}
+
+// Dot product of two float rows of length dim (for per-query / per-key projections).
+HWY_INLINE float Dot(const float* a, const float* b, int64_t dim) {
+  const DF d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  auto acc = hn::Zero(d);
+  int64_t k = 0;
+  for (; k + n <= dim; k += n) acc = hn::MulAdd(hn::LoadU(d, a + k), hn::LoadU(d, b + k), acc);
+  float s = hn::GetLane(hn::SumOfLanes(d, acc));
+  for (; k < dim; ++k) s += a[k] * b[k];
+  return s;
+}
+
+// Per-item state of the scheme terms that depend on the query rows (Shaw, DeBERTa c2p).
+struct RowTables {
+  // Shaw: qr[r][u], u in [0, 2K + 1 + 2 kTileK): q_r . rel_k[clamp(u - kTileK - K) + K] * scale,
+  // so that for a tile whose first relative position is rel0 the values are a contiguous run
+  // from u = rel0 + K + kTileK whenever the whole tile lies in [-K - kTileK, K + kTileK].
+  int64_t shaw_w = 0;
+  // DeBERTa: c2p[r][t] = q_r . pos_key[c2p_index(delta), h] * scale over the item's deltas.
+  int64_t deb_w = 0, deb_dmax = 0;
+};
+
+class Kernel {
+ public:
+  explicit Kernel(const FusedAttentionParams& p) : p_(p) {
+    const DF d;
+    lanes_ = static_cast<int64_t>(hn::Lanes(d));
+    dim_ = p.head_dim;
+    dpad_ = RoundUp(dim_, lanes_);
+    group_ = p.heads_q / p.heads_kv;
+    bq_ = std::max<int64_t>(1, kRowsPerItem / group_);
+    nqb_ = (p.seq_q + bq_ - 1) / bq_;
+    ntiles_ = (p.seq_k + kTileK - 1) / kTileK;
+    // Per batch row, per key tile: min / max position and whether positions are consecutive.
+    tile_min_.resize(static_cast<size_t>(p.batch * ntiles_));
+    tile_max_.resize(tile_min_.size());
+    tile_consec_.resize(tile_min_.size());
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int32_t* kp = p.kpos + b * p.seq_k;
+      for (int64_t t = 0; t < ntiles_; ++t) {
+        const int64_t j0 = t * kTileK, j1 = std::min(p.seq_k, j0 + kTileK);
+        int32_t lo = kp[j0], hi = kp[j0];
+        bool consec = true;
+        for (int64_t j = j0 + 1; j < j1; ++j) {
+          lo = std::min(lo, kp[j]);
+          hi = std::max(hi, kp[j]);
+          consec = consec && kp[j] == kp[j - 1] + 1;
+        }
+        const size_t at = static_cast<size_t>(b * ntiles_ + t);
+        tile_min_[at] = lo;
+        tile_max_[at] = hi;
+        tile_consec_[at] = consec;
+      }
+    }
+  }
+
+  void Run() {
+    const int threads = resolve_threads(p_.num_threads);
+    const int64_t items = p_.batch * p_.heads_kv * nqb_;
+    // Decoding shapes: few items over many keys. Split each item's keys into fixed chunks
+    // (depending on the shape only) and merge; otherwise one item = all keys.
+    int64_t splits = 1;
+    if (items < 16 && p_.seq_k >= 4 * 1024) {
+      splits = std::min<int64_t>(64, (p_.seq_k + 2047) / 2048);
+    }
+    if (splits == 1) {
+      parallel_for(items, threads, [&](int64_t w) {
+        Scratch sc;
+        Item it = MakeItem(w);
+        InitAccumulators(it, sc);
+        Process(it, 0, p_.seq_k, sc);
+        Finish(it, sc);
+      });
+      return;
+    }
+    // Split path: partial (m, l, O) per (item, chunk), then an exact merge per item.
+    const int64_t chunk = RoundUp((p_.seq_k + splits - 1) / splits, kTileK);
+    splits = (p_.seq_k + chunk - 1) / chunk;
+    const int64_t rows_max = group_ * bq_;
+    std::vector<float> part_o(static_cast<size_t>(items * splits * rows_max * dpad_));
+    std::vector<float> part_m(static_cast<size_t>(items * splits * rows_max));
+    std::vector<float> part_l(part_m.size());
+    parallel_for(items * splits, threads, [&](int64_t ws) {
+      const int64_t w = ws / splits, sp = ws % splits;
+      Scratch sc;
+      Item it = MakeItem(w);
+      InitAccumulators(it, sc);
+      Process(it, sp * chunk, std::min(p_.seq_k, (sp + 1) * chunk), sc);
+      const size_t base = static_cast<size_t>(ws * rows_max);
+      for (int64_t r = 0; r < it.rows; ++r) {
+        part_m[base + static_cast<size_t>(r)] = sc.m[static_cast<size_t>(r)];
+        part_l[base + static_cast<size_t>(r)] = sc.l[static_cast<size_t>(r)];
+        std::memcpy(&part_o[(base + static_cast<size_t>(r)) * static_cast<size_t>(dpad_)],
+                    sc.o.get() + r * dpad_, static_cast<size_t>(dpad_) * sizeof(float));
+      }
+    });
+    parallel_for(items, threads, [&](int64_t w) {
+      Scratch sc;
+      Item it = MakeItem(w);
+      InitAccumulators(it, sc);
+      for (int64_t r = 0; r < it.rows; ++r) {
+        float mx = kNegInf;
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          mx = std::max(mx, part_m[static_cast<size_t>((w * splits + sp) * rows_max + r)]);
+        }
+        sc.m[static_cast<size_t>(r)] = mx;
+        if (mx == kNegInf) continue;
+        float l = 0;
+        float* o = sc.o.get() + r * dpad_;
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const size_t at = static_cast<size_t>((w * splits + sp) * rows_max + r);
+          if (part_m[at] == kNegInf) continue;
+          const float f = std::exp(part_m[at] - mx);
+          l += part_l[at] * f;
+          const float* po = &part_o[at * static_cast<size_t>(dpad_)];
+          for (int64_t x = 0; x < dpad_; ++x) o[x] += po[x] * f;
+        }
+        sc.l[static_cast<size_t>(r)] = l;
+      }
+      Finish(it, sc);
+    });
+  }
+
+ private:
+  Item MakeItem(int64_t w) const {
+    Item it;
+    const int64_t qb = w % nqb_;
+    const int64_t bh = w / nqb_;
+    it.hk = bh % p_.heads_kv;
+    it.b = bh / p_.heads_kv;
+    it.i0 = qb * bq_;
+    it.nq = std::min(bq_, p_.seq_q - it.i0);
+    it.group = group_;
+    it.rows = group_ * it.nq;
+    it.rows_pad = RoundUp(it.rows, 4);
+    return it;
+  }
+
+  int64_t HeadOf(const Item& it, int64_t r) const { return it.hk * group_ + r / it.nq; }
+  int64_t QueryOf(const Item& it, int64_t r) const { return it.i0 + r % it.nq; }
+  int32_t QPos(const Item& it, int64_t r) const {
+    return p_.qpos[it.b * p_.seq_q + QueryOf(it, r)];
+  }
+
+  void InitAccumulators(const Item& it, Scratch& sc) const {
+    Scratch::Ensure(sc.o, sc.o_n, static_cast<size_t>(it.rows_pad * dpad_));
+    std::fill(sc.o.get(), sc.o.get() + it.rows_pad * dpad_, 0.0f);
+    sc.m.assign(static_cast<size_t>(it.rows_pad), kNegInf);
+    sc.l.assign(static_cast<size_t>(it.rows_pad), 0.0f);
+  }
+
+  // Packs the item's query rows (XL adds r_r_bias) and the per-row scheme tables.
+  void PackQueries(const Item& it, Scratch& sc, RowTables& rt) const {
+    Scratch::Ensure(sc.qp, sc.qp_n, static_cast<size_t>(it.rows_pad * dim_));
+    float* qp = sc.qp.get();
+    std::fill(qp, qp + it.rows_pad * dim_, 0.0f);
+    for (int64_t r = 0; r < it.rows; ++r) {
+      const int64_t h = HeadOf(it, r), i = QueryOf(it, r);
+      const float* src = p_.q + it.b * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
+      std::memcpy(qp + r * dim_, src, static_cast<size_t>(dim_) * sizeof(float));
+    }
+    if (p_.xl_r != nullptr) {
+      // Rows of q + v in `extra` (for (q + v) . r(delta)); the main product uses q + u.
+      Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>(it.rows * dim_));
+      for (int64_t r = 0; r < it.rows; ++r) {
+        const int64_t h = HeadOf(it, r);
+        for (int64_t c = 0; c < dim_; ++c) {
+          sc.extra[static_cast<size_t>(r * dim_ + c)] = qp[r * dim_ + c] + p_.xl_v[h * dim_ + c];
+          qp[r * dim_ + c] += p_.xl_u[h * dim_ + c];
+        }
+      }
+    }
+    if (p_.shaw_rel_k != nullptr) {
+      const int64_t kk = p_.shaw_k;
+      rt.shaw_w = 2 * kk + 1 + 2 * kTileK;
+      Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>(it.rows * rt.shaw_w));
+      std::vector<float> proj(static_cast<size_t>(2 * kk + 1));
+      for (int64_t r = 0; r < it.rows; ++r) {
+        const int64_t h = p_.shaw_rel_k_heads == 1 ? 0 : HeadOf(it, r);
+        for (int64_t u = 0; u <= 2 * kk; ++u) {
+          const float* rk = p_.shaw_rel_k + (u * p_.shaw_rel_k_heads + h) * dim_;
+          proj[static_cast<size_t>(u)] = Dot(qp + r * dim_, rk, dim_) * p_.scale;
+        }
+        float* row = sc.extra.get() + r * rt.shaw_w;
+        for (int64_t u = 0; u < rt.shaw_w; ++u) {
+          const int64_t rel = std::clamp<int64_t>(u - kTileK - kk, -kk, kk);
+          row[u] = proj[static_cast<size_t>(rel + kk)];
+        }
+      }
+      sc.wsum.assign(static_cast<size_t>(it.rows * (2 * kk + 1)), 0.0f);
+    }
+    if (p_.deberta_pos_key != nullptr) {
+      // c2p over every delta of this batch row: w = deberta_len values per query row.
+      const int64_t span2 = 2 * p_.deberta_span;
+      rt.deb_w = p_.deberta_len;
+      rt.deb_dmax = p_.deberta_dmax[it.b];
+      Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>(it.rows * rt.deb_w));
+      std::vector<float> proj(static_cast<size_t>(span2));
+      for (int64_t r = 0; r < it.rows; ++r) {
+        const int64_t h = HeadOf(it, r);
+        for (int64_t u = 0; u < span2; ++u) {
+          const float* pk = p_.deberta_pos_key + (u * p_.heads_q + h) * dim_;
+          proj[static_cast<size_t>(u)] = Dot(qp + r * dim_, pk, dim_) * p_.scale;
+        }
+        float* row = sc.extra.get() + r * rt.deb_w;
+        for (int64_t t = 0; t < rt.deb_w; ++t)
+          row[t] = proj[static_cast<size_t>(p_.deberta_c2p[t])];
+      }
+    }
+  }
+
+  // Processes keys [j_begin, j_end) (multiples of kTileK except at seq_k) for the item.
+  void Process(const Item& it, int64_t j_begin, int64_t j_end, Scratch& sc) const {
+    RowTables rt;
+    PackQueries(it, sc, rt);
+    Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
+    Scratch::Ensure(sc.s, sc.s_n, static_cast<size_t>(it.rows_pad * kTileK));
+    const bool pack_v = dim_ % lanes_ != 0;
+    if (pack_v) Scratch::Ensure(sc.vt, sc.vt_n, static_cast<size_t>(kTileK * dpad_));
+    if (!sc.kpos) sc.kpos = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+
+    // Query positions of the block: the causal / window tile tests.
+    int32_t qlo = std::numeric_limits<int32_t>::max(), qhi = std::numeric_limits<int32_t>::min();
+    for (int64_t i = it.i0; i < it.i0 + it.nq; ++i) {
+      qlo = std::min(qlo, p_.qpos[it.b * p_.seq_q + i]);
+      qhi = std::max(qhi, p_.qpos[it.b * p_.seq_q + i]);
+    }
+    const float* kbase = p_.k + it.b * p_.k_stride[0] + it.hk * p_.k_stride[2];
+    const float* vbase = p_.v + it.b * p_.v_stride[0] + it.hk * p_.v_stride[2];
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
+      const int64_t t = j0 / kTileK;
+      const size_t ta = static_cast<size_t>(it.b * ntiles_ + t);
+      const int32_t klo = tile_min_[ta], khi = tile_max_[ta];
+      // Skip tiles the mask hides for every row of the block.
+      if (p_.causal && klo > qhi) continue;
+      if (p_.window > 0) {
+        const int64_t nearest =
+            klo > qhi ? int64_t{klo} - qhi : (khi < qlo ? int64_t{qlo} - khi : 0);
+        if (nearest >= p_.window) continue;
+      }
+      const int64_t nk = std::min(kTileK, j_end - j0);
+      bool full = nk == kTileK;
+      if (p_.causal && khi > qlo) full = false;
+      if (p_.window > 0) {
+        const int64_t far = std::max<int64_t>(int64_t{qhi} - klo, int64_t{khi} - qlo);
+        if (far >= p_.window) full = false;
+      }
+      // Kt[d][c] for c < nk, zero beyond.
+      float* kt = sc.kt.get();
+      for (int64_t c = 0; c < nk; ++c) {
+        const float* kr = kbase + (j0 + c) * p_.k_stride[1];
+        for (int64_t x = 0; x < dim_; ++x) kt[x * kTileK + c] = kr[x];
+      }
+      if (nk < kTileK) {
+        for (int64_t x = 0; x < dim_; ++x) {
+          std::fill(kt + x * kTileK + nk, kt + (x + 1) * kTileK, 0.0f);
+        }
+      }
+      int32_t* kp = sc.kpos.get();
+      for (int64_t c = 0; c < kTileK; ++c) {
+        kp[c] = p_.kpos[it.b * p_.seq_k + std::min(j0 + c, p_.seq_k - 1)];
+      }
+      ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get());
+      const bool consec = tile_consec_[ta] != 0;
+      for (int64_t r = 0; r < it.rows; ++r) {
+        RowUpdate(it, r, j0, nk, full, consec, rt, sc);
+      }
+      const float* vsrc = vbase + j0 * p_.v_stride[1];
+      int64_t vstride = p_.v_stride[1];
+      if (pack_v) {
+        float* vt = sc.vt.get();
+        for (int64_t c = 0; c < nk; ++c) {
+          std::memcpy(vt + c * dpad_, vsrc + c * p_.v_stride[1],
+                      static_cast<size_t>(dim_) * sizeof(float));
+          std::fill(vt + c * dpad_ + dim_, vt + (c + 1) * dpad_, 0.0f);
+        }
+        vsrc = vt;
+        vstride = dpad_;
+      }
+      AccumulateTile(sc.s.get(), nk, vsrc, vstride, dpad_, it.rows_pad, sc.o.get());
+    }
+  }
+
+  // Adds the scheme's terms to row r of the score tile, masks it, and folds it into the
+  // running softmax: afterwards S[r][:] holds the probabilities (unnormalized, relative to the
+  // new running maximum) and O[r], l[r] are rescaled.
+  HWY_INLINE void RowUpdate(const Item& it, int64_t r, int64_t j0, int64_t nk, bool full,
+                            bool consec, const RowTables& rt, Scratch& sc) const {
+    const DF d;
+    const DI di;
+    const int64_t n = lanes_;
+    float* s = sc.s.get() + r * kTileK;
+    const int64_t h = HeadOf(it, r);
+    const int32_t qp = QPos(it, r);
+    const auto vscale = hn::Set(d, p_.scale);
+    const int32_t* kp = sc.kpos.get();
+    const float* bias = nullptr;
+    int32_t bias_off = 0;  // bias index of key c: bias_off + kp[c]
+    if (p_.bias != nullptr) {
+      bias = p_.bias + it.b * p_.bias_batch_stride + h * p_.bias_len;
+      bias_off = p_.bias_dmax[it.b] - qp;
+    }
+    const float* xl_r = nullptr;
+    if (p_.xl_r != nullptr) xl_r = p_.xl_r + h * p_.xl_len * dim_;
+    auto vmax = hn::Set(d, kNegInf);
+    const auto vq = hn::Set(di, qp);
+    for (int64_t c = 0; c < kTileK; c += n) {
+      auto sv = hn::Mul(hn::Load(d, s + c), vscale);
+      if (bias != nullptr) {
+        if (consec) {
+          sv = hn::Add(sv, hn::LoadU(d, bias + bias_off + kp[0] + c));
+        } else {
+          const auto idx = hn::Add(hn::Load(di, kp + c), hn::Set(di, bias_off));
+          sv = hn::Add(sv, hn::GatherIndex(d, bias, idx));
+        }
+      }
+      if (xl_r != nullptr) {
+        // XL: scale * (q + v) . r(delta); (q + u) . k is already in sv.
+        alignas(64) float extra[16];
+        const float* qv = sc.extra.get() + r * dim_;
+        for (int64_t x = 0; x < n; ++x) {
+          const int64_t delta = int64_t{qp} - kp[c + x];
+          extra[x] = Dot(qv, xl_r + (p_.xl_dmax - delta) * dim_, dim_);
+        }
+        sv = hn::MulAdd(hn::Load(d, extra), vscale, sv);
+      }
+      if (p_.shaw_rel_k != nullptr) {
+        const float* row = sc.extra.get() + r * rt.shaw_w;
+        const int64_t kk = p_.shaw_k;
+        if (consec) {
+          const int64_t rel0 = int64_t{kp[0]} - qp + c;
+          const int64_t u = std::clamp<int64_t>(rel0 + kk + kTileK, 0, rt.shaw_w - n);
+          if (rel0 >= kk) {
+            sv = hn::Add(sv, hn::Set(d, row[rt.shaw_w - 1]));
+          } else if (rel0 + n - 1 <= -kk) {
+            sv = hn::Add(sv, hn::Set(d, row[0]));
+          } else {
+            sv = hn::Add(sv, hn::LoadU(d, row + u));
+          }
+        } else {
+          alignas(64) float extra[16];
+          for (int64_t x = 0; x < n; ++x) {
+            const int64_t rel = std::clamp<int64_t>(int64_t{kp[c + x]} - qp, -kk, kk);
+            extra[x] = row[rel + kk + kTileK];
+          }
+          sv = hn::Add(sv, hn::Load(d, extra));
+        }
+      }
+      if (p_.deberta_pos_key != nullptr) {
+        // c2p from the row's table by delta, p2c from the per-key table (gathered).
+        const float* row = sc.extra.get() + r * rt.deb_w;
+        const float* kpq = p_.deberta_kpq;
+        alignas(64) float extra[16];
+        for (int64_t x = 0; x < n; ++x) {
+          const int64_t j = std::min(j0 + c + x, p_.seq_k - 1);
+          const int64_t t = rt.deb_dmax - (int64_t{qp} - kp[c + x]);
+          const int64_t u = p_.deberta_p2c[t];
+          extra[x] =
+              row[t] + kpq[((it.b * p_.heads_q + h) * 2 * p_.deberta_span + u) * p_.seq_k + j];
+        }
+        sv = hn::Add(sv, hn::Load(d, extra));
+      }
+      if (!full) {
+        auto vis = hn::FirstN(d, static_cast<size_t>(std::max<int64_t>(0, nk - c)));
+        const auto rel = hn::Sub(hn::Load(di, kp + c), vq);
+        if (p_.causal) vis = hn::AndNot(hn::RebindMask(d, hn::Gt(rel, hn::Zero(di))), vis);
+        if (p_.window > 0) {
+          const auto w = hn::Set(di, static_cast<int32_t>(std::min<int64_t>(p_.window, INT32_MAX)));
+          vis = hn::And(vis, hn::RebindMask(d, hn::Gt(w, hn::Abs(rel))));
+        }
+        sv = hn::IfThenElse(vis, sv, hn::Set(d, kNegInf));
+      }
+      hn::Store(sv, d, s + c);
+      vmax = hn::Max(vmax, sv);
+    }
+    const float tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+    float& m = sc.m[static_cast<size_t>(r)];
+    float& l = sc.l[static_cast<size_t>(r)];
+    const float m_new = std::max(m, tile_max);
+    if (m_new == kNegInf) {
+      std::fill(s, s + kTileK, 0.0f);
+      return;
+    }
+    const float corr = std::exp(m - m_new);  // 0 when m was -inf
+    const auto vm = hn::Set(d, m_new);
+    auto vsum = hn::Zero(d);
+    for (int64_t c = 0; c < kTileK; c += n) {
+      const auto e = hn::Exp(d, hn::Sub(hn::Load(d, s + c), vm));  // exp(-inf) = 0
+      hn::Store(e, d, s + c);
+      vsum = hn::Add(vsum, e);
+    }
+    const float tile_sum = hn::GetLane(hn::SumOfLanes(d, vsum));
+    if (corr != 1.0f) {
+      float* o = sc.o.get() + r * dpad_;
+      const auto vc = hn::Set(d, corr);
+      for (int64_t x = 0; x < dpad_; x += n) hn::Store(hn::Mul(hn::Load(d, o + x), vc), d, o + x);
+      if (!sc.wsum.empty()) {
+        float* w = sc.wsum.data() + r * (2 * p_.shaw_k + 1);
+        for (int64_t u = 0; u <= 2 * p_.shaw_k; ++u) w[u] *= corr;
+      }
+    }
+    l = l * corr + tile_sum;
+    m = m_new;
+    if (p_.shaw_rel_v != nullptr) {
+      // Per-bucket weights for Shaw's value term.
+      float* w = sc.wsum.data() + r * (2 * p_.shaw_k + 1);
+      const int64_t kk = p_.shaw_k;
+      const int64_t rel_lo = int64_t{kp[0]} - qp, rel_hi = int64_t{kp[nk - 1]} - qp;
+      if (consec && (rel_lo >= kk || rel_hi <= -kk)) {
+        w[rel_lo >= kk ? 2 * kk : 0] += tile_sum;
+      } else {
+        for (int64_t c = 0; c < nk; ++c) {
+          const int64_t rel = std::clamp<int64_t>(int64_t{kp[c]} - qp, -kk, kk);
+          w[rel + kk] += s[c];
+        }
+      }
+    }
+  }
+
+  // out = O / l (+ Shaw's value term), or 0 for rows that saw no key.
+  void Finish(const Item& it, Scratch& sc) const {
+    for (int64_t r = 0; r < it.rows; ++r) {
+      const int64_t h = HeadOf(it, r), i = QueryOf(it, r);
+      float* dst = p_.out + it.b * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
+      const float l = sc.l[static_cast<size_t>(r)];
+      const float* o = sc.o.get() + r * dpad_;
+      if (l == 0.0f) {
+        std::fill(dst, dst + dim_, 0.0f);
+        continue;
+      }
+      const float inv = 1.0f / l;
+      if (p_.shaw_rel_v != nullptr && !sc.wsum.empty()) {
+        const int64_t kk = p_.shaw_k;
+        const float* w = sc.wsum.data() + r * (2 * kk + 1);
+        const int64_t th = p_.shaw_rel_v_heads == 1 ? 0 : h;
+        for (int64_t x = 0; x < dim_; ++x) {
+          float acc = o[x];
+          for (int64_t u = 0; u <= 2 * kk; ++u) {
+            acc += w[u] * p_.shaw_rel_v[(u * p_.shaw_rel_v_heads + th) * dim_ + x];
+          }
+          dst[x] = acc * inv;
+        }
+      } else {
+        for (int64_t x = 0; x < dim_; ++x) dst[x] = o[x] * inv;
+      }
+    }
+  }
+
+  const FusedAttentionParams& p_;
+  int64_t lanes_ = 1, dim_ = 0, dpad_ = 0, group_ = 1, bq_ = 1, nqb_ = 0, ntiles_ = 0;
+  std::vector<int32_t> tile_min_, tile_max_;
+  std::vector<uint8_t> tile_consec_;
+};
+
+void FusedAttention(const FusedAttentionParams& p) {
+  Kernel k(p);
+  k.Run();
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace posenc::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace posenc::kernels {
+
+HWY_EXPORT(FusedAttention);
+
+void fused_attention(const FusedAttentionParams& p) { HWY_DYNAMIC_DISPATCH(FusedAttention)(p); }
+
+}  // namespace posenc::kernels
+#endif  // HWY_ONCE

@@ -1,0 +1,82 @@
+// src/kernels/attention_kernels.h - the fused attention kernel's plain parameter struct.
+//
+// src/attention.cc validates the public call, precomputes the per-scheme data that is O(L) or
+// O(L*K) (bias-by-distance tables for ALiBi and T5, per-query / per-key projections for Shaw and
+// DeBERTa, the projected distance table of Transformer-XL, rotated copies for RoPE) and fills
+// this struct; the kernel (attention_hwy.cc) never sees views or schemes, only pointers and
+// sizes. No Highway types cross this header.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+namespace posenc::kernels {
+
+struct FusedAttentionParams {
+  // q [batch, seq_q, heads_q, head_dim], k and v [batch, seq_k, heads_kv, head_dim],
+  // out [batch, seq_q, heads_q, head_dim]; strides in elements for (batch, seq, head), the last
+  // dimension contiguous.
+  const float* q = nullptr;
+  std::array<int64_t, 3> q_stride{};
+  const float* k = nullptr;
+  std::array<int64_t, 3> k_stride{};
+  const float* v = nullptr;
+  std::array<int64_t, 3> v_stride{};
+  float* out = nullptr;
+  std::array<int64_t, 3> out_stride{};
+  int64_t batch = 0, seq_q = 0, seq_k = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+
+  float scale = 1.0f;
+  bool causal = false;
+  int64_t window = 0;  // 0 = no window; else visible iff |pos_q - pos_k| < window
+
+  // Positions per batch row, relative to a per-row base so they fit int32: qpos [batch, seq_q],
+  // kpos [batch, seq_k].
+  const int32_t* qpos = nullptr;
+  const int32_t* kpos = nullptr;
+
+  // Additive bias as a function of delta = pos_q - pos_k (ALiBi, T5): for batch row b and query
+  // head h, bias(delta) = bias[b * bias_batch_stride + h * bias_len + (bias_dmax[b] - delta)].
+  // nullptr: no bias.
+  const float* bias = nullptr;
+  int64_t bias_len = 0;
+  int64_t bias_batch_stride = 0;
+  const int32_t* bias_dmax = nullptr;  // [batch]
+
+  // Shaw et al.: per-query projections are computed inside the kernel from these tables
+  // ([2K+1, table_heads, head_dim], contiguous; table_heads 1 or heads_q). rel_v may be null.
+  const float* shaw_rel_k = nullptr;
+  const float* shaw_rel_v = nullptr;
+  int64_t shaw_k = 0;
+  int64_t shaw_rel_k_heads = 1, shaw_rel_v_heads = 1;
+
+  // DeBERTa: c2p projections q . pos_key are computed in the kernel from pos_key [2K, heads_q,
+  // head_dim] (contiguous); p2c values k_j . pos_query[r] come precomputed as
+  // deberta_kpq[((b * heads_q + h) * 2K + r) * seq_k + j]. Row indices by delta come from
+  // deberta_c2p / deberta_p2c [deberta_len] at (deberta_dmax[b] - delta).
+  const float* deberta_pos_key = nullptr;
+  const float* deberta_kpq = nullptr;
+  int64_t deberta_span = 0;  // K
+  const int32_t* deberta_c2p = nullptr;
+  const int32_t* deberta_p2c = nullptr;
+  int64_t deberta_len = 0;
+  const int32_t* deberta_dmax = nullptr;
+
+  // Transformer-XL: r(delta) for head h is xl_r[(h * xl_len + (xl_dmax - delta)) * head_dim ..]
+  // (one distance range for the whole batch); u = r_w_bias and v = r_r_bias [heads_q, head_dim]
+  // dense. The kernel scores (q + u) . k with the main product and (q + v) . r(delta) per cell.
+  const float* xl_r = nullptr;
+  int64_t xl_len = 0;
+  int64_t xl_dmax = 0;
+  const float* xl_u = nullptr;
+  const float* xl_v = nullptr;
+
+  int num_threads = 0;
+};
+
+// Flash-attention forward: tiles of queries x keys with a running max and sum, float32
+// accumulation, never materializing seq_q x seq_k. Rows with no visible key get 0 (the API has
+// already rejected them unless allowed).
+void fused_attention(const FusedAttentionParams& p);
+
+}  // namespace posenc::kernels

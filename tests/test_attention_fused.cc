@@ -1,0 +1,237 @@
+// tests/test_attention_fused.cc - the fused float32 kernel against the float64 oracle.
+//
+// Tolerance (STYLE.md, after FlashAttention's tests): max |fused - ref| <= 2 * max |naive - ref|
+// + 1e-6, where naive is the simple float32 path (attention_naive) on the same inputs: the fused
+// kernel may be no worse than twice the error that float32 arithmetic itself costs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "attention_cases.h"
+#include "hwy/targets.h"
+#include "kernels/simd.h"
+#include "posenc/posenc.h"
+
+namespace {
+
+using namespace posenc;
+
+struct Shape {
+  int64_t batch, seq_q, seq_k, heads_q, heads_kv, dim;
+};
+
+std::string str(const Shape& s) {
+  return "B" + std::to_string(s.batch) + " Lq" + std::to_string(s.seq_q) + " Lk" +
+         std::to_string(s.seq_k) + " Hq" + std::to_string(s.heads_q) + " Hkv" +
+         std::to_string(s.heads_kv) + " D" + std::to_string(s.dim);
+}
+
+struct Case {
+  Shape s;
+  std::vector<float> q, k, v;
+  std::vector<double> qd, kd, vd;
+};
+
+Case make_case(const Shape& s, std::mt19937_64& rng) {
+  Case c{s, {}, {}, {}, {}, {}, {}};
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  c.q.resize(static_cast<size_t>(s.batch * s.seq_q * s.heads_q * s.dim));
+  c.k.resize(static_cast<size_t>(s.batch * s.seq_k * s.heads_kv * s.dim));
+  c.v.resize(c.k.size());
+  for (auto* x : {&c.q, &c.k, &c.v})
+    for (auto& e : *x) e = nd(rng);
+  c.qd.assign(c.q.begin(), c.q.end());
+  c.kd.assign(c.k.begin(), c.k.end());
+  c.vd.assign(c.v.begin(), c.v.end());
+  return c;
+}
+
+using Fn = void (*)(View<const float, 4>, View<const float, 4>, View<const float, 4>,
+                    const PositionScheme&, const AttentionOptions&, View<float, 4>,
+                    const Positions*, const Positions*);
+
+std::vector<float> run(Fn fn, const Case& c, const PositionScheme& scheme,
+                       const AttentionOptions& opt, const Positions* qp = nullptr,
+                       const Positions* kp = nullptr) {
+  const Shape& s = c.s;
+  std::vector<float> out(c.q.size(), -7.0f);
+  fn(View<const float, 4>::contiguous(c.q.data(), {s.batch, s.seq_q, s.heads_q, s.dim}),
+     View<const float, 4>::contiguous(c.k.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}),
+     View<const float, 4>::contiguous(c.v.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}), scheme,
+     opt, View<float, 4>::contiguous(out.data(), {s.batch, s.seq_q, s.heads_q, s.dim}), qp, kp);
+  return out;
+}
+
+std::vector<double> run_ref(const Case& c, const PositionScheme& scheme,
+                            const AttentionOptions& opt, const Positions* qp = nullptr,
+                            const Positions* kp = nullptr) {
+  const Shape& s = c.s;
+  std::vector<double> out(c.q.size());
+  ref::attention(
+      View<const double, 4>::contiguous(c.qd.data(), {s.batch, s.seq_q, s.heads_q, s.dim}),
+      View<const double, 4>::contiguous(c.kd.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}),
+      View<const double, 4>::contiguous(c.vd.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}), scheme,
+      opt, View<double, 4>::contiguous(out.data(), {s.batch, s.seq_q, s.heads_q, s.dim}), qp, kp);
+  return out;
+}
+
+double max_err(const std::vector<float>& a, const std::vector<double>& ref) {
+  double e = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    e = std::max(e, std::abs(static_cast<double>(a[i]) - ref[i]));
+  return e;
+}
+
+void check(const Case& c, const PositionScheme& scheme, const AttentionOptions& opt,
+           const Positions* qp = nullptr, const Positions* kp = nullptr) {
+  const auto ref = run_ref(c, scheme, opt, qp, kp);
+  const auto naive = run(&attention_naive, c, scheme, opt, qp, kp);
+  const auto fused = run(&attention, c, scheme, opt, qp, kp);
+  const double en = max_err(naive, ref), ef = max_err(fused, ref);
+  EXPECT_LE(ef, 2 * en + 1e-6) << "fused error " << ef << " vs naive " << en;
+}
+
+// Every scheme, causal and not, MHA / GQA 4 / GQA 8, sizes around the lane counts (1, 2, 15, 16,
+// 17, 63, 64, 65, 130) and Lq != Lk.
+TEST(FusedAttention, MatchesReferenceWithinTwiceNaiveError) {
+  const std::vector<Shape> shapes = {
+      {1, 1, 1, 1, 1, 1},    {1, 2, 2, 2, 2, 2},      {2, 15, 17, 4, 1, 16}, {1, 16, 65, 8, 2, 17},
+      {1, 63, 130, 8, 1, 8}, {1, 130, 130, 4, 4, 32}, {2, 3, 129, 8, 8, 15}, {1, 64, 64, 2, 2, 64},
+  };
+  uint64_t seed = 100;
+  for (const auto& s : shapes) {
+    for (const auto& name : cases::kSchemes) {
+      for (bool causal : {false, true}) {
+        ++seed;
+        if (name == "rope" && s.dim < 2) continue;
+        SCOPED_TRACE(name + (causal ? " causal " : " bidirectional ") + str(s) + " seed " +
+                     std::to_string(seed));
+        std::mt19937_64 rng(seed);
+        const auto box =
+            cases::make_scheme(name, s.heads_q, s.dim, rng, static_cast<int>(seed % 4));
+        const auto c = make_case(s, rng);
+        check(c, box->scheme, {.causal = causal});
+      }
+    }
+  }
+}
+
+// Explicit, non-contiguous and per-row positions, windows, fully masked rows allowed.
+TEST(FusedAttention, PositionsWindowsAndMaskedRows) {
+  const Shape s{2, 5, 70, 4, 2, 16};
+  std::mt19937_64 rng(7);
+  std::vector<int64_t> kids(static_cast<size_t>(2 * 70));
+  for (int64_t j = 0; j < 70; ++j) {
+    kids[static_cast<size_t>(j)] = 3 * j;        // gaps
+    kids[static_cast<size_t>(70 + j)] = 69 - j;  // descending
+  }
+  const auto kp = Positions::per_row(kids, 2, 70);
+  const auto qp = Positions::per_row({0, 50, 100, 150, 400, 10, 20, 30, 40, 500}, 2, 5);
+  for (const auto& name : cases::kSchemes) {
+    for (bool causal : {false, true}) {
+      for (int64_t window : {0, 9}) {
+        SCOPED_TRACE(name + (causal ? " causal" : "") + " window " + std::to_string(window));
+        const auto box = cases::make_scheme(name, s.heads_q, s.dim, rng, 1);
+        const auto c = make_case(s, rng);
+        AttentionOptions opt{.causal = causal, .allow_fully_masked = true};
+        if (window) opt.window = window;
+        check(c, box->scheme, opt, &qp, &kp);
+      }
+    }
+  }
+}
+
+// Decoding: few items and many keys take the split-and-merge path.
+TEST(FusedAttention, DecodeSplitPath) {
+  const Shape s{1, 1, 5000, 8, 2, 32};
+  std::mt19937_64 rng(9);
+  const auto c = make_case(s, rng);
+  for (const auto& name : {"none", "alibi", "t5"}) {
+    SCOPED_TRACE(name);
+    const auto box = cases::make_scheme(name, s.heads_q, s.dim, rng);
+    check(c, box->scheme, {.causal = true});
+    check(c, box->scheme, {.causal = false});
+  }
+}
+
+// Bit-identical for 1, 2 and 3 threads, on the prefill and the split path.
+TEST(FusedAttention, ThreadCountDoesNotChangeResults) {
+  for (const Shape s : {Shape{2, 70, 90, 4, 2, 16}, Shape{1, 1, 4200, 4, 1, 16}}) {
+    std::mt19937_64 rng(11);
+    const auto c = make_case(s, rng);
+    const auto box = cases::make_scheme("t5", s.heads_q, s.dim, rng);
+    std::vector<float> first;
+    for (int threads : {1, 2, 3}) {
+      const auto out = run(&attention, c, box->scheme, {.causal = true, .num_threads = threads});
+      if (first.empty()) {
+        first = out;
+      } else {
+        EXPECT_EQ(out, first) << threads << " threads, " << str(s);
+      }
+    }
+  }
+}
+
+// Every Highway target compiled into the library and supported here.
+TEST(FusedAttention, EveryCompiledSimdTarget) {
+  const Shape s{1, 33, 77, 4, 2, 24};
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    SCOPED_TRACE(hwy::TargetName(target));
+    kernels::set_simd_target_for_test(target);
+    std::mt19937_64 rng(13);
+    for (const auto& name : cases::kSchemes) {
+      const auto box = cases::make_scheme(name, s.heads_q, s.dim, rng, 1);
+      const auto c = make_case(s, rng);
+      check(c, box->scheme, {.causal = true});
+    }
+  }
+  kernels::set_simd_target_for_test(0);
+}
+
+// Strided (non-contiguous) views: q as [B, H, L, D] storage, out with padding.
+TEST(FusedAttention, NonContiguousViews) {
+  const Shape s{2, 9, 70, 4, 2, 16};
+  std::mt19937_64 rng(15);
+  const auto c = make_case(s, rng);
+  const auto box = cases::make_scheme("alibi", s.heads_q, s.dim, rng);
+  const auto expect = run(&attention, c, box->scheme, {.causal = true});
+  std::vector<float> qt(c.q.size());
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t i = 0; i < s.seq_q; ++i)
+      for (int64_t h = 0; h < s.heads_q; ++h)
+        for (int64_t x = 0; x < s.dim; ++x)
+          qt[static_cast<size_t>(((b * s.heads_q + h) * s.seq_q + i) * s.dim + x)] =
+              c.q[static_cast<size_t>(((b * s.seq_q + i) * s.heads_q + h) * s.dim + x)];
+  std::vector<float> out(2 * c.q.size(), 5.0f);
+  attention(View<const float, 4>{qt.data(),
+                                 {s.batch, s.seq_q, s.heads_q, s.dim},
+                                 {s.heads_q * s.seq_q * s.dim, s.dim, s.seq_q * s.dim, 1}},
+            View<const float, 4>::contiguous(c.k.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}),
+            View<const float, 4>::contiguous(c.v.data(), {s.batch, s.seq_k, s.heads_kv, s.dim}),
+            box->scheme, {.causal = true},
+            View<float, 4>{out.data(),
+                           {s.batch, s.seq_q, s.heads_q, s.dim},
+                           {s.seq_q * s.heads_q * 2 * s.dim, s.heads_q * 2 * s.dim, 2 * s.dim, 1}});
+  for (int64_t r = 0; r < s.batch * s.seq_q * s.heads_q; ++r) {
+    for (int64_t x = 0; x < s.dim; ++x) {
+      ASSERT_EQ(out[static_cast<size_t>(r * 2 * s.dim + x)],
+                expect[static_cast<size_t>(r * s.dim + x)]);
+      ASSERT_EQ(out[static_cast<size_t>(r * 2 * s.dim + s.dim + x)], 5.0f);
+    }
+  }
+}
+
+TEST(FusedAttention, FullyMaskedRowsAreRejectedUnlessAllowed) {
+  const Shape s{1, 2, 3, 1, 1, 4};
+  std::mt19937_64 rng(17);
+  const auto c = make_case(s, rng);
+  const auto qp = Positions::shared({2, 20}), kp = Positions::shared({0, 1, 2});
+  EXPECT_THROW(run(&attention, c, NoPositions{}, {.causal = true, .window = 3}, &qp, &kp),
+               ValueError);
+  const auto out = run(&attention, c, NoPositions{},
+                       {.causal = true, .window = 3, .allow_fully_masked = true}, &qp, &kp);
+  for (int x = 4; x < 8; ++x) EXPECT_EQ(out[static_cast<size_t>(x)], 0.0f);
+}
+
+}  // namespace
