@@ -464,8 +464,7 @@ void check_fully_masked(const Problem<float>& pr) {
 
 // Fills kernels::FusedAttentionParams (positions as int32 offsets, per-scheme tables) and runs
 // the fused kernel. Returns false when the call is outside the kernel's domain.
-bool run_fused(const Problem<float>& pr, const Prepared<float>& p, const PositionScheme& scheme,
-               View<float, 4> out) {
+bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4> out) {
   const Dims& d = pr.d;
   if (!pr.q.last_dim_contiguous() || !pr.k.last_dim_contiguous() || !pr.v.last_dim_contiguous() ||
       !out.last_dim_contiguous()) {
@@ -683,7 +682,7 @@ void attention(View<const float, 4> q, View<const float, 4> k, View<const float,
   const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
                                 /*build_xl_table=*/false);
   check_fully_masked(pr);
-  if (!run_fused(pr, p, scheme, out)) {
+  if (!run_fused(pr, p, out)) {
     // Outside the fused kernel's domain (positions too sparse for int32 distance tables, a
     // non-contiguous last dimension): the simple path.
     const auto pn = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
