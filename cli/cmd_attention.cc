@@ -14,6 +14,7 @@
 
 #include "common.h"
 #include "posenc/attention.h"
+#include "posenc/config.h"
 
 namespace posenc::cli {
 
@@ -22,6 +23,7 @@ namespace {
 struct AttentionArgs {
   std::string q, k, v, out;
   std::string scheme;
+  std::string config;  // HF config.json: scheme settings and dims from the model
   bool causal = false;
   std::optional<double> scale;
   std::string params;
@@ -29,6 +31,8 @@ struct AttentionArgs {
   double base = 1e4;
   int64_t rotary_dim = 0;
   std::string style = "half";
+  std::string angles = "accurate";
+  std::optional<int64_t> seq_len;
   // alibi
   double max_bias = 8.0;
   // t5
@@ -107,11 +111,17 @@ View<const float, 3> shaw_view(const FloatArray* t) {
   return t->shape.size() == 2 ? shaw_table(t->view<2>()) : t->view<3>();
 }
 
-void build_scheme(const AttentionArgs& a, int64_t head_dim, int64_t seq_len, SchemeHolder& h) {
+// `model`: the --config file (nullptr without one); its settings replace the scheme flags.
+void build_scheme(const AttentionArgs& a, const ModelConfig* model, int64_t head_dim,
+                  int64_t seq_len, SchemeHolder& h) {
   SchemeBuilder b(a, h);
   const std::string& s = a.scheme;
+  const RopeAngles angles = parse_rope_angles(a.angles);
   if (s == "none") {
     h.scheme = NoPositions{};
+  } else if (s == "rope" && model) {
+    // M-RoPE configs: text positions (t = h = w) make M-RoPE plain RoPE with these frequencies.
+    h.scheme = Rope{model_rope_frequencies(*model, seq_len, angles), model->rope.style};
   } else if (s == "rope") {
     RopeConfig cfg;
     cfg.head_dim = head_dim;
@@ -119,12 +129,19 @@ void build_scheme(const AttentionArgs& a, int64_t head_dim, int64_t seq_len, Sch
     cfg.base = a.base;
     cfg.style = parse_rope_style(a.style);
     validate(cfg);
-    h.scheme = Rope{rope_frequencies(cfg, seq_len), cfg.style};
+    h.scheme = Rope{rope_frequencies(cfg, seq_len, angles), cfg.style};
   } else if (s == "alibi") {
     b.load_params(false);
     Alibi alibi;
     alibi.max_bias = a.max_bias;
-    if (b.get("slopes", {1}, "[heads]", false)) {
+    if (model) {
+      if (find_tensor(h.file, "slopes")) {
+        throw UsageError(a.params +
+                         ": tensor 'slopes' conflicts with --config (the config's "
+                         "slopes are used)");
+      }
+      alibi.slopes = alibi_slopes(model->alibi);
+    } else if (b.get("slopes", {1}, "[heads]", false)) {
       // Slopes are double in the API: keep a float64 file's precision.
       const std::string what = a.params + ": slopes";
       alibi.slopes = find_tensor(h.file, "slopes")->to_f64(what);
@@ -133,6 +150,12 @@ void build_scheme(const AttentionArgs& a, int64_t head_dim, int64_t seq_len, Sch
   } else if (s == "t5") {
     b.load_params(true);
     const FloatArray* table = b.get("relative_attention_bias", {2}, "[num_buckets, heads]", true);
+    if (model && model->t5.num_buckets != table->shape[0]) {
+      throw ShapeError(a.params + ": relative_attention_bias has " +
+                       std::to_string(table->shape[0]) + " buckets, but " + a.config +
+                       " says relative_attention_num_buckets " +
+                       std::to_string(model->t5.num_buckets));
+    }
     if (a.num_buckets && *a.num_buckets != table->shape[0]) {
       throw UsageError("--num-buckets " + std::to_string(*a.num_buckets) + " does not match " +
                        a.params + ": relative_attention_bias with " +
@@ -174,9 +197,13 @@ void build_scheme(const AttentionArgs& a, int64_t head_dim, int64_t seq_len, Sch
     const FloatArray* pk = b.get("pos_key", {3}, "[2K, heads, head_dim]", true);
     const FloatArray* pq = b.get("pos_query", {3}, "[2K, heads, head_dim]", true);
     const int64_t k = buckets.span();
-    const std::string origin = buckets.position_buckets > 0
-                                   ? "--position-buckets " + std::to_string(k)
-                                   : "--max-relative-positions " + std::to_string(k);
+    const std::string origin =
+        model
+            ? a.config + ": " +
+                  (buckets.position_buckets > 0 ? "position_buckets " : "max_relative_positions ") +
+                  std::to_string(k)
+        : buckets.position_buckets > 0 ? "--position-buckets " + std::to_string(k)
+                                       : "--max-relative-positions " + std::to_string(k);
     for (const auto& [name, t] : {std::pair{"pos_key", pk}, std::pair{"pos_query", pq}}) {
       if (t->shape[0] != 2 * k) {
         throw ShapeError(a.params + ": " + name + " has " + std::to_string(t->shape[0]) +
@@ -215,7 +242,82 @@ void check_shapes(const AttentionArgs& a, const std::vector<int64_t>& q,
   }
 }
 
-int run_attention(const AttentionArgs& a) {
+// The scheme a model config implies, as --scheme spells it (learned absolute positions are not an
+// attention scheme).
+std::string config_scheme(const ModelConfig& m, const std::string& path) {
+  switch (m.scheme) {
+    case ModelScheme::kRope:
+      return "rope";
+    case ModelScheme::kAlibi:
+      return "alibi";
+    case ModelScheme::kT5:
+      return "t5";
+    case ModelScheme::kDeberta:
+      return "deberta";
+    case ModelScheme::kLearned:
+      break;
+  }
+  throw UsageError(path + ": model_type '" + m.model_type +
+                   "' uses learned absolute positions, which are added to the input, not applied "
+                   "in attention (see `posenc learned`)");
+}
+
+// Q and K dims against the config's heads and head_dim.
+void check_config_dims(const AttentionArgs& a, const ModelConfig& m, const std::vector<int64_t>& q,
+                       const std::vector<int64_t>& k) {
+  const std::string who = a.config + " (model_type '" + m.model_type + "')";
+  if (m.head_dim > 0 && q[3] != m.head_dim) {
+    throw ShapeError(a.q + ": head_dim " + std::to_string(q[3]) + " does not match " + who +
+                     ": head_dim " + std::to_string(m.head_dim));
+  }
+  if (m.heads_q > 0 && q[2] != m.heads_q) {
+    throw ShapeError(a.q + ": heads_q " + std::to_string(q[2]) + " does not match " + who + ": " +
+                     std::to_string(m.heads_q) + " attention heads");
+  }
+  if (m.heads_kv > 0 && k[2] != m.heads_kv) {
+    throw ShapeError(a.k + ": heads_kv " + std::to_string(k[2]) + " does not match " + who + ": " +
+                     std::to_string(m.heads_kv) + " key/value heads");
+  }
+  if (m.scheme == ModelScheme::kAlibi && q[2] != m.alibi.heads) {
+    throw ShapeError(a.q + ": heads_q " + std::to_string(q[2]) + " does not match " + who + ": " +
+                     std::to_string(m.alibi.heads) + " ALiBi heads");
+  }
+}
+
+int run_attention(const CLI::App& app, const AttentionArgs& args) {
+  // With --config the scheme and its settings come from the model; flags it replaces conflict.
+  AttentionArgs a = args;
+  std::optional<ModelConfig> model;
+  if (!a.config.empty()) {
+    reject_with_config(app, {"--base", "--rotary-dim", "--style", "--max-bias", "--num-buckets",
+                             "--max-distance", "--position-buckets", "--max-relative-positions"});
+    model = read_model_config(a.config);
+    const std::string s = config_scheme(*model, a.config);
+    if (!a.scheme.empty() && a.scheme != s) {
+      throw UsageError("--scheme " + a.scheme + " conflicts with --config " + a.config +
+                       " (model_type '" + model->model_type + "' uses " + s + ")");
+    }
+    a.scheme = s;
+    if (s == "t5") {
+      a.num_buckets = model->t5.num_buckets;
+      a.max_distance = model->t5.max_distance;
+      if (!a.scale) a.scale = 1.0;  // T5 does not scale its scores
+    } else if (s == "deberta") {
+      a.position_buckets = model->deberta.position_buckets;
+      a.max_relative_positions = model->deberta.max_relative_positions;
+      const auto& types = model->pos_att_type;
+      const bool c2p = std::find(types.begin(), types.end(), "c2p") != types.end();
+      const bool p2c = std::find(types.begin(), types.end(), "p2c") != types.end();
+      if (!c2p || !p2c) {
+        std::string t;
+        for (const auto& x : types) t += (t.empty() ? "" : "|") + x;
+        throw UsageError(a.config + ": pos_att_type '" + t +
+                         "' lacks c2p or p2c; posenc's DeBERTa scheme computes both");
+      }
+    }
+  } else if (a.scheme.empty()) {
+    throw UsageError("--scheme is required (or --config config.json)");
+  }
   if (a.out_dtype == "float64" && !a.reference) {
     throw UsageError("--out-dtype float64 needs --reference (the float32 path computes float32)");
   }
@@ -233,6 +335,7 @@ int run_attention(const AttentionArgs& a) {
   const FloatArray k = to_float_array(tk, a.k, true);
   const FloatArray v = to_float_array(tv, a.v, true);
   check_shapes(a, q.shape, k.shape, v.shape);
+  if (model) check_config_dims(a, *model, q.shape, k.shape);
   const int64_t batch = q.shape[0], seq_q = q.shape[1], seq_k = k.shape[1];
 
   std::optional<Positions> pos_q, pos_k;
@@ -241,10 +344,11 @@ int run_attention(const AttentionArgs& a) {
   // Sequence length for length-dependent RoPE frequencies: the largest position + 1.
   const int64_t max_q = pos_q ? pos_q->max_position(batch, seq_q) : seq_k - 1;
   const int64_t max_k = pos_k ? pos_k->max_position(batch, seq_k) : seq_k - 1;
-  const int64_t seq_len = std::max<int64_t>({max_q, max_k, 0}) + 1;
+  const int64_t seq_len = a.seq_len.value_or(std::max<int64_t>({max_q, max_k, 0}) + 1);
+  require_at_least("--seq-len", seq_len, 0);
 
   SchemeHolder holder;
-  build_scheme(a, q.shape[3], seq_len, holder);
+  build_scheme(a, model ? &*model : nullptr, q.shape[3], seq_len, holder);
 
   AttentionOptions opt;
   opt.causal = a.causal;
@@ -293,9 +397,14 @@ Command add_attention_command(CLI::App& parent) {
   app->add_option("--k", a->k, "Keys .npy [batch, seq_k, heads_kv, head_dim]")->required();
   app->add_option("--v", a->v, "Values .npy [batch, seq_k, heads_kv, head_dim]")->required();
   app->add_option("--out", a->out, "Output .npy [batch, seq_q, heads_q, head_dim]")->required();
-  app->add_option("--scheme", a->scheme, "none, rope, alibi, t5, shaw, xl or deberta")
-      ->required()
+  app->add_option("--scheme", a->scheme,
+                  "none, rope, alibi, t5, shaw, xl or deberta (required unless --config)")
       ->check(CLI::IsMember({"none", "rope", "alibi", "t5", "shaw", "xl", "deberta"}));
+  app->add_option("--config", a->config,
+                  "Model config.json: scheme and its settings from the model (rope: theta, "
+                  "rotary dim, style, scaling at seq_len = max position + 1; alibi: slopes; t5: "
+                  "num_buckets, max_distance, default --scale 1; deberta: position_buckets, "
+                  "max_relative_positions); q/k heads and head_dim must match it");
   app->add_flag("--causal", a->causal, "Key j visible iff pos_k(j) <= pos_q(i)");
   app->add_option("--scale", a->scale, "Score scale (default 1/sqrt(D); DeBERTa 1/sqrt(3D))");
   app->add_option("--params", a->params,
@@ -307,6 +416,12 @@ Command add_attention_command(CLI::App& parent) {
   app->add_option("--style", a->style, "rope: half or interleaved")
       ->check(CLI::IsMember({"half", "interleaved"}))
       ->capture_default_str();
+  app->add_option("--angles", a->angles, "rope: accurate or float32 angles (SPEC section 10)")
+      ->check(CLI::IsMember({"accurate", "float32"}))
+      ->capture_default_str();
+  app->add_option("--seq-len", a->seq_len,
+                  "rope: sequence length for length-dependent scaling (default: max position + "
+                  "1)");
   app->add_option("--max-bias", a->max_bias, "alibi: maximum bias B when slopes are computed")
       ->capture_default_str();
   app->add_option("--num-buckets", a->num_buckets,
@@ -337,7 +452,7 @@ Command add_attention_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--threads", a->threads, "Worker threads (0 = all available)")
       ->capture_default_str();
-  return {app, [a] { return run_attention(*a); }};
+  return {app, [a, app] { return run_attention(*app, *a); }};
 }
 
 }  // namespace posenc::cli

@@ -1,46 +1,247 @@
-// cli/cmd_rope.cc - `posenc rope`: rotate x [batch, seq, heads, head_dim] (SPEC §3).
+// cli/cmd_rope.cc - `posenc rope`: rotate x [batch, seq, heads, head_dim] (SPEC §3), and
+// `posenc rope-freqs`: the inverse frequencies and attention factor a configuration uses.
+//
+// Frequencies come from flags (--base, --rotary-dim, --style) or from a model's config.json
+// (--config: posenc::read_model_config + model_rope_frequencies, including rope scaling and
+// M-RoPE), optionally replaced by an injected table (--inv-freq).
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common.h"
+#include "posenc/config.h"
 #include "posenc/rope.h"
 
 namespace posenc::cli {
 
 namespace {
 
+// The flags that choose the frequencies (shared by rope and rope-freqs).
+struct FreqFlags {
+  std::string config;
+  std::optional<double> base;
+  std::optional<int64_t> rotary_dim;
+  std::optional<std::string> style;
+  std::optional<int64_t> seq_len;
+  std::string angles = "accurate";
+  std::string inv_freq;
+};
+
+struct RopeSetup {
+  RopeFrequencies freqs;
+  RopeStyle style = RopeStyle::kHalf;
+  double base = 1e4;
+  RopeScalingType scaling = RopeScalingType::kDefault;
+  std::optional<MRope> mrope;
+  std::optional<ModelConfig> model;
+};
+
+void add_freq_flags(CLI::App* app, FreqFlags& f, bool with_inv_freq) {
+  app->add_option("--config", f.config,
+                  "Model config.json (HF style): head_dim, rotary dim, theta, style, rope "
+                  "scaling, attention factor and M-RoPE from it; excludes --base, --rotary-dim, "
+                  "--style");
+  app->add_option("--base", f.base, "theta (rope_theta), default 10000");
+  app->add_option("--rotary-dim", f.rotary_dim,
+                  "Rotary dim R (even, <= head_dim); 0 or absent: R = head_dim");
+  app->add_option("--style", f.style,
+                  "half (GPT-NeoX, HF; default) or interleaved (GPT-J, RoFormer)")
+      ->check(CLI::IsMember({"half", "interleaved"}));
+  app->add_option("--angles", f.angles,
+                  "accurate (p * inv_freq, cos and sin in double) or float32 (the frameworks' "
+                  "float32 recipe, SPEC section 10)")
+      ->check(CLI::IsMember({"accurate", "float32"}))
+      ->capture_default_str();
+  if (with_inv_freq) {
+    app->add_option("--inv-freq", f.inv_freq,
+                    "Inject inverse frequencies .npy (float64 or float32 [R/2]) instead of "
+                    "computing them; keeps the config's attention factor (else 1) and --angles");
+  }
+}
+
+// The --config file (nullopt without one), checked first: flags it replaces are conflicts, and
+// it must describe a RoPE model.
+std::optional<ModelConfig> read_config(const CLI::App& app, const FreqFlags& f) {
+  if (f.config.empty()) return std::nullopt;
+  reject_with_config(app, {"--base", "--rotary-dim", "--style", "--head-dim"});
+  return read_rope_model_config(f.config);
+}
+
+// Resolves the frequencies for inputs with head dim `head_dim` (0: not known, rope-freqs without
+// --head-dim) at sequence length `seq_len`.
+// `model` is the --config file's contents (read_config).
+RopeSetup rope_setup(const FreqFlags& f, const std::optional<ModelConfig>& model, int64_t head_dim,
+                     const std::string& head_dim_origin, int64_t seq_len) {
+  require_at_least("--seq-len", seq_len, 0);
+  const RopeAngles angles = parse_rope_angles(f.angles);
+  RopeSetup s;
+  if (model) {
+    s.model = model;
+    const ModelConfig& m = *model;
+    if (head_dim > 0 && head_dim != m.head_dim) {
+      throw ShapeError(head_dim_origin + ": head_dim " + std::to_string(head_dim) +
+                       " does not match " + f.config + ": head_dim " + std::to_string(m.head_dim) +
+                       " (model_type '" + m.model_type + "')");
+    }
+    s.style = m.rope.style;
+    s.base = m.rope.base;
+    s.scaling = m.rope.scaling.type;
+    s.mrope = m.mrope;
+    s.freqs = model_rope_frequencies(m, seq_len, angles);
+    if (!f.inv_freq.empty()) {
+      s.freqs.inv_freq = read_inv_freq(f.inv_freq, s.freqs.rotary_dim(), f.config, m.head_dim);
+    }
+    return s;
+  }
+  if (f.style) s.style = parse_rope_style(*f.style);
+  const int64_t rotary = f.rotary_dim.value_or(0);
+  if (!f.inv_freq.empty()) {
+    if (f.base) throw UsageError("--base conflicts with --inv-freq");
+    const int64_t known = rotary > 0 ? rotary : (f.rotary_dim ? head_dim : 0);
+    s.freqs.inv_freq = read_inv_freq(f.inv_freq, known, "--rotary-dim", head_dim);
+    s.freqs.angles = angles;
+    return s;
+  }
+  RopeConfig cfg;
+  cfg.head_dim = head_dim > 0 ? head_dim : rotary;
+  cfg.rotary_dim = rotary;
+  cfg.base = f.base.value_or(1e4);
+  cfg.style = s.style;
+  if (cfg.head_dim <= 0) throw UsageError("--config or --head-dim is required");
+  validate(cfg);
+  s.base = cfg.base;
+  s.freqs = rope_frequencies(cfg, seq_len, angles);
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// rope
+
 struct RopeArgs {
   std::string in;
   std::string out;
-  double base = 1e4;
-  int64_t rotary_dim = 0;
-  std::string style = "half";
+  FreqFlags freq;
   std::optional<int64_t> offset;
   std::string positions;
   bool inverse = false;
 };
 
-int run_rope(const RopeArgs& a) {
+// Positions for an M-RoPE model: [3, seq] or [3, batch, seq] int64 are (t, h, w); anything else
+// is a 1-component file (text tokens, t = h = w). Returns nullopt for the latter.
+std::optional<std::array<Positions, 3>> read_mrope_positions(const std::string& path, int64_t batch,
+                                                             int64_t seq) {
+  const Tensor t = read_npy(path);
+  const bool three = (t.shape.size() == 2 && t.shape[0] == 3 && t.shape[1] == seq) ||
+                     (t.shape.size() == 3 && t.shape[0] == 3);
+  if (!three) return std::nullopt;
+  if (t.dtype != DType::kI64 && t.dtype != DType::kI32) {
+    throw IoError(path + ": position ids must be int64 (or int32), got " + dtype_name(t.dtype));
+  }
+  if (t.shape.size() == 3 && (t.shape[2] != seq || (t.shape[1] != batch && t.shape[1] != 1))) {
+    throw ShapeError(path + ": M-RoPE positions " + shape_string(t.shape) +
+                     " do not match [3, batch, seq] = [3, " + std::to_string(batch) + ", " +
+                     std::to_string(seq) + "]");
+  }
+  const std::vector<int64_t> ids = t.to_i64(path);
+  const bool per_row = t.shape.size() == 3 && t.shape[1] == batch && batch > 1;
+  const std::size_t n = ids.size() / 3;
+  static const char* kNames[] = {"t", "h", "w"};
+  std::array<Positions, 3> p;
+  for (std::size_t c = 0; c < 3; ++c) {
+    std::vector<int64_t> part(ids.begin() + static_cast<std::ptrdiff_t>(c * n),
+                              ids.begin() + static_cast<std::ptrdiff_t>((c + 1) * n));
+    p[c] = per_row ? Positions::per_row(std::move(part), batch, seq)
+                   : Positions::shared(std::move(part));
+    p[c].validate(batch, seq, path + " (" + kNames[c] + ")");
+  }
+  return p;
+}
+
+int run_rope(const CLI::App& app, const RopeArgs& a) {
+  if (a.offset && !a.positions.empty()) {
+    throw UsageError("--offset and --positions are mutually exclusive");
+  }
+  const std::optional<ModelConfig> model = read_config(app, a.freq);
   FloatArray x = read_float_npy(a.in, 4, "[batch, seq, heads, head_dim]", true);
   const int64_t batch = x.shape[0], seq = x.shape[1];
-  const Positions positions = positions_from_flags(a.offset, a.positions, batch, seq);
+  const bool mrope_config = model && model->mrope;
+  std::array<Positions, 3> thw;
+  bool three = false;
+  if (mrope_config && !a.positions.empty()) {
+    if (auto p = read_mrope_positions(a.positions, batch, seq)) {
+      thw = std::move(*p);
+      three = true;
+    }
+  } else if (!a.positions.empty()) {
+    const Tensor t = read_npy(a.positions);
+    if (t.shape.size() == 3) {
+      throw UsageError(a.positions + ": 3-component positions " + shape_string(t.shape) +
+                       " need an M-RoPE model (--config with mrope_section)");
+    }
+  }
+  if (!three) thw.fill(positions_from_flags(a.offset, a.positions, batch, seq));
 
-  RopeConfig cfg;
-  cfg.head_dim = x.shape[3];
-  cfg.rotary_dim = a.rotary_dim;
-  cfg.base = a.base;
-  cfg.style = parse_rope_style(a.style);
-  validate(cfg);
-  const RopeFrequencies freqs = rope_frequencies(cfg, positions.max_position(batch, seq) + 1);
+  int64_t max_pos = 0;
+  for (const Positions& p : thw) max_pos = std::max(max_pos, p.max_position(batch, seq));
+  const int64_t seq_len = a.freq.seq_len.value_or(max_pos + 1);
+  const RopeSetup s = rope_setup(a.freq, model, x.shape[3], a.in, seq_len);
 
   FloatArray y;
   y.shape = x.shape;
   y.data.resize(x.data.size());
-  apply_rope(freqs, cfg.style, x.view<4>(), y.mutable_view<4>(), &positions,
-             a.inverse ? Direction::kInverse : Direction::kForward);
+  const Direction dir = a.inverse ? Direction::kInverse : Direction::kForward;
+  if (s.mrope) {
+    apply_mrope(s.freqs, s.style, *s.mrope, x.view<4>(), y.mutable_view<4>(), thw, dir);
+  } else {
+    apply_rope(s.freqs, s.style, x.view<4>(), y.mutable_view<4>(), &thw[0], dir);
+  }
   write_f32(a.out, y.shape, y.data);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// rope-freqs
+
+struct RopeFreqsArgs {
+  FreqFlags freq;
+  int64_t head_dim = 0;
+  std::string out;
+};
+
+int run_rope_freqs(const CLI::App& app, const RopeFreqsArgs& a) {
+  const int64_t seq_len = a.freq.seq_len.value_or(0);
+  if (a.freq.config.empty() && a.head_dim == 0 && !a.freq.rotary_dim) {
+    throw UsageError("--config (or --head-dim) is required");
+  }
+  if (a.freq.config.empty()) require_at_least("--head-dim", a.head_dim, 0);
+  const std::optional<ModelConfig> model = read_config(app, a.freq);
+  const RopeSetup s = rope_setup(a.freq, model, a.head_dim, "--head-dim", seq_len);
+  write_f64(a.out, {static_cast<int64_t>(s.freqs.inv_freq.size())}, s.freqs.inv_freq);
+
+  std::string line = "{\"rotary_dim\": " + std::to_string(s.freqs.rotary_dim()) +
+                     ", \"attention_factor\": " + full_precision(s.freqs.attention_factor) +
+                     ", \"style\": \"" + style_name(s.style) + "\", \"scaling\": \"" +
+                     scaling_name(s.scaling) + "\", \"base\": " + full_precision(s.base) +
+                     ", \"seq_len\": " + std::to_string(seq_len) + ", \"angles\": \"" +
+                     a.freq.angles + "\"";
+  if (s.model) {
+    line += ", \"model_type\": \"" + json_escape(s.model->model_type) +
+            "\", \"head_dim\": " + std::to_string(s.model->head_dim);
+  }
+  if (s.mrope) {
+    line += std::string(", \"mrope\": \"") +
+            (s.mrope->layout == MRopeLayout::kInterleaved ? "interleaved" : "sectioned") +
+            "\", \"mrope_section\": [" + std::to_string(s.mrope->sections[0]) + ", " +
+            std::to_string(s.mrope->sections[1]) + ", " + std::to_string(s.mrope->sections[2]) +
+            "]";
+  }
+  std::cout << line << "}" << std::endl;
   return 0;
 }
 
@@ -50,21 +251,44 @@ Command add_rope_command(CLI::App& parent) {
   auto a = std::make_shared<RopeArgs>();
   CLI::App* app = parent.add_subcommand(
       "rope", "Apply rotary position embedding to x [batch, seq, heads, head_dim] (.npy)");
+  app->footer(
+      "With --config, x's head_dim must equal the config's. M-RoPE configs (qwen2_vl, ...) take "
+      "3-component positions --positions P.npy int64 [3, seq] or [3, batch, seq] (t, h, w); "
+      "1-component positions or --offset rotate text tokens (t = h = w); with an M-RoPE config a "
+      "[3, seq] file is read as (t, h, w) even when batch is 3. --seq-len defaults to "
+      "the largest position + 1 (dynamic NTK and LongRoPE depend on it).");
   app->add_option("--in", a->in, "Input .npy, float32 (or float64) [batch, seq, heads, head_dim]")
       ->required();
   app->add_option("--out", a->out, "Output .npy, float32, same shape")->required();
-  app->add_option("--base", a->base, "theta (rope_theta)")->capture_default_str();
-  app->add_option("--rotary-dim", a->rotary_dim,
-                  "Rotary dim R (even, <= head_dim); 0 or absent: R = head_dim");
-  app->add_option("--style", a->style, "half (GPT-NeoX, HF) or interleaved (GPT-J, RoFormer)")
-      ->check(CLI::IsMember({"half", "interleaved"}))
-      ->capture_default_str();
+  add_freq_flags(app, a->freq, true);
+  app->add_option("--seq-len", a->freq.seq_len,
+                  "Sequence length L for length-dependent scaling (default: max position + 1)");
   auto* offset = app->add_option("--offset", a->offset, "Token i at position K + i (default 0)");
-  auto* positions = app->add_option("--positions", a->positions,
-                                    "int64 position ids [seq] or [batch, seq] (.npy)");
+  auto* positions = app->add_option(
+      "--positions", a->positions,
+      "int64 position ids [seq] or [batch, seq] (.npy); M-RoPE also [3, seq], [3, batch, seq]");
   offset->excludes(positions);
   app->add_flag("--inverse", a->inverse, "Rotate by -angle (the inverse / backward)");
-  return {app, [a] { return run_rope(*a); }};
+  return {app, [a, app] { return run_rope(*app, *a); }};
+}
+
+Command add_rope_freqs_command(CLI::App& parent) {
+  auto a = std::make_shared<RopeFreqsArgs>();
+  CLI::App* app = parent.add_subcommand(
+      "rope-freqs",
+      "Write the RoPE inverse frequencies (float64 [R/2] .npy) of a config and print one JSON "
+      "line {\"rotary_dim\", \"attention_factor\", \"style\", ...}");
+  app->footer(
+      "--seq-len L (default 0) is the sequence length (max position + 1) the frequencies are "
+      "for: only dynamic NTK and LongRoPE depend on it; 0 means a short sequence (dynamic: the "
+      "unscaled base; LongRoPE: short_factor). Without --config: --head-dim D, --rotary-dim, "
+      "--base, --style as for `posenc rope`.");
+  add_freq_flags(app, a->freq, false);
+  app->add_option("--seq-len", a->freq.seq_len,
+                  "Sequence length L (default 0: the short / original regime)");
+  app->add_option("--head-dim", a->head_dim, "Head dim D (without --config)");
+  app->add_option("--out", a->out, "Output .npy, float64 [R/2]")->required();
+  return {app, [a, app] { return run_rope_freqs(*app, *a); }};
 }
 
 }  // namespace posenc::cli

@@ -1,6 +1,7 @@
 // cli/common.cc - shared helpers of the posenc command-line tool.
 #include "common.h"
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -13,8 +14,6 @@
 
 namespace posenc::cli {
 
-namespace {
-
 std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (std::size_t d = 0; d < shape.size(); ++d) {
@@ -23,6 +22,8 @@ std::string shape_string(const std::vector<int64_t>& shape) {
   }
   return s + "]";
 }
+
+namespace {
 
 // Multi-index of flat element `flat` in a C-order tensor of `shape`, as "[i, j, ...]".
 std::string index_string(std::size_t flat, const std::vector<int64_t>& shape) {
@@ -169,6 +170,77 @@ RopeStyle parse_rope_style(const std::string& s) {
   if (s == "half") return RopeStyle::kHalf;
   if (s == "interleaved") return RopeStyle::kInterleaved;
   throw UsageError("--style must be half or interleaved (got '" + s + "')");
+}
+
+RopeAngles parse_rope_angles(const std::string& s) {
+  if (s == "accurate") return RopeAngles::kAccurate;
+  if (s == "float32") return RopeAngles::kFloat32;
+  throw UsageError("--angles must be accurate or float32 (got '" + s + "')");
+}
+
+const char* model_scheme_name(ModelScheme s) {
+  switch (s) {
+    case ModelScheme::kRope:
+      return "rope";
+    case ModelScheme::kAlibi:
+      return "alibi";
+    case ModelScheme::kT5:
+      return "t5";
+    case ModelScheme::kDeberta:
+      return "deberta";
+    case ModelScheme::kLearned:
+      return "learned";
+  }
+  return "unknown";
+}
+
+ModelConfig read_rope_model_config(const std::string& path) {
+  ModelConfig cfg = read_model_config(path);
+  if (cfg.scheme != ModelScheme::kRope) {
+    throw UsageError(path + ": model_type '" + cfg.model_type + "' uses " +
+                     model_scheme_name(cfg.scheme) + " positions, not RoPE");
+  }
+  return cfg;
+}
+
+void reject_with_config(const CLI::App& app, const std::vector<std::string>& flags) {
+  for (const std::string& f : flags) {
+    const CLI::Option* opt = app.get_option_no_throw(f);
+    if (opt && opt->count() > 0) throw UsageError(f + " conflicts with --config");
+  }
+}
+
+std::vector<double> read_inv_freq(const std::string& path, int64_t rotary_dim,
+                                  const std::string& origin, int64_t head_dim) {
+  const Tensor t = read_npy(path);
+  if (t.dtype != DType::kF64 && t.dtype != DType::kF32) {
+    throw IoError(path + ": inverse frequencies must be float64 or float32, got " +
+                  dtype_name(t.dtype));
+  }
+  require_rank(t, 1, "[rotary_dim / 2]", path);
+  std::vector<double> inv = t.to_f64(path);
+  if (inv.empty()) throw ShapeError(path + ": inverse frequencies are empty");
+  check_finite(inv, t.shape, path);
+  const auto r = 2 * static_cast<int64_t>(inv.size());
+  if (rotary_dim > 0 && r != rotary_dim) {
+    throw ShapeError(path + ": " + std::to_string(inv.size()) +
+                     " inverse frequencies give rotary_dim " + std::to_string(r) + ", but " +
+                     origin + " gives rotary_dim " + std::to_string(rotary_dim) + " (expected " +
+                     std::to_string(rotary_dim / 2) + " entries)");
+  }
+  if (head_dim > 0 && r > head_dim) {
+    throw ShapeError(path + ": " + std::to_string(inv.size()) +
+                     " inverse frequencies give rotary_dim " + std::to_string(r) +
+                     ", more than head_dim " + std::to_string(head_dim));
+  }
+  return inv;
+}
+
+std::string full_precision(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
 }
 
 void require_at_least(const std::string& flag, int64_t value, int64_t min) {

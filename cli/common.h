@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "posenc/check.h"
+#include "posenc/config.h"
 #include "posenc/error.h"
 #include "posenc/io.h"
 #include "posenc/rope.h"
@@ -51,6 +52,10 @@ Command add_attention_command(CLI::App& parent);
 Command add_check_command(CLI::App& parent);
 Command add_demo_command(CLI::App& parent);
 Command add_version_command(CLI::App& parent);
+Command add_rope_freqs_command(CLI::App& parent);
+Command add_describe_command(CLI::App& parent);
+Command add_inspect_command(CLI::App& parent);
+Command add_rope_precision_command(CLI::App& parent);
 
 // A dense float32 array in C order (what the CLI hands to the API).
 struct FloatArray {
@@ -115,6 +120,31 @@ void write_i64(const std::string& path, std::vector<int64_t> shape,
 
 // Choice parsing (the CLI11 option already restricts the spelling).
 RopeStyle parse_rope_style(const std::string& s);
+
+RopeAngles parse_rope_angles(const std::string& s);
+
+// "rope", "alibi", "t5", "deberta" or "learned".
+const char* model_scheme_name(ModelScheme s);
+
+// read_model_config(path), which must describe a RoPE model: otherwise a UsageError naming the
+// model_type and its scheme.
+ModelConfig read_rope_model_config(const std::string& path);
+
+// Throws UsageError "<flag> conflicts with --config" for the first flag of `flags` that `app`
+// saw on the command line (flags `app` does not define are skipped).
+void reject_with_config(const CLI::App& app, const std::vector<std::string>& flags);
+
+// Inverse frequencies from a .npy (float64 or float32 [R/2], finite): the --inv-freq flag.
+// `rotary_dim` (0: unknown) must equal 2 x the length when given, and 2 x the length must not
+// exceed `head_dim` (0: unknown); `origin` names where rotary_dim came from.
+std::vector<double> read_inv_freq(const std::string& path, int64_t rotary_dim,
+                                  const std::string& origin, int64_t head_dim);
+
+// "[2, 3]".
+std::string shape_string(const std::vector<int64_t>& shape);
+
+// printf("%.17g"): every double reads back exactly (JSON output).
+std::string full_precision(double v);
 
 // Throws UsageError "<flag> must be >= <min> (got <value>)" when value < min.
 void require_at_least(const std::string& flag, int64_t value, int64_t min);

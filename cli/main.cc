@@ -50,12 +50,16 @@ int main(int argc, char** argv) {
     const std::vector<pc::Command> commands = {
         pc::add_sinusoidal_command(app),
         pc::add_rope_command(app),
+        pc::add_rope_freqs_command(app),
+        pc::add_rope_precision_command(app),
         pc::add_alibi_slopes_command(app),
         pc::add_t5_buckets_command(app),
         pc::add_deberta_buckets_command(app),
         pc::add_learned_command(app),
         pc::add_attention_command(app),
         pc::add_check_command(app),
+        pc::add_describe_command(app),
+        pc::add_inspect_command(app),
         pc::add_demo_command(app),
         pc::add_version_command(app),
     };

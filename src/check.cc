@@ -3,14 +3,18 @@
 #include "posenc/check.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <map>
 #include <numeric>
 #include <random>
+#include <string>
 
 #include "posenc/attention.h"
+#include "posenc/error.h"
 #include "posenc/learned.h"
+#include "posenc/rope.h"
 #include "posenc/sinusoidal.h"
 
 namespace posenc {
@@ -274,6 +278,69 @@ std::vector<CheckResult> run_checks(const CheckOptions& options) {
                  refused ? 1.0 : 0.0, 1.0, "error raised", refused});
   }
   return r;
+}
+
+std::vector<RopePrecisionRow> rope_precision(const std::vector<int64_t>& positions,
+                                             int64_t head_dim, double base, uint64_t seed) {
+  constexpr int64_t kTokens = 8, kHeads = 4;
+  constexpr int64_t kMaxPosition = (int64_t{1} << 53) - kTokens;
+  RopeConfig cfg;
+  cfg.head_dim = head_dim;
+  cfg.base = base;
+  validate(cfg);
+  const RopeFrequencies accurate = rope_frequencies(cfg, 0, RopeAngles::kAccurate);
+  const RopeFrequencies f32 = rope_frequencies(cfg, 0, RopeAngles::kFloat32);
+  RopeFrequencies f32_ref = f32;  // the same float32-rounded table, accurate angles
+  f32_ref.angles = RopeAngles::kAccurate;
+
+  std::mt19937_64 rng(seed);
+  const std::array<int64_t, 4> shape{1, kTokens, kHeads, head_dim};
+  const std::vector<float> x = randn_f(rng, kTokens * kHeads * head_dim);
+  const std::vector<double> x64(x.begin(), x.end());
+  const auto x_view = View<const float, 4>::contiguous(x.data(), shape);
+  const auto x64_view = View<const double, 4>::contiguous(x64.data(), shape);
+  std::vector<float> out(x.size());
+  std::vector<double> ref_out(x.size());
+  auto max_error = [&](const RopeFrequencies& f, const RopeFrequencies& ref_f,
+                       const Positions& pos) {
+    apply_rope(f, RopeStyle::kHalf, x_view, View<float, 4>::contiguous(out.data(), shape), &pos);
+    ref::apply_rope(ref_f, RopeStyle::kHalf, x64_view,
+                    View<double, 4>::contiguous(ref_out.data(), shape), &pos);
+    double e = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      e = std::max(e, std::abs(static_cast<double>(out[i]) - ref_out[i]));
+    }
+    return e;
+  };
+
+  const double two_pi = 2.0 * std::acos(-1.0);
+  std::vector<RopePrecisionRow> rows;
+  rows.reserve(positions.size());
+  for (const int64_t p : positions) {
+    if (p < 0 || p > kMaxPosition) {
+      throw ValueError("rope_precision: position " + std::to_string(p) + " outside [0, " +
+                       std::to_string(kMaxPosition) + "]");
+    }
+    const Positions pos = Positions::offset(p);
+    RopePrecisionRow row;
+    row.position = p;
+    row.accurate_error = max_error(accurate, accurate, pos);
+    row.float32_error = max_error(f32, f32_ref, pos);
+    for (int64_t t = 0; t < kTokens; ++t) {
+      const auto q = static_cast<double>(p + t);  // exact below 2^53
+      for (const double inv : f32.inv_freq) {
+        const float a32 = static_cast<float>(q) * static_cast<float>(inv);
+        // q * inv exactly as hi + lo (fma), so the comparison adds no rounding of its own.
+        const double hi = q * inv;
+        const double lo = std::fma(q, inv, -hi);
+        const double d = (static_cast<double>(a32) - hi) - lo;
+        row.float32_angle_error =
+            std::max(row.float32_angle_error, std::abs(std::remainder(d, two_pi)));
+      }
+    }
+    rows.push_back(row);
+  }
+  return rows;
 }
 
 }  // namespace posenc

@@ -182,7 +182,8 @@ void expect_tensor_eq(const Tensor& t, const std::vector<int64_t>& shape,
 
 TEST_F(CliTest, HelpExitsZeroForEveryCommand) {
   for (const char* cmd : {"", "sinusoidal", "rope", "alibi-slopes", "t5-buckets", "attention",
-                          "check", "demo", "learned", "deberta-buckets", "version"}) {
+                          "check", "demo", "learned", "deberta-buckets", "version", "rope-freqs",
+                          "rope-precision", "describe", "inspect"}) {
     const RunResult r = run(std::string(cmd) + " --help");
     EXPECT_EQ(r.status, 0) << cmd << ": " << r.err;
     EXPECT_NE(r.out.find("Usage"), std::string::npos) << cmd;

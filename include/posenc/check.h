@@ -41,4 +41,24 @@ double rope_offset_spread(uint64_t seed);
 // a common amount (scheme: alibi, t5, shaw, xl, deberta).
 double relative_score_spread(const std::string& scheme, uint64_t seed);
 
+// RoPE angle precision at large positions (`posenc rope-precision`, SPEC §10). For each
+// position p, 8 tokens at p .. p + 7 with 4 heads of unit-normal float32 inputs (from `seed`, the
+// same for every p), RopeConfig{head_dim, base}, half style:
+//   accurate_error: max |apply_rope (kAccurate) - ref::apply_rope|, the same frequencies;
+//   float32_error: max |apply_rope (kFloat32) - ref::apply_rope| where the reference uses the
+//     same float32-rounded inv_freq with accurate angles, so only the angle error shows;
+//   float32_angle_error: max over tokens and pairs of |remainder(float32(q) * float32(inv) -
+//     q * inv, 2 pi)| (q the token's position, inv the float32-rounded inv_freq; the float32
+//     product is compared with the exact one).
+// Throws ValueError for positions outside [0, 2^53 - 8] or a bad head_dim / base.
+struct RopePrecisionRow {
+  int64_t position = 0;
+  double accurate_error = 0;
+  double float32_error = 0;
+  double float32_angle_error = 0;
+};
+std::vector<RopePrecisionRow> rope_precision(const std::vector<int64_t>& positions,
+                                             int64_t head_dim = 128, double base = 5e5,
+                                             uint64_t seed = 1);
+
 }  // namespace posenc

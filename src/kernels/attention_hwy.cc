@@ -268,36 +268,54 @@ class Kernel {
 
   void Run() {
     const int threads = resolve_threads(p_.num_threads);
-    const int64_t items = p_.batch * p_.heads_kv * nqb_;
+    const int64_t groups = p_.batch * p_.heads_kv;
     // Decoding shapes: few items over many keys. Split each item's keys into fixed chunks
     // (depending on the shape only) and merge; otherwise one item = all keys.
-    int64_t splits = 1;
-    if (items < 16 && p_.seq_k >= 4 * 1024) {
-      splits = std::min<int64_t>(64, (p_.seq_k + 2047) / 2048);
+    splits_ = 1;
+    if (groups * nqb_ < 16 && p_.seq_k >= 4 * 1024) {
+      splits_ = std::min<int64_t>(64, (p_.seq_k + 2047) / 2048);
     }
-    if (splits == 1) {
-      parallel_for(items, threads, [&](int64_t w) {
+    chunk_ = RoundUp((p_.seq_k + splits_ - 1) / splits_, kTileK);
+    splits_ = (p_.seq_k + chunk_ - 1) / chunk_;
+    if (nqb_ * splits_ >= 2 * threads) {
+      // Enough work inside one (batch row, kv head): transpose its keys once into tiles shared
+      // by all query blocks, then run the blocks in parallel. Memory: seq_k x head_dim floats.
+      auto kt_all = hwy::AllocateAligned<float>(static_cast<size_t>(ntiles_ * dim_ * kTileK));
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t b = g / p_.heads_kv, hk = g % p_.heads_kv;
+        parallel_for(ntiles_, threads, [&](int64_t t) {
+          TransposeTile(b, hk, t * kTileK, kt_all.get() + t * dim_ * kTileK);
+        });
+        RunItems(g * nqb_, nqb_, threads, kt_all.get());
+      }
+    } else {
+      RunItems(0, groups * nqb_, threads, nullptr);
+    }
+  }
+
+  // Runs items [w0, w0 + count): directly, or with their keys split and merged.
+  void RunItems(int64_t w0, int64_t count, int threads, const float* kt_all) {
+    if (splits_ == 1) {
+      parallel_for(count, threads, [&](int64_t w) {
         Scratch sc;
-        Item it = MakeItem(w);
+        const Item it = MakeItem(w0 + w);
         InitAccumulators(it, sc);
-        Process(it, 0, p_.seq_k, sc);
+        Process(it, 0, p_.seq_k, kt_all, sc);
         Finish(it, sc);
       });
       return;
     }
-    // Split path: partial (m, l, O) per (item, chunk), then an exact merge per item.
-    const int64_t chunk = RoundUp((p_.seq_k + splits - 1) / splits, kTileK);
-    splits = (p_.seq_k + chunk - 1) / chunk;
     const int64_t rows_max = group_ * bq_;
-    std::vector<float> part_o(static_cast<size_t>(items * splits * rows_max * dpad_));
-    std::vector<float> part_m(static_cast<size_t>(items * splits * rows_max));
+    const int64_t splits = splits_;
+    std::vector<float> part_o(static_cast<size_t>(count * splits * rows_max * dpad_));
+    std::vector<float> part_m(static_cast<size_t>(count * splits * rows_max));
     std::vector<float> part_l(part_m.size());
-    parallel_for(items * splits, threads, [&](int64_t ws) {
+    parallel_for(count * splits, threads, [&](int64_t ws) {
       const int64_t w = ws / splits, sp = ws % splits;
       Scratch sc;
-      Item it = MakeItem(w);
+      const Item it = MakeItem(w0 + w);
       InitAccumulators(it, sc);
-      Process(it, sp * chunk, std::min(p_.seq_k, (sp + 1) * chunk), sc);
+      Process(it, sp * chunk_, std::min(p_.seq_k, (sp + 1) * chunk_), kt_all, sc);
       const size_t base = static_cast<size_t>(ws * rows_max);
       for (int64_t r = 0; r < it.rows; ++r) {
         part_m[base + static_cast<size_t>(r)] = sc.m[static_cast<size_t>(r)];
@@ -306,9 +324,9 @@ class Kernel {
                     sc.o.get() + r * dpad_, static_cast<size_t>(dpad_) * sizeof(float));
       }
     });
-    parallel_for(items, threads, [&](int64_t w) {
+    parallel_for(count, threads, [&](int64_t w) {
       Scratch sc;
-      Item it = MakeItem(w);
+      const Item it = MakeItem(w0 + w);
       InitAccumulators(it, sc);
       for (int64_t r = 0; r < it.rows; ++r) {
         float mx = kNegInf;
@@ -331,6 +349,20 @@ class Kernel {
       }
       Finish(it, sc);
     });
+  }
+
+  // Kt[x][c] = k[j0 + c][x] for the keys of one tile (zeros past seq_k).
+  void TransposeTile(int64_t b, int64_t hk, int64_t j0, float* kt) const {
+    const float* kbase = p_.k + b * p_.k_stride[0] + hk * p_.k_stride[2];
+    const int64_t nk = std::min(kTileK, p_.seq_k - j0);
+    for (int64_t c = 0; c < nk; ++c) {
+      const float* kr = kbase + (j0 + c) * p_.k_stride[1];
+      for (int64_t x = 0; x < dim_; ++x) kt[x * kTileK + c] = kr[x];
+    }
+    if (nk < kTileK) {
+      for (int64_t x = 0; x < dim_; ++x)
+        std::fill(kt + x * kTileK + nk, kt + (x + 1) * kTileK, 0.0f);
+    }
   }
 
  private:
@@ -422,7 +454,8 @@ class Kernel {
   }
 
   // Processes keys [j_begin, j_end) (multiples of kTileK except at seq_k) for the item.
-  void Process(const Item& it, int64_t j_begin, int64_t j_end, Scratch& sc) const {
+  void Process(const Item& it, int64_t j_begin, int64_t j_end, const float* kt_all,
+               Scratch& sc) const {
     RowTables rt;
     PackQueries(it, sc, rt);
     Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
@@ -437,7 +470,6 @@ class Kernel {
       qlo = std::min(qlo, p_.qpos[it.b * p_.seq_q + i]);
       qhi = std::max(qhi, p_.qpos[it.b * p_.seq_q + i]);
     }
-    const float* kbase = p_.k + it.b * p_.k_stride[0] + it.hk * p_.k_stride[2];
     const float* vbase = p_.v + it.b * p_.v_stride[0] + it.hk * p_.v_stride[2];
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
       const int64_t t = j0 / kTileK;
@@ -457,17 +489,8 @@ class Kernel {
         const int64_t far = std::max<int64_t>(int64_t{qhi} - klo, int64_t{khi} - qlo);
         if (far >= p_.window) full = false;
       }
-      // Kt[d][c] for c < nk, zero beyond.
-      float* kt = sc.kt.get();
-      for (int64_t c = 0; c < nk; ++c) {
-        const float* kr = kbase + (j0 + c) * p_.k_stride[1];
-        for (int64_t x = 0; x < dim_; ++x) kt[x * kTileK + c] = kr[x];
-      }
-      if (nk < kTileK) {
-        for (int64_t x = 0; x < dim_; ++x) {
-          std::fill(kt + x * kTileK + nk, kt + (x + 1) * kTileK, 0.0f);
-        }
-      }
+      const float* kt = kt_all != nullptr ? kt_all + t * dim_ * kTileK : sc.kt.get();
+      if (kt_all == nullptr) TransposeTile(it.b, it.hk, j0, sc.kt.get());
       int32_t* kp = sc.kpos.get();
       for (int64_t c = 0; c < kTileK; ++c) {
         kp[c] = p_.kpos[it.b * p_.seq_k + std::min(j0 + c, p_.seq_k - 1)];
@@ -660,6 +683,7 @@ class Kernel {
 
   const FusedAttentionParams& p_;
   int64_t lanes_ = 1, dim_ = 0, dpad_ = 0, group_ = 1, bq_ = 1, nqb_ = 0, ntiles_ = 0;
+  int64_t splits_ = 1, chunk_ = 0;
   std::vector<int32_t> tile_min_, tile_max_;
   std::vector<uint8_t> tile_consec_;
 };

@@ -1,0 +1,868 @@
+// tests/test_cli_models.cc - the model-config commands and flags of the `posenc` CLI, run as a
+// subprocess: rope --config / --seq-len / --angles / --inv-freq / M-RoPE positions, rope-freqs,
+// describe, inspect, attention --config and rope-precision.
+//
+// As in test_cli.cc, outputs are compared with the library's own results computed here (exact
+// equality: the CLI is a thin layer), and error cases check SPEC §9: exit status 2, one stderr
+// line "posenc <command>: error: ...", no output file left behind.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "posenc/posenc.h"
+
+#ifndef POSENC_CLI_PATH
+#error "POSENC_CLI_PATH must name the posenc binary"
+#endif
+#ifndef POSENC_TEST_CONFIGS_DIR
+#error "POSENC_TEST_CONFIGS_DIR must name tests/configs"
+#endif
+
+namespace fs = std::filesystem;
+
+namespace posenc {
+namespace {
+
+struct RunResult {
+  int status = -1;
+  std::string out;
+  std::string err;
+};
+
+std::string read_text(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) {
+    if (c == '\'') {
+      q += "'\\''";
+    } else {
+      q += c;
+    }
+  }
+  return q + "'";
+}
+
+std::string config(const std::string& name) {
+  return quote(std::string(POSENC_TEST_CONFIGS_DIR) + "/" + name);
+}
+
+ModelConfig load(const std::string& name) {
+  return read_model_config(std::string(POSENC_TEST_CONFIGS_DIR) + "/" + name);
+}
+
+std::vector<float> random_floats(std::size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+std::size_t count(const std::vector<int64_t>& shape) {
+  std::size_t n = 1;
+  for (int64_t s : shape) n *= static_cast<std::size_t>(s);
+  return n;
+}
+
+std::array<int64_t, 4> dims4(const std::vector<int64_t>& s) { return {s[0], s[1], s[2], s[3]}; }
+
+// The library's RoPE of x (float32 path).
+std::vector<float> lib_rope(const RopeFrequencies& f, RopeStyle style, const std::vector<float>& x,
+                            const std::vector<int64_t>& shape, const Positions& pos,
+                            Direction dir = Direction::kForward) {
+  std::vector<float> y(x.size());
+  apply_rope(f, style, View<const float, 4>::contiguous(x.data(), dims4(shape)),
+             View<float, 4>::contiguous(y.data(), dims4(shape)), &pos, dir);
+  return y;
+}
+
+std::vector<float> lib_mrope(const RopeFrequencies& f, RopeStyle style, const MRope& m,
+                             const std::vector<float>& x, const std::vector<int64_t>& shape,
+                             const std::array<Positions, 3>& pos) {
+  std::vector<float> y(x.size());
+  apply_mrope(f, style, m, View<const float, 4>::contiguous(x.data(), dims4(shape)),
+              View<float, 4>::contiguous(y.data(), dims4(shape)), pos);
+  return y;
+}
+
+void expect_tensor_eq(const Tensor& t, const std::vector<int64_t>& shape,
+                      const std::vector<float>& want) {
+  ASSERT_EQ(t.dtype, DType::kF32);
+  ASSERT_EQ(t.shape, shape);
+  const std::vector<float> got = t.to_f32();
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(got[i], want[i]) << "element " << i;
+  }
+}
+
+class CliModelsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* env = std::getenv("POSENC_TEST_TMP");
+    const fs::path base =
+        env && *env ? fs::path(env) : fs::temp_directory_path() / "posenc_test_cli_models";
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = base / (std::string(info->test_suite_name()) + "." + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  RunResult run(const std::string& args) const {
+    const std::string out = path("stdout.txt"), err = path("stderr.txt");
+    const std::string cmd =
+        quote(POSENC_CLI_PATH) + " " + args + " > " + quote(out) + " 2> " + quote(err);
+    const int raw = std::system(cmd.c_str());
+    RunResult r;
+    r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+    r.out = read_text(out);
+    r.err = read_text(err);
+    return r;
+  }
+
+  std::string write_f32(const std::string& name, const std::vector<int64_t>& shape,
+                        const std::vector<float>& v) const {
+    const std::string p = path(name);
+    write_npy(p, Tensor::from_f32(shape, v));
+    return p;
+  }
+  std::string write_i64(const std::string& name, const std::vector<int64_t>& shape,
+                        const std::vector<int64_t>& v) const {
+    const std::string p = path(name);
+    write_npy(p, Tensor::from_i64(shape, v));
+    return p;
+  }
+
+  // Runs a command expected to succeed (with --out `out`) and returns the tensor written.
+  Tensor run_ok(const std::string& args, const std::string& out,
+                RunResult* result = nullptr) const {
+    const RunResult r = run(args + " --out " + quote(out));
+    EXPECT_EQ(r.status, 0) << "posenc " << args << "\nstderr: " << r.err;
+    EXPECT_EQ(r.err, "");
+    if (result) *result = r;
+    if (r.status != 0) return {};
+    return read_npy(out);
+  }
+
+  // Status 2, one stderr line "posenc <command>: error: ..." containing `needle`, no output.
+  void expect_error(const std::string& command, const std::string& args,
+                    const std::string& needle) const {
+    const std::string out = path("error_out.npy");
+    fs::remove(out);
+    const RunResult r = run(command + " " + args + " --out " + quote(out));
+    expect_error_result(r, command, needle);
+    EXPECT_EQ(r.out, "") << "stdout on error";
+    EXPECT_FALSE(fs::exists(out)) << "output left behind by posenc " << command << " " << args;
+  }
+
+  static void expect_error_result(const RunResult& r, const std::string& command,
+                                  const std::string& needle) {
+    EXPECT_EQ(r.status, 2) << "stderr: " << r.err;
+    ASSERT_FALSE(r.err.empty());
+    EXPECT_EQ(r.err.back(), '\n');
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
+    const std::string prefix = "posenc " + command + ": error: ";
+    EXPECT_EQ(r.err.rfind(prefix, 0), 0u) << "stderr: " << r.err;
+    EXPECT_NE(r.err.find(needle), std::string::npos)
+        << "stderr does not name '" << needle << "': " << r.err;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(CliModelsTest, HelpForNewCommands) {
+  for (const char* cmd : {"rope-freqs", "describe", "inspect", "rope-precision", "rope"}) {
+    const RunResult r = run(std::string(cmd) + " --help");
+    EXPECT_EQ(r.status, 0) << cmd << ": " << r.err;
+    EXPECT_NE(r.out.find("Usage"), std::string::npos) << cmd;
+  }
+  EXPECT_NE(run("rope --help").out.find("--config"), std::string::npos);
+  EXPECT_NE(run("rope --help").out.find("--inv-freq"), std::string::npos);
+  EXPECT_NE(run("rope-freqs --help").out.find("--seq-len"), std::string::npos);
+  EXPECT_NE(run("attention --help").out.find("--config"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// rope --config
+
+TEST_F(CliModelsTest, RopeConfigLlama31EqualsLibrary) {
+  const ModelConfig cfg = load("llama-3.1-8b.json");
+  const std::vector<int64_t> shape = {2, 5, 3, 128};
+  const std::vector<float> x = random_floats(count(shape), 1);
+  const std::string in = write_f32("x.npy", shape, x);
+
+  // Offset: L = K + seq.
+  Tensor t = run_ok(
+      "rope --config " + config("llama-3.1-8b.json") + " --in " + quote(in) + " --offset 1000",
+      path("y0.npy"));
+  expect_tensor_eq(t, shape,
+                   lib_rope(model_rope_frequencies(cfg, 1005), RopeStyle::kHalf, x, shape,
+                            Positions::offset(1000)));
+
+  // Per-row positions; inverse.
+  const std::vector<int64_t> rows = {0, 1, 2, 3, 4, 100000, 100001, 100002, 100003, 130000};
+  const std::string pr = write_i64("pr.npy", {2, 5}, rows);
+  const Positions pos = Positions::per_row(rows, 2, 5);
+  t = run_ok("rope --config " + config("llama-3.1-8b.json") + " --in " + quote(in) +
+                 " --positions " + quote(pr) + " --inverse",
+             path("y1.npy"));
+  expect_tensor_eq(t, shape,
+                   lib_rope(model_rope_frequencies(cfg, 130001), RopeStyle::kHalf, x, shape, pos,
+                            Direction::kInverse));
+
+  // Interleaved style and a partial rotary dim from the config (GPT-J: 64 of 256).
+  const ModelConfig gptj = load("gpt-j-6b.json");
+  ASSERT_EQ(gptj.rope.style, RopeStyle::kInterleaved);
+  const std::vector<int64_t> gshape = {1, 4, 2, gptj.head_dim};
+  const std::vector<float> gx = random_floats(count(gshape), 2);
+  const std::string gin = write_f32("gx.npy", gshape, gx);
+  t = run_ok("rope --config " + config("gpt-j-6b.json") + " --in " + quote(gin) + " --offset 7",
+             path("y2.npy"));
+  expect_tensor_eq(t, gshape,
+                   lib_rope(model_rope_frequencies(gptj, 11), RopeStyle::kInterleaved, gx, gshape,
+                            Positions::offset(7)));
+}
+
+TEST_F(CliModelsTest, RopeConfigDynamicSeqLen) {
+  const ModelConfig cfg = load("llama-2-7b-dynamic-2x.json");
+  ASSERT_EQ(cfg.rope.scaling.type, RopeScalingType::kDynamic);
+  const std::vector<int64_t> shape = {1, 4, 2, 128};
+  const std::vector<float> x = random_floats(count(shape), 3);
+  const std::string in = write_f32("x.npy", shape, x);
+  const std::string base = "rope --config " + config("llama-2-7b-dynamic-2x.json") + " --in " +
+                           quote(in) + " --offset 10";
+
+  const Tensor short_t = run_ok(base, path("short.npy"));
+  const std::vector<float> short_want =
+      lib_rope(model_rope_frequencies(cfg, 14), RopeStyle::kHalf, x, shape, Positions::offset(10));
+  expect_tensor_eq(short_t, shape, short_want);
+
+  const Tensor long_t = run_ok(base + " --seq-len 10000", path("long.npy"));
+  const std::vector<float> long_want = lib_rope(model_rope_frequencies(cfg, 10000),
+                                                RopeStyle::kHalf, x, shape, Positions::offset(10));
+  expect_tensor_eq(long_t, shape, long_want);
+  EXPECT_NE(short_want, long_want) << "--seq-len must change a dynamic NTK config";
+
+  // Default L past the original length: scaled.
+  const Tensor far = run_ok("rope --config " + config("llama-2-7b-dynamic-2x.json") + " --in " +
+                                quote(in) + " --offset 8000",
+                            path("far.npy"));
+  expect_tensor_eq(far, shape,
+                   lib_rope(model_rope_frequencies(cfg, 8004), RopeStyle::kHalf, x, shape,
+                            Positions::offset(8000)));
+}
+
+TEST_F(CliModelsTest, RopeConfigLongRopeSwitchesPastOriginal) {
+  const ModelConfig cfg = load("phi-3-mini-128k-like.json");
+  ASSERT_EQ(cfg.rope.scaling.type, RopeScalingType::kLongRope);
+  const int64_t lo = cfg.rope.scaling.original_max_position_embeddings;
+  const std::vector<int64_t> shape = {1, 3, 2, cfg.head_dim};
+  const std::vector<float> x = random_floats(count(shape), 4);
+  const std::string in = write_f32("x.npy", shape, x);
+  const std::string base =
+      "rope --config " + config("phi-3-mini-128k-like.json") + " --in " + quote(in);
+
+  const RopeFrequencies f_short = model_rope_frequencies(cfg, lo);
+  const RopeFrequencies f_long = model_rope_frequencies(cfg, lo + 1);
+  EXPECT_NE(f_short.inv_freq, f_long.inv_freq);
+  EXPECT_GT(f_short.attention_factor, 1.0);
+
+  // L = offset + 3: at Lo short factors, one past it long factors.
+  Tensor t = run_ok(base + " --offset " + std::to_string(lo - 3), path("at.npy"));
+  const std::vector<float> at =
+      lib_rope(f_short, RopeStyle::kHalf, x, shape, Positions::offset(lo - 3));
+  expect_tensor_eq(t, shape, at);
+  t = run_ok(base + " --offset " + std::to_string(lo - 2), path("past.npy"));
+  expect_tensor_eq(t, shape,
+                   lib_rope(f_long, RopeStyle::kHalf, x, shape, Positions::offset(lo - 2)));
+
+  // --seq-len alone switches at the same position.
+  t = run_ok(base + " --offset 5 --seq-len " + std::to_string(lo + 1), path("sl.npy"));
+  const std::vector<float> sl = lib_rope(f_long, RopeStyle::kHalf, x, shape, Positions::offset(5));
+  expect_tensor_eq(t, shape, sl);
+  EXPECT_NE(sl, lib_rope(f_short, RopeStyle::kHalf, x, shape, Positions::offset(5)));
+
+  // The attention factor scales the rotated dims: |y| = af |x| per token and head.
+  const std::vector<float> y = t.to_f32();
+  for (int64_t row = 0; row < 6; ++row) {
+    double nx = 0, ny = 0;
+    for (int64_t d = 0; d < cfg.head_dim; ++d) {
+      nx += double(x[row * cfg.head_dim + d]) * x[row * cfg.head_dim + d];
+      ny += double(y[row * cfg.head_dim + d]) * y[row * cfg.head_dim + d];
+    }
+    EXPECT_NEAR(std::sqrt(ny / nx), f_long.attention_factor, 1e-5);
+  }
+}
+
+TEST_F(CliModelsTest, AnglesFloat32) {
+  const int64_t p = int64_t{1} << 20;
+  const std::vector<int64_t> shape = {1, 4, 2, 128};
+  const std::vector<float> x = random_floats(count(shape), 5);
+  const std::string in = write_f32("x.npy", shape, x);
+  RopeConfig rc;
+  rc.head_dim = 128;
+  rc.base = 5e5;
+  const std::string args = "rope --in " + quote(in) + " --base 5e5 --offset " + std::to_string(p);
+  const Tensor acc = run_ok(args + " --angles accurate", path("acc.npy"));
+  const Tensor f32 = run_ok(args + " --angles float32", path("f32.npy"));
+  const std::vector<float> want_acc =
+      lib_rope(rope_frequencies(rc, p + 4), RopeStyle::kHalf, x, shape, Positions::offset(p));
+  const std::vector<float> want_f32 = lib_rope(rope_frequencies(rc, p + 4, RopeAngles::kFloat32),
+                                               RopeStyle::kHalf, x, shape, Positions::offset(p));
+  expect_tensor_eq(acc, shape, want_acc);
+  expect_tensor_eq(f32, shape, want_f32);
+  double diff = 0;
+  for (std::size_t i = 0; i < want_acc.size(); ++i) {
+    diff = std::max(diff, double(std::abs(want_acc[i] - want_f32[i])));
+  }
+  EXPECT_GT(diff, 1e-3) << "float32 angles must differ at 2^20";
+
+  // With a config.
+  const ModelConfig cfg = load("llama-3.1-8b.json");
+  const Tensor c = run_ok("rope --config " + config("llama-3.1-8b.json") + " --in " + quote(in) +
+                              " --angles float32 --offset " + std::to_string(p),
+                          path("cfg.npy"));
+  expect_tensor_eq(c, shape,
+                   lib_rope(model_rope_frequencies(cfg, p + 4, RopeAngles::kFloat32),
+                            RopeStyle::kHalf, x, shape, Positions::offset(p)));
+  expect_error("rope", "--in " + quote(in) + " --angles double", "angles");
+}
+
+TEST_F(CliModelsTest, InvFreqRoundTrip) {
+  const std::vector<int64_t> shape = {1, 4, 2, 96};
+  const std::vector<float> x = random_floats(count(shape), 6);
+  const std::string in = write_f32("x.npy", shape, x);
+  const ModelConfig cfg = load("phi-3-mini-128k-like.json");
+  const std::string phi = config("phi-3-mini-128k-like.json");
+
+  for (const char* angles : {"accurate", "float32"}) {
+    SCOPED_TRACE(angles);
+    const std::string a = std::string(" --angles ") + angles;
+    const std::string f = path(std::string("f_") + angles + ".npy");
+    RunResult r;
+    run_ok("rope-freqs --config " + phi + " --seq-len 9000" + a, f, &r);
+    const std::string rope = "rope --config " + phi + " --in " + quote(in) + " --offset 8996" + a;
+    const Tensor direct = run_ok(rope, path("direct.npy"));
+    const Tensor injected = run_ok(rope + " --inv-freq " + quote(f), path("inj.npy"));
+    expect_tensor_eq(injected, shape, direct.to_f32());
+    // Without --config: attention factor 1, so the result differs by af exactly in spirit;
+    // compare with the library.
+    RopeFrequencies fr;
+    fr.inv_freq = read_npy(f).to_f64();
+    fr.angles = std::string(angles) == "float32" ? RopeAngles::kFloat32 : RopeAngles::kAccurate;
+    const Tensor plain = run_ok(
+        "rope --in " + quote(in) + " --offset 8996 --inv-freq " + quote(f) + a, path("plain.npy"));
+    expect_tensor_eq(plain, shape,
+                     lib_rope(fr, RopeStyle::kHalf, x, shape, Positions::offset(8996)));
+  }
+
+  // A float32 table works too; a short table (R < D) leaves the tail dims alone.
+  const std::vector<float> inv32 = {1.0f, 0.5f, 0.25f, 0.125f};
+  const std::string f32 = write_f32("inv32.npy", {4}, inv32);
+  RopeFrequencies fr;
+  fr.inv_freq = {1.0, 0.5, 0.25, 0.125};
+  const Tensor t = run_ok(
+      "rope --in " + quote(in) + " --offset 3 --inv-freq " + quote(f32) + " --style interleaved",
+      path("short.npy"));
+  expect_tensor_eq(t, shape, lib_rope(fr, RopeStyle::kInterleaved, x, shape, Positions::offset(3)));
+
+  // Length mismatches.
+  expect_error("rope", "--in " + quote(in) + " --inv-freq " + quote(f32) + " --rotary-dim 16",
+               "inv32.npy");
+  expect_error("rope", "--config " + phi + " --in " + quote(in) + " --inv-freq " + quote(f32),
+               "rotary_dim");
+  const std::string big = write_f32("big.npy", {64}, std::vector<float>(64, 0.5f));
+  expect_error("rope", "--in " + quote(in) + " --inv-freq " + quote(big), "head_dim");
+  const std::string ints = write_i64("ints.npy", {4}, {1, 2, 3, 4});
+  expect_error("rope", "--in " + quote(in) + " --inv-freq " + quote(ints), "ints.npy");
+  expect_error("rope", "--in " + quote(in) + " --inv-freq " + quote(f32) + " --base 100", "--base");
+  (void)cfg;
+}
+
+TEST_F(CliModelsTest, MRopePositions) {
+  const ModelConfig cfg = load("qwen2-vl-7b.json");
+  ASSERT_TRUE(cfg.mrope.has_value());
+  const int64_t B = 2, L = 5;
+  const std::vector<int64_t> shape = {B, L, 2, cfg.head_dim};
+  const std::vector<float> x = random_floats(count(shape), 7);
+  const std::string in = write_f32("x.npy", shape, x);
+  const std::string qwen = config("qwen2-vl-7b.json");
+
+  // [3, seq]: t, h, w differ (an image patch grid after text).
+  const std::vector<int64_t> t_ids = {0, 1, 2, 2, 2}, h_ids = {0, 1, 2, 2, 3},
+                             w_ids = {0, 1, 2, 3, 2};
+  std::vector<int64_t> thw = t_ids;
+  thw.insert(thw.end(), h_ids.begin(), h_ids.end());
+  thw.insert(thw.end(), w_ids.begin(), w_ids.end());
+  const std::string p3 = write_i64("p3.npy", {3, L}, thw);
+  Tensor t = run_ok("rope --config " + qwen + " --in " + quote(in) + " --positions " + quote(p3),
+                    path("y3.npy"));
+  const std::array<Positions, 3> pos = {Positions::shared(t_ids), Positions::shared(h_ids),
+                                        Positions::shared(w_ids)};
+  const std::vector<float> want =
+      lib_mrope(model_rope_frequencies(cfg, 4), cfg.rope.style, *cfg.mrope, x, shape, pos);
+  expect_tensor_eq(t, shape, want);
+  EXPECT_NE(want, lib_rope(model_rope_frequencies(cfg, 4), cfg.rope.style, x, shape,
+                           Positions::shared(t_ids)));
+
+  // [3, batch, seq].
+  std::vector<int64_t> per_row;
+  for (int c = 0; c < 3; ++c) {
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < L; ++i) per_row.push_back(10 * b + i + (c == 0 ? 0 : c * i));
+    }
+  }
+  const std::string p3b = write_i64("p3b.npy", {3, B, L}, per_row);
+  std::array<Positions, 3> rows;
+  int64_t max_pos = 0;
+  for (int c = 0; c < 3; ++c) {
+    std::vector<int64_t> part(per_row.begin() + c * B * L, per_row.begin() + (c + 1) * B * L);
+    max_pos = std::max(max_pos, *std::max_element(part.begin(), part.end()));
+    rows[c] = Positions::per_row(part, B, L);
+  }
+  t = run_ok("rope --config " + qwen + " --in " + quote(in) + " --positions " + quote(p3b),
+             path("y3b.npy"));
+  expect_tensor_eq(t, shape,
+                   lib_mrope(model_rope_frequencies(cfg, max_pos + 1), cfg.rope.style, *cfg.mrope,
+                             x, shape, rows));
+
+  // Text tokens: offset or 1-component positions, t = h = w (= plain RoPE).
+  t = run_ok("rope --config " + qwen + " --in " + quote(in) + " --offset 20", path("yt.npy"));
+  const Positions off = Positions::offset(20);
+  const std::vector<float> text = lib_mrope(model_rope_frequencies(cfg, 25), cfg.rope.style,
+                                            *cfg.mrope, x, shape, {off, off, off});
+  expect_tensor_eq(t, shape, text);
+  expect_tensor_eq(t, shape,
+                   lib_rope(model_rope_frequencies(cfg, 25), cfg.rope.style, x, shape, off));
+  const std::string p1 = write_i64("p1.npy", {L}, {20, 21, 22, 23, 24});
+  t = run_ok("rope --config " + qwen + " --in " + quote(in) + " --positions " + quote(p1),
+             path("y1.npy"));
+  expect_tensor_eq(t, shape, text);
+
+  // Bad 3-component files; 3-component positions without an M-RoPE config.
+  const std::string bad = write_i64("bad.npy", {3, B + 1, L}, std::vector<int64_t>(3 * 3 * L, 0));
+  expect_error("rope", "--config " + qwen + " --in " + quote(in) + " --positions " + quote(bad),
+               "bad.npy");
+  expect_error("rope",
+               "--config " + config("llama-3.1-8b.json") + " --in " + quote(in) + " --positions " +
+                   quote(p3b),
+               "M-RoPE");
+}
+
+// ---------------------------------------------------------------------------------------------
+// rope-freqs
+
+TEST_F(CliModelsTest, RopeFreqsJsonAndTable) {
+  struct Case {
+    const char* file;
+    int64_t seq_len;
+    RopeAngles angles;
+  };
+  for (const Case& c : {Case{"llama-3.1-8b.json", 0, RopeAngles::kAccurate},
+                        Case{"gpt-j-6b.json", 0, RopeAngles::kAccurate},
+                        Case{"phi-3-mini-128k-like.json", 0, RopeAngles::kAccurate},
+                        Case{"phi-3-mini-128k-like.json", 100000, RopeAngles::kAccurate},
+                        Case{"llama-2-7b-dynamic-2x.json", 10000, RopeAngles::kFloat32},
+                        Case{"qwen2-vl-7b.json", 0, RopeAngles::kAccurate}}) {
+    SCOPED_TRACE(std::string(c.file) + " L=" + std::to_string(c.seq_len));
+    const ModelConfig cfg = load(c.file);
+    const RopeFrequencies want = model_rope_frequencies(cfg, c.seq_len, c.angles);
+    std::string args = "rope-freqs --config " + config(c.file);
+    if (c.seq_len) args += " --seq-len " + std::to_string(c.seq_len);
+    if (c.angles == RopeAngles::kFloat32) args += " --angles float32";
+    RunResult r;
+    const Tensor t = run_ok(args, path("f.npy"), &r);
+    ASSERT_EQ(t.dtype, DType::kF64);
+    ASSERT_EQ(t.shape, std::vector<int64_t>{static_cast<int64_t>(want.inv_freq.size())});
+    EXPECT_EQ(t.to_f64(), want.inv_freq);
+
+    ASSERT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j.at("rotary_dim").get<int64_t>(), want.rotary_dim());
+    EXPECT_EQ(j.at("attention_factor").get<double>(), want.attention_factor);
+    EXPECT_EQ(j.at("style").get<std::string>(), style_name(cfg.rope.style));
+    EXPECT_EQ(j.at("scaling").get<std::string>(), scaling_name(cfg.rope.scaling.type));
+    // The three contract keys come first, in order.
+    EXPECT_EQ(r.out.rfind("{\"rotary_dim\": ", 0), 0u) << r.out;
+    EXPECT_LT(r.out.find("\"attention_factor\""), r.out.find("\"style\""));
+  }
+  // Without --config: --head-dim and the rope flags.
+  RopeConfig rc;
+  rc.head_dim = 64;
+  rc.rotary_dim = 32;
+  rc.base = 1e6;
+  RunResult r;
+  const Tensor t = run_ok("rope-freqs --head-dim 64 --rotary-dim 32 --base 1e6 --style interleaved",
+                          path("g.npy"), &r);
+  EXPECT_EQ(t.to_f64(), rope_frequencies(rc).inv_freq);
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("style"), "interleaved");
+  EXPECT_EQ(j.at("rotary_dim"), 32);
+  EXPECT_EQ(j.at("attention_factor"), 1.0);
+
+  expect_error("rope-freqs", "--config " + config("bloom-560m.json"), "bloom");
+  expect_error("rope-freqs", "--config " + config("llama-3.1-8b.json") + " --style interleaved",
+               "--style conflicts with --config");
+  expect_error("rope-freqs", "--config " + config("llama-3.1-8b.json") + " --seq-len -1",
+               "seq-len");
+  expect_error("rope-freqs", "", "--config");
+  expect_error("rope-freqs", "--config " + quote(path("missing.json")), "missing.json");
+}
+
+// ---------------------------------------------------------------------------------------------
+// describe
+
+TEST_F(CliModelsTest, Describe) {
+  struct Case {
+    const char* file;
+    std::vector<std::string> needles;
+  };
+  for (const Case& c : {Case{"llama-3.1-8b.json", {"scheme: rope", "500000", "llama3", "128"}},
+                        Case{"bloom-560m.json", {"scheme: alibi", "16"}},
+                        Case{"t5-base.json", {"scheme: t5", "32", "128"}},
+                        Case{"deberta-v3-base.json", {"scheme: deberta", "256"}},
+                        Case{"qwen2-vl-7b.json", {"mrope", "16, 24, 24"}},
+                        Case{"phi-3-mini-128k-like.json", {"longrope", "4096"}}}) {
+    SCOPED_TRACE(c.file);
+    const RunResult r = run(std::string("describe ") + config(c.file));
+    EXPECT_EQ(r.status, 0) << r.err;
+    EXPECT_EQ(r.out, describe(load(c.file)));
+    for (const std::string& n : c.needles) {
+      EXPECT_NE(r.out.find(n), std::string::npos) << n << " in\n" << r.out;
+    }
+    const RunResult js = run(std::string("describe --json ") + config(c.file));
+    EXPECT_EQ(js.status, 0) << js.err;
+    const nlohmann::json j = nlohmann::json::parse(js.out);
+    EXPECT_EQ(j.at("model_type"), load(c.file).model_type);
+    EXPECT_EQ(j.at("head_dim"), load(c.file).head_dim);
+  }
+  const nlohmann::json j =
+      nlohmann::json::parse(run("describe --json " + config("llama-3.1-8b.json")).out);
+  EXPECT_EQ(j.at("rope").at("base"), 500000.0);
+  EXPECT_EQ(j.at("rope").at("scaling").at("type"), "llama3");
+
+  expect_error_result(run("describe " + quote(path("missing.json"))), "describe", "missing.json");
+  {
+    std::ofstream f(path("bad.json"));
+    f << "{\"model_type\": \"llama\",";
+  }
+  expect_error_result(run("describe " + quote(path("bad.json"))), "describe", "bad.json");
+  expect_error_result(run("describe"), "describe", "config");
+}
+
+// ---------------------------------------------------------------------------------------------
+// inspect
+
+TEST_F(CliModelsTest, InspectSafetensorsAndNpy) {
+  SafetensorsFile f;
+  f.tensors["relative_attention_bias"] = Tensor::from_f32({32, 12}, random_floats(32 * 12, 8));
+  f.tensors["slopes"] = Tensor::from_f64({16}, std::vector<double>(16, 0.5));
+  f.tensors["ids"] = Tensor::from_i64({2, 3}, {1, 2, 3, 4, 5, 6});
+  f.metadata["format"] = "pt";
+  f.metadata["note"] = "written by test_cli_models";
+  const std::string st = path("p.safetensors");
+  write_safetensors(st, f);
+
+  RunResult r = run("inspect " + quote(st));
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  for (const char* s : {"relative_attention_bias", "[32, 12]", "1536", "float32", "slopes", "[16]",
+                        "float64", "128", "ids", "int64", "[2, 3]", "48", "format", "pt",
+                        "written by test_cli_models", "3 tensors"}) {
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << " in\n" << r.out;
+  }
+  r = run("inspect --json " + quote(st));
+  EXPECT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j.at("tensors").size(), 3u);
+  EXPECT_EQ(j.at("metadata").at("format"), "pt");
+  bool found = false;
+  for (const auto& t : j.at("tensors")) {
+    if (t.at("name") == "relative_attention_bias") {
+      found = true;
+      EXPECT_EQ(t.at("shape"), nlohmann::json({32, 12}));
+      EXPECT_EQ(t.at("dtype"), "float32");
+      EXPECT_EQ(t.at("bytes"), 32 * 12 * 4);
+    }
+  }
+  EXPECT_TRUE(found);
+  r = run("inspect --stats " + quote(st));
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("non_finite"), std::string::npos);
+
+  // .npy
+  const std::string npy = write_f32("x.npy", {2, 3, 4}, random_floats(24, 9));
+  r = run("inspect " + quote(npy));
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("float32"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[2, 3, 4]"), std::string::npos) << r.out;
+
+  // Truncated and garbage files: exit 2, one line, naming the file.
+  std::vector<unsigned char> bytes = encode_safetensors(f);
+  bytes.resize(bytes.size() - 5);
+  {
+    std::ofstream o(path("short.safetensors"), std::ios::binary);
+    o.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
+  }
+  r = run("inspect " + quote(path("short.safetensors")));
+  expect_error_result(r, "inspect", "short.safetensors");
+  EXPECT_EQ(r.out, "");
+  {
+    std::ofstream o(path("junk.safetensors"), std::ios::binary);
+    o << "not a safetensors file at all";
+  }
+  expect_error_result(run("inspect " + quote(path("junk.safetensors"))), "inspect",
+                      "junk.safetensors");
+  std::vector<unsigned char> nb = encode_npy(Tensor::from_f32({2, 3}, random_floats(6, 10)));
+  nb.resize(nb.size() - 3);
+  {
+    std::ofstream o(path("short.npy"), std::ios::binary);
+    o.write(reinterpret_cast<const char*>(nb.data()), static_cast<std::streamsize>(nb.size()));
+  }
+  expect_error_result(run("inspect " + quote(path("short.npy"))), "inspect", "short.npy");
+  expect_error_result(run("inspect " + quote(path("none.safetensors"))), "inspect",
+                      "none.safetensors");
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention --config
+
+class CliAttentionConfigTest : public CliModelsTest {
+ protected:
+  // Writes q [1, Lq, Hq, D], k and v [1, Lk, Hkv, D]; returns the --q/--k/--v flags.
+  std::string make_qkv(int64_t lq, int64_t lk, int64_t hq, int64_t hkv, int64_t d) {
+    qs_ = {1, lq, hq, d};
+    ks_ = {1, lk, hkv, d};
+    q_ = random_floats(count(qs_), 21);
+    k_ = random_floats(count(ks_), 22);
+    v_ = random_floats(count(ks_), 23);
+    return "--q " + quote(write_f32("q.npy", qs_, q_)) + " --k " +
+           quote(write_f32("k.npy", ks_, k_)) + " --v " + quote(write_f32("v.npy", ks_, v_));
+  }
+
+  std::vector<float> expected(const PositionScheme& scheme, const AttentionOptions& opt = {}) {
+    std::vector<float> out(q_.size());
+    attention(View<const float, 4>::contiguous(q_.data(), dims4(qs_)),
+              View<const float, 4>::contiguous(k_.data(), dims4(ks_)),
+              View<const float, 4>::contiguous(v_.data(), dims4(ks_)), scheme, opt,
+              View<float, 4>::contiguous(out.data(), dims4(qs_)));
+    return out;
+  }
+
+  std::vector<int64_t> qs_, ks_;
+  std::vector<float> q_, k_, v_;
+};
+
+TEST_F(CliAttentionConfigTest, RopeConfig) {
+  const ModelConfig cfg = load("llama-3.1-8b.json");
+  const std::string qkv = make_qkv(3, 4, cfg.heads_q, cfg.heads_kv, cfg.head_dim);
+  Tensor t = run_ok("attention " + qkv + " --config " + config("llama-3.1-8b.json") + " --causal",
+                    path("o.npy"));
+  AttentionOptions opt;
+  opt.causal = true;
+  expect_tensor_eq(t, qs_, expected(Rope{model_rope_frequencies(cfg, 4), RopeStyle::kHalf}, opt));
+  // An agreeing --scheme is fine.
+  t = run_ok("attention " + qkv + " --scheme rope --config " + config("llama-3.1-8b.json"),
+             path("o2.npy"));
+  expect_tensor_eq(t, qs_, expected(Rope{model_rope_frequencies(cfg, 4), RopeStyle::kHalf}));
+  // --angles and --seq-len (dynamic NTK depends on it).
+  const ModelConfig dyn = load("llama-2-7b-dynamic-2x.json");
+  const std::string qkv2 = make_qkv(3, 4, dyn.heads_q, dyn.heads_kv, dyn.head_dim);
+  t = run_ok("attention " + qkv2 + " --config " + config("llama-2-7b-dynamic-2x.json") +
+                 " --seq-len 10000 --angles float32",
+             path("o3.npy"));
+  expect_tensor_eq(
+      t, qs_,
+      expected(Rope{model_rope_frequencies(dyn, 10000, RopeAngles::kFloat32), RopeStyle::kHalf}));
+}
+
+TEST_F(CliAttentionConfigTest, MRopeConfigUsesTextPositions) {
+  const ModelConfig cfg = load("qwen2-vl-7b.json");
+  const std::string qkv = make_qkv(2, 3, cfg.heads_q, cfg.heads_kv, cfg.head_dim);
+  const Tensor t =
+      run_ok("attention " + qkv + " --config " + config("qwen2-vl-7b.json"), path("o.npy"));
+  expect_tensor_eq(t, qs_, expected(Rope{model_rope_frequencies(cfg, 3), cfg.rope.style}));
+}
+
+TEST_F(CliAttentionConfigTest, AlibiConfig) {
+  const ModelConfig cfg = load("bloom-560m.json");
+  ASSERT_EQ(cfg.alibi.heads, 16);
+  const std::string qkv = make_qkv(4, 4, 16, 16, cfg.head_dim);
+  const Tensor t = run_ok(
+      "attention " + qkv + " --config " + config("bloom-560m.json") + " --causal", path("o.npy"));
+  AttentionOptions opt;
+  opt.causal = true;
+  expect_tensor_eq(t, qs_, expected(Alibi{alibi_slopes(cfg.alibi), 8.0}, opt));
+  // Wrong number of heads.
+  const std::string bad = make_qkv(4, 4, 8, 8, cfg.head_dim);
+  expect_error("attention", bad + " --config " + config("bloom-560m.json"), "heads");
+}
+
+TEST_F(CliAttentionConfigTest, T5Config) {
+  const ModelConfig cfg = load("t5-base.json");
+  const std::string qkv = make_qkv(5, 6, cfg.heads_q, cfg.heads_kv, cfg.head_dim);
+  const std::vector<float> table = random_floats(cfg.t5.num_buckets * cfg.heads_q, 30);
+  SafetensorsFile f;
+  f.tensors["relative_attention_bias"] = Tensor::from_f32({cfg.t5.num_buckets, cfg.heads_q}, table);
+  const std::string p = path("t5.safetensors");
+  write_safetensors(p, f);
+  const auto view =
+      View<const float, 2>::contiguous(table.data(), {cfg.t5.num_buckets, cfg.heads_q});
+
+  // Default scale 1 for T5.
+  Tensor t =
+      run_ok("attention " + qkv + " --config " + config("t5-base.json") + " --params " + quote(p),
+             path("o.npy"));
+  AttentionOptions opt;
+  opt.scale = 1.0;
+  expect_tensor_eq(t, qs_, expected(T5Bias{view, cfg.t5.max_distance, std::nullopt}, opt));
+  // --scale still wins; causal decoder bucketing.
+  t = run_ok("attention " + qkv + " --config " + config("t5-base.json") + " --params " + quote(p) +
+                 " --scale 0.25 --causal",
+             path("o2.npy"));
+  opt.scale = 0.25;
+  opt.causal = true;
+  expect_tensor_eq(t, qs_, expected(T5Bias{view, cfg.t5.max_distance, std::nullopt}, opt));
+
+  // A table with the wrong number of buckets; --num-buckets / --max-distance conflict.
+  SafetensorsFile g;
+  g.tensors["relative_attention_bias"] =
+      Tensor::from_f32({16, cfg.heads_q}, random_floats(16 * 12, 1));
+  write_safetensors(path("t5_16.safetensors"), g);
+  expect_error(
+      "attention",
+      qkv + " --config " + config("t5-base.json") + " --params " + quote(path("t5_16.safetensors")),
+      "buckets");
+  expect_error(
+      "attention",
+      qkv + " --config " + config("t5-base.json") + " --params " + quote(p) + " --max-distance 64",
+      "--max-distance conflicts with --config");
+  expect_error("attention", qkv + " --config " + config("t5-base.json"), "--params");
+}
+
+TEST_F(CliAttentionConfigTest, DebertaConfig) {
+  const ModelConfig cfg = load("deberta-v3-base.json");
+  const int64_t k2 = 2 * cfg.deberta.span();
+  const std::string qkv = make_qkv(3, 3, cfg.heads_q, cfg.heads_kv, cfg.head_dim);
+  const std::vector<float> pk = random_floats(k2 * cfg.heads_q * cfg.head_dim, 31);
+  const std::vector<float> pq = random_floats(k2 * cfg.heads_q * cfg.head_dim, 32);
+  SafetensorsFile f;
+  f.tensors["pos_key"] = Tensor::from_f32({k2, cfg.heads_q, cfg.head_dim}, pk);
+  f.tensors["pos_query"] = Tensor::from_f32({k2, cfg.heads_q, cfg.head_dim}, pq);
+  const std::string p = path("deberta.safetensors");
+  write_safetensors(p, f);
+  const Tensor t = run_ok(
+      "attention " + qkv + " --config " + config("deberta-v3-base.json") + " --params " + quote(p),
+      path("o.npy"));
+  DeBERTa d;
+  d.pos_key = View<const float, 3>::contiguous(pk.data(), {k2, cfg.heads_q, cfg.head_dim});
+  d.pos_query = View<const float, 3>::contiguous(pq.data(), {k2, cfg.heads_q, cfg.head_dim});
+  d.buckets = cfg.deberta;
+  expect_tensor_eq(t, qs_, expected(d));
+}
+
+TEST_F(CliAttentionConfigTest, Conflicts) {
+  const ModelConfig cfg = load("llama-3.1-8b.json");
+  const std::string llama = config("llama-3.1-8b.json");
+  const std::string qkv = make_qkv(2, 2, cfg.heads_q, cfg.heads_kv, cfg.head_dim);
+  expect_error("attention", qkv + " --config " + llama + " --scheme alibi", "--scheme alibi");
+  expect_error("attention", qkv + " --config " + llama + " --base 1e4", "--base conflicts");
+  expect_error("attention", qkv + " --config " + llama + " --style interleaved", "--style");
+  expect_error("attention", qkv + " --config " + config("gpt2.json"), "gpt2");
+  const std::string small = make_qkv(2, 2, cfg.heads_q, cfg.heads_kv, 64);
+  expect_error("attention", small + " --config " + llama, "head_dim");
+  const std::string heads = make_qkv(2, 2, cfg.heads_q, cfg.heads_q, cfg.head_dim);
+  expect_error("attention", heads + " --config " + llama, "heads_kv");
+}
+
+// ---------------------------------------------------------------------------------------------
+// rope conflicts
+
+TEST_F(CliModelsTest, RopeConfigConflicts) {
+  const std::vector<int64_t> shape = {1, 2, 1, 128};
+  const std::string in = write_f32("x.npy", shape, random_floats(count(shape), 11));
+  const std::string llama = config("llama-3.1-8b.json");
+  expect_error("rope", "--config " + llama + " --in " + quote(in) + " --base 1e4",
+               "--base conflicts with --config");
+  expect_error("rope", "--config " + llama + " --in " + quote(in) + " --rotary-dim 64",
+               "--rotary-dim conflicts with --config");
+  expect_error("rope", "--config " + llama + " --in " + quote(in) + " --style half",
+               "--style conflicts with --config");
+  expect_error("rope", "--config " + config("bloom-560m.json") + " --in " + quote(in), "bloom");
+  expect_error("rope", "--config " + config("t5-base.json") + " --in " + quote(in), "'t5'");
+  const std::string in64 = write_f32("x64.npy", {1, 2, 1, 64}, random_floats(128, 12));
+  expect_error("rope", "--config " + llama + " --in " + quote(in64), "head_dim");
+  expect_error("rope", "--config " + llama + " --in " + quote(in) + " --seq-len -2", "seq-len");
+  expect_error("rope", "--config " + quote(path("nope.json")) + " --in " + quote(in), "nope.json");
+}
+
+// ---------------------------------------------------------------------------------------------
+// rope-precision
+
+TEST_F(CliModelsTest, RopePrecision) {
+  const std::vector<RopePrecisionRow> lib = rope_precision({int64_t{1} << 20});
+  ASSERT_EQ(lib.size(), 1u);
+  EXPECT_LT(lib[0].accurate_error, 1e-6);
+  EXPECT_GT(lib[0].float32_error, 1e-3);
+  EXPECT_GT(lib[0].float32_angle_error, 1e-3);
+  EXPECT_LT(lib[0].float32_angle_error, 0.1);
+
+  RunResult r = run("rope-precision");
+  EXPECT_EQ(r.status, 0) << r.err;
+  for (const char* col :
+       {"position", "accurate_max_err", "float32_max_err", "float32_angle_err_rad"}) {
+    EXPECT_NE(r.out.find(col), std::string::npos) << col;
+  }
+  std::istringstream is(r.out);
+  std::string line;
+  bool found = false;
+  while (std::getline(is, line)) {
+    if (line.rfind("1048576 ", 0) != 0) continue;
+    found = true;
+    std::istringstream ls(line);
+    std::string pos;
+    double acc = 0, f32 = 0, ang = 0;
+    ls >> pos >> acc >> f32 >> ang;
+    EXPECT_LT(acc, 1e-6) << line;
+    EXPECT_GT(f32, 1e-3) << line;
+    EXPECT_GT(ang, 1e-3) << line;
+  }
+  EXPECT_TRUE(found) << r.out;
+
+  r = run("rope-precision --positions 16,20 --json");
+  EXPECT_EQ(r.status, 0) << r.err;
+  std::istringstream js(r.out);
+  std::vector<nlohmann::json> rows;
+  while (std::getline(js, line)) rows.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[1].at("position"), 1048576);
+  EXPECT_EQ(rows[1].at("accurate_max_err").get<double>(), lib[0].accurate_error);
+  EXPECT_EQ(rows[1].at("float32_max_err").get<double>(), lib[0].float32_error);
+  EXPECT_EQ(rows[1].at("float32_angle_err_rad").get<double>(), lib[0].float32_angle_error);
+
+  expect_error_result(run("rope-precision --positions 70"), "rope-precision", "70");
+  expect_error_result(run("rope-precision --head-dim 7"), "rope-precision", "--head-dim");
+}
+
+}  // namespace
+}  // namespace posenc
