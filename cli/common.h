@@ -50,6 +50,7 @@ Command add_deberta_buckets_command(CLI::App& parent);
 Command add_learned_command(CLI::App& parent);
 Command add_attention_command(CLI::App& parent);
 Command add_check_command(CLI::App& parent);
+Command add_bench_command(CLI::App& parent);
 Command add_demo_command(CLI::App& parent);
 Command add_version_command(CLI::App& parent);
 Command add_rope_freqs_command(CLI::App& parent);

@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
         pc::add_learned_command(app),
         pc::add_attention_command(app),
         pc::add_check_command(app),
+        pc::add_bench_command(app),
         pc::add_describe_command(app),
         pc::add_inspect_command(app),
         pc::add_demo_command(app),

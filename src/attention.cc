@@ -587,7 +587,7 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
   }
 
   // DeBERTa: row indices by distance, pos_key dense, p2c values k_j . pos_query[r, h].
-  std::vector<float> pos_key, kpq;
+  std::vector<float> pos_key, pos_query;
   std::vector<int32_t> c2p, p2c;
   if (p.kind == 6) {
     const int64_t span2 = 2 * p.deberta.span();
@@ -611,49 +611,36 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
     fp.deberta_p2c = p2c.data();
     fp.deberta_len = len;
     fp.deberta_dmax = dmax.data();
-    kpq.assign(static_cast<std::size_t>(d.batch * d.heads_q * span2 * d.seq_k), 0.0f);
-    const auto pq = dense3(p.pos_query);
-    kernels::parallel_for(d.batch * d.heads_q, threads, [&](int64_t bh) {
-      const int64_t b = bh / d.heads_q, h = bh % d.heads_q, hk = h / d.group;
-      for (int64_t r = 0; r < span2; ++r) {
-        const float* w = pq.data() + (r * d.heads_q + h) * d.head_dim;
-        float* dst = kpq.data() + (bh * span2 + r) * d.seq_k;
-        for (int64_t j = 0; j < d.seq_k; ++j) {
-          const float* kr = fp.k + b * fp.k_stride[0] + j * fp.k_stride[1] + hk * fp.k_stride[2];
-          float acc = 0;
-          for (int64_t c = 0; c < d.head_dim; ++c) acc += kr[c] * w[c];
-          dst[j] = acc * fp.scale;
-        }
-      }
-    });
-    fp.deberta_kpq = kpq.data();
+    pos_query = dense3(p.pos_query);
+    fp.deberta_pos_query = pos_query.data();
+    if (span2 * ((d.seq_k + kPad - 1) / kPad * kPad) >= (int64_t{1} << 31)) return false;
   }
 
-  // Transformer-XL: projected distance table r(delta) per head over the global distance range,
-  // u . k_j per (batch, head, key), v as a dense [heads, head_dim] table.
-  std::vector<float> xl_r, xl_u, xl_v;
+  // Transformer-XL: the sinusoid rows R(delta) for the distances a mask can leave visible (the
+  // kernel projects them with r_net), u and v dense.
+  std::vector<float> xl_sin, xl_rnet, xl_u, xl_v;
   if (p.kind == 5) {
-    const int64_t len = gdmax - gdmin + 1 + kPad;
-    const int64_t dm = p.xl_rnet.shape[1];
-    xl_r.assign(static_cast<std::size_t>(d.heads_q * len * d.head_dim), 0.0f);
-    std::vector<std::vector<double>> sin_rows(static_cast<std::size_t>(gdmax - gdmin + 1));
-    for (int64_t t = 0; t <= gdmax - gdmin; ++t) {
-      sin_rows[static_cast<std::size_t>(t)] = xl_sinusoid(gdmax - t, dm, p.xl_base);
+    int64_t dlo = gdmin, dhi = gdmax;
+    if (pr.opt.causal) dlo = std::max<int64_t>(dlo, 0);
+    if (pr.opt.window) {
+      dlo = std::max<int64_t>(dlo, 1 - *pr.opt.window);
+      dhi = std::min<int64_t>(dhi, *pr.opt.window - 1);
     }
-    kernels::parallel_for(d.heads_q, threads, [&](int64_t h) {
-      for (int64_t t = 0; t <= gdmax - gdmin; ++t) {
-        const auto& rr = sin_rows[static_cast<std::size_t>(t)];
-        float* dst = xl_r.data() + (h * len + t) * d.head_dim;
-        for (int64_t c = 0; c < d.head_dim; ++c) {
-          float acc = 0;
-          for (int64_t m = 0; m < dm; ++m) {
-            acc += p.xl_rnet(h * d.head_dim + c, m) *
-                   static_cast<float>(rr[static_cast<std::size_t>(m)]);
-          }
-          dst[c] = acc;
-        }
+    dhi = std::max(dhi, dlo);
+    const int64_t len = dhi - dlo + 1;
+    const int64_t dm = p.xl_rnet.shape[1];
+    xl_sin.resize(static_cast<std::size_t>(len * dm));
+    kernels::parallel_for(len, threads, [&](int64_t t) {
+      const auto rr = xl_sinusoid(dhi - t, dm, p.xl_base);
+      for (int64_t m = 0; m < dm; ++m) {
+        xl_sin[static_cast<std::size_t>(t * dm + m)] =
+            static_cast<float>(rr[static_cast<std::size_t>(m)]);
       }
     });
+    xl_rnet.resize(static_cast<std::size_t>(d.heads_q * d.head_dim * dm));
+    for (int64_t o = 0; o < d.heads_q * d.head_dim; ++o)
+      for (int64_t m = 0; m < dm; ++m)
+        xl_rnet[static_cast<std::size_t>(o * dm + m)] = p.xl_rnet(o, m);
     xl_u.resize(static_cast<std::size_t>(d.heads_q * d.head_dim));
     xl_v.resize(xl_u.size());
     for (int64_t h = 0; h < d.heads_q; ++h) {
@@ -662,9 +649,11 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
         xl_v[static_cast<std::size_t>(h * d.head_dim + c)] = p.xl_v(h, c);
       }
     }
-    fp.xl_r = xl_r.data();
+    fp.xl_sin = xl_sin.data();
+    fp.xl_rnet = xl_rnet.data();
+    fp.xl_dmodel = dm;
     fp.xl_len = len;
-    fp.xl_dmax = gdmax;
+    fp.xl_dmax = dhi;
     fp.xl_u = xl_u.data();
     fp.xl_v = xl_v.data();
   }

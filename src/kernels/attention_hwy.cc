@@ -57,10 +57,10 @@ inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Per-thread buffers of one work item (aligned, reused across tiles).
 struct Scratch {
-  hwy::AlignedFreeUniquePtr<float[]> qp, kt, vt, s, o, extra;
+  hwy::AlignedFreeUniquePtr<float[]> qp, kt, vt, s, o, extra, extra2;
   hwy::AlignedFreeUniquePtr<int32_t[]> kpos;
   std::vector<float> m, l, wsum;
-  size_t qp_n = 0, kt_n = 0, vt_n = 0, s_n = 0, o_n = 0, extra_n = 0;
+  size_t qp_n = 0, kt_n = 0, vt_n = 0, s_n = 0, o_n = 0, extra_n = 0, extra2_n = 0;
 
   static void Ensure(hwy::AlignedFreeUniquePtr<float[]>& p, size_t& have, size_t want) {
     if (have < want) {
@@ -81,7 +81,7 @@ struct Item {
 
 // S[r][c] = sum_d Qp[r][d] * Kt[d][c] for r < rows_pad (multiple of 4), c < kTileK.
 HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const float* HWY_RESTRICT kt,
-                           int64_t rows_pad, float* HWY_RESTRICT s) {
+                           int64_t rows_pad, float* HWY_RESTRICT s, int64_t ss = kTileK) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   // Column chunk: 4 vectors when registers allow (AVX-512: 32 registers), else 2.
@@ -111,15 +111,15 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
           a30 = hn::MulAdd(b3, k0, a30), a31 = hn::MulAdd(b3, k1, a31);
           a32 = hn::MulAdd(b3, k2, a32), a33 = hn::MulAdd(b3, k3, a33);
         }
-        float* s0 = s + r * kTileK + c0;
-        hn::Store(a00, d, s0), hn::Store(a01, d, s0 + n), hn::Store(a02, d, s0 + 2 * n);
-        hn::Store(a03, d, s0 + 3 * n);
-        hn::Store(a10, d, s0 + kTileK), hn::Store(a11, d, s0 + kTileK + n);
-        hn::Store(a12, d, s0 + kTileK + 2 * n), hn::Store(a13, d, s0 + kTileK + 3 * n);
-        hn::Store(a20, d, s0 + 2 * kTileK), hn::Store(a21, d, s0 + 2 * kTileK + n);
-        hn::Store(a22, d, s0 + 2 * kTileK + 2 * n), hn::Store(a23, d, s0 + 2 * kTileK + 3 * n);
-        hn::Store(a30, d, s0 + 3 * kTileK), hn::Store(a31, d, s0 + 3 * kTileK + n);
-        hn::Store(a32, d, s0 + 3 * kTileK + 2 * n), hn::Store(a33, d, s0 + 3 * kTileK + 3 * n);
+        float* s0 = s + r * ss + c0;
+        hn::StoreU(a00, d, s0), hn::StoreU(a01, d, s0 + n), hn::StoreU(a02, d, s0 + 2 * n);
+        hn::StoreU(a03, d, s0 + 3 * n);
+        hn::StoreU(a10, d, s0 + ss), hn::StoreU(a11, d, s0 + ss + n);
+        hn::StoreU(a12, d, s0 + ss + 2 * n), hn::StoreU(a13, d, s0 + ss + 3 * n);
+        hn::StoreU(a20, d, s0 + 2 * ss), hn::StoreU(a21, d, s0 + 2 * ss + n);
+        hn::StoreU(a22, d, s0 + 2 * ss + 2 * n), hn::StoreU(a23, d, s0 + 2 * ss + 3 * n);
+        hn::StoreU(a30, d, s0 + 3 * ss), hn::StoreU(a31, d, s0 + 3 * ss + n);
+        hn::StoreU(a32, d, s0 + 3 * ss + 2 * n), hn::StoreU(a33, d, s0 + 3 * ss + 3 * n);
       } else {
         for (int64_t k = 0; k < dim; ++k) {
           const float* kr = kt + k * kTileK + c0;
@@ -131,11 +131,11 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
           a20 = hn::MulAdd(b2, k0, a20), a21 = hn::MulAdd(b2, k1, a21);
           a30 = hn::MulAdd(b3, k0, a30), a31 = hn::MulAdd(b3, k1, a31);
         }
-        float* s0 = s + r * kTileK + c0;
-        hn::Store(a00, d, s0), hn::Store(a01, d, s0 + n);
-        hn::Store(a10, d, s0 + kTileK), hn::Store(a11, d, s0 + kTileK + n);
-        hn::Store(a20, d, s0 + 2 * kTileK), hn::Store(a21, d, s0 + 2 * kTileK + n);
-        hn::Store(a30, d, s0 + 3 * kTileK), hn::Store(a31, d, s0 + 3 * kTileK + n);
+        float* s0 = s + r * ss + c0;
+        hn::StoreU(a00, d, s0), hn::StoreU(a01, d, s0 + n);
+        hn::StoreU(a10, d, s0 + ss), hn::StoreU(a11, d, s0 + ss + n);
+        hn::StoreU(a20, d, s0 + 2 * ss), hn::StoreU(a21, d, s0 + 2 * ss + n);
+        hn::StoreU(a30, d, s0 + 3 * ss), hn::StoreU(a31, d, s0 + 3 * ss + n);
       }
     }
   }
@@ -222,14 +222,16 @@ HWY_INLINE float Dot(const float* a, const float* b, int64_t dim) {
   return s;
 }
 
-// Per-item state of the scheme terms that depend on the query rows (Shaw, DeBERTa c2p).
+// Per-item layout of the scheme terms that depend on the query rows.
 struct RowTables {
   // Shaw: qr[r][u], u in [0, 2K + 1 + 2 kTileK): q_r . rel_k[clamp(u - kTileK - K) + K] * scale,
   // so that for a tile whose first relative position is rel0 the values are a contiguous run
   // from u = rel0 + K + kTileK whenever the whole tile lies in [-K - kTileK, K + kTileK].
   int64_t shaw_w = 0;
-  // DeBERTa: c2p[r][t] = q_r . pos_key[c2p_index(delta), h] * scale over the item's deltas.
-  int64_t deb_w = 0, deb_dmax = 0;
+  // DeBERTa: c2p projections scale * q_r . pos_key[u, h], u < 2K, rows of deb_w floats.
+  int64_t deb_w = 0;
+  // Transformer-XL: scale * (q_r + v) . r(t) for t in [xl_t0, xl_t0 + xl_w), rows of xl_w.
+  int64_t xl_t0 = 0, xl_w = 0;
 };
 
 class Kernel {
@@ -264,6 +266,8 @@ class Kernel {
         tile_consec_[at] = consec;
       }
     }
+    if (p.deberta_pos_key != nullptr) PrepareDeberta();
+    if (p.xl_sin != nullptr) PrepareXl();
   }
 
   void Run() {
@@ -365,10 +369,88 @@ class Kernel {
     }
   }
 
+  // Row-major [rows, dim] -> column tiles [tiles][dim][kTileK] scaled by `scale` (zero padded):
+  // the "keys" operand of ScoresTile for a fixed table (DeBERTa's pos_key, XL's r(delta)).
+  static void TransposeTable(const float* rows, int64_t n, int64_t row_stride, int64_t dim,
+                             float scale, float* out) {
+    const int64_t tiles = (n + kTileK - 1) / kTileK;
+    std::fill(out, out + tiles * dim * kTileK, 0.0f);
+    for (int64_t u = 0; u < n; ++u) {
+      float* t = out + (u / kTileK) * dim * kTileK + u % kTileK;
+      for (int64_t x = 0; x < dim; ++x) t[x * kTileK] = rows[u * row_stride + x] * scale;
+    }
+  }
+
+  // DeBERTa: pos_key^T tiles per head (for the per-item c2p products) and the p2c values
+  // kpq[b][h][u][j] = scale * k_j . pos_query[u, h] for every key (a GEMM per (b, h)).
+  void PrepareDeberta() {
+    const int64_t span2 = 2 * p_.deberta_span;
+    deb_tiles_ = (span2 + kTileK - 1) / kTileK;
+    deb_rows_ = RoundUp(span2, 4);
+    seq_k_pad_ = RoundUp(p_.seq_k, kTileK);
+    pk_t_ =
+        hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * deb_tiles_ * dim_ * kTileK));
+    for (int64_t h = 0; h < p_.heads_q; ++h) {
+      TransposeTable(p_.deberta_pos_key + h * dim_, span2, p_.heads_q * dim_, dim_, p_.scale,
+                     pk_t_.get() + h * deb_tiles_ * dim_ * kTileK);
+    }
+    auto pq = hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * deb_rows_ * dim_));
+    std::fill(pq.get(), pq.get() + p_.heads_q * deb_rows_ * dim_, 0.0f);
+    for (int64_t h = 0; h < p_.heads_q; ++h) {
+      for (int64_t u = 0; u < span2; ++u) {
+        for (int64_t x = 0; x < dim_; ++x) {
+          pq[static_cast<size_t>((h * deb_rows_ + u) * dim_ + x)] =
+              p_.deberta_pos_query[(u * p_.heads_q + h) * dim_ + x] * p_.scale;
+        }
+      }
+    }
+    kpq_ = hwy::AllocateAligned<float>(
+        static_cast<size_t>(p_.batch * p_.heads_q * deb_rows_ * seq_k_pad_));
+    const int threads = resolve_threads(p_.num_threads);
+    parallel_for(p_.batch * p_.heads_q * ntiles_, threads, [&](int64_t w) {
+      const int64_t t = w % ntiles_, bh = w / ntiles_;
+      const int64_t b = bh / p_.heads_q, h = bh % p_.heads_q;
+      auto kt = hwy::AllocateAligned<float>(static_cast<size_t>(dim_ * kTileK));
+      TransposeTile(b, h / group_, t * kTileK, kt.get());
+      ScoresTile(pq.get() + h * deb_rows_ * dim_, dim_, kt.get(), deb_rows_,
+                 kpq_.get() + bh * deb_rows_ * seq_k_pad_ + t * kTileK, seq_k_pad_);
+    });
+  }
+
+  // Transformer-XL: r(t) = W_r R(t) for every distance of the table (a GEMM over the sinusoid
+  // rows), then r(t)^T tiles per head, scaled.
+  void PrepareXl() {
+    const int64_t dm = p_.xl_dmodel, feats = p_.heads_q * dim_;
+    const int64_t rows = RoundUp(p_.xl_len, 4);
+    const int64_t ftiles = (feats + kTileK - 1) / kTileK, fpad = ftiles * kTileK;
+    auto sin_rows = hwy::AllocateAligned<float>(static_cast<size_t>(rows * dm));
+    std::fill(sin_rows.get(), sin_rows.get() + rows * dm, 0.0f);
+    std::memcpy(sin_rows.get(), p_.xl_sin, static_cast<size_t>(p_.xl_len * dm) * sizeof(float));
+    auto w_t = hwy::AllocateAligned<float>(static_cast<size_t>(ftiles * dm * kTileK));
+    TransposeTable(p_.xl_rnet, feats, dm, dm, 1.0f, w_t.get());
+    auto r = hwy::AllocateAligned<float>(static_cast<size_t>(rows * fpad));
+    const int threads = resolve_threads(p_.num_threads);
+    const int64_t row_blocks = rows / 4;
+    parallel_for(ftiles * ((row_blocks + 15) / 16), threads, [&](int64_t w) {
+      const int64_t ft = w % ftiles, rb = w / ftiles;
+      const int64_t r0 = rb * 64, nr = std::min<int64_t>(64, rows - r0);
+      ScoresTile(sin_rows.get() + r0 * dm, dm, w_t.get() + ft * dm * kTileK, nr,
+                 r.get() + r0 * fpad + ft * kTileK, fpad);
+    });
+    xl_tiles_ = (p_.xl_len + kTileK - 1) / kTileK;
+    r_t_ = hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * xl_tiles_ * dim_ * kTileK));
+    parallel_for(p_.heads_q, threads, [&](int64_t h) {
+      TransposeTable(r.get() + h * dim_, p_.xl_len, fpad, dim_, p_.scale,
+                     r_t_.get() + h * xl_tiles_ * dim_ * kTileK);
+    });
+  }
+
  private:
   Item MakeItem(int64_t w) const {
     Item it;
-    const int64_t qb = w % nqb_;
+    // Later query blocks see more keys under a causal mask: hand them out first (dynamic
+    // schedule, largest first) so no thread is left with a big block at the end.
+    const int64_t qb = nqb_ - 1 - w % nqb_;
     const int64_t bh = w / nqb_;
     it.hk = bh % p_.heads_kv;
     it.b = bh / p_.heads_kv;
@@ -393,24 +475,65 @@ class Kernel {
     sc.l.assign(static_cast<size_t>(it.rows_pad), 0.0f);
   }
 
-  // Packs the item's query rows (XL adds r_r_bias) and the per-row scheme tables.
-  void PackQueries(const Item& it, Scratch& sc, RowTables& rt) const {
-    Scratch::Ensure(sc.qp, sc.qp_n, static_cast<size_t>(it.rows_pad * dim_));
+  // Packs the item's query rows (XL: q + u) and the per-row scheme tables for keys
+  // [j_begin, j_end). Row buffers keep 4 spare zero rows so that per-head products over
+  // rows [g nq, g nq + RoundUp(nq, 4)) stay inside them.
+  void PackQueries(const Item& it, int64_t j_begin, int64_t j_end, Scratch& sc,
+                   RowTables& rt) const {
+    const int64_t alloc_rows = it.rows_pad + 4;
+    Scratch::Ensure(sc.qp, sc.qp_n, static_cast<size_t>(alloc_rows * dim_));
     float* qp = sc.qp.get();
-    std::fill(qp, qp + it.rows_pad * dim_, 0.0f);
+    std::fill(qp, qp + alloc_rows * dim_, 0.0f);
     for (int64_t r = 0; r < it.rows; ++r) {
       const int64_t h = HeadOf(it, r), i = QueryOf(it, r);
       const float* src = p_.q + it.b * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
       std::memcpy(qp + r * dim_, src, static_cast<size_t>(dim_) * sizeof(float));
     }
-    if (p_.xl_r != nullptr) {
-      // Rows of q + v in `extra` (for (q + v) . r(delta)); the main product uses q + u.
-      Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>(it.rows * dim_));
+    const int64_t nq4 = RoundUp(it.nq, 4);
+    if (p_.xl_sin != nullptr) {
+      // (q + v) rows in extra2, then G[r][t] = scale (q_r + v) . r(t) over the distances the
+      // item's visible keys can have; the main product uses q + u.
+      Scratch::Ensure(sc.extra2, sc.extra2_n, static_cast<size_t>(alloc_rows * dim_));
+      float* qv = sc.extra2.get();
+      std::fill(qv, qv + alloc_rows * dim_, 0.0f);
       for (int64_t r = 0; r < it.rows; ++r) {
         const int64_t h = HeadOf(it, r);
         for (int64_t c = 0; c < dim_; ++c) {
-          sc.extra[static_cast<size_t>(r * dim_ + c)] = qp[r * dim_ + c] + p_.xl_v[h * dim_ + c];
+          qv[r * dim_ + c] = qp[r * dim_ + c] + p_.xl_v[h * dim_ + c];
           qp[r * dim_ + c] += p_.xl_u[h * dim_ + c];
+        }
+      }
+      int32_t qlo = std::numeric_limits<int32_t>::max(), qhi = std::numeric_limits<int32_t>::min();
+      for (int64_t i = it.i0; i < it.i0 + it.nq; ++i) {
+        qlo = std::min(qlo, p_.qpos[it.b * p_.seq_q + i]);
+        qhi = std::max(qhi, p_.qpos[it.b * p_.seq_q + i]);
+      }
+      int32_t klo = std::numeric_limits<int32_t>::max(), khi = std::numeric_limits<int32_t>::min();
+      for (int64_t t = j_begin / kTileK; t * kTileK < j_end; ++t) {
+        klo = std::min(klo, tile_min_[static_cast<size_t>(it.b * ntiles_ + t)]);
+        khi = std::max(khi, tile_max_[static_cast<size_t>(it.b * ntiles_ + t)]);
+      }
+      int64_t dlo = int64_t{qlo} - khi, dhi = int64_t{qhi} - klo;
+      if (p_.causal) dlo = std::max<int64_t>(dlo, 0);
+      if (p_.window > 0) {
+        dlo = std::max<int64_t>(dlo, 1 - p_.window);
+        dhi = std::min<int64_t>(dhi, p_.window - 1);
+      }
+      dhi = std::max(dhi, dlo);
+      const int64_t t_lo = p_.xl_dmax - dhi, t_hi = p_.xl_dmax - dlo;
+      const int64_t tile0 = std::clamp<int64_t>(t_lo / kTileK, 0, xl_tiles_ - 1);
+      const int64_t tile1 = std::clamp<int64_t>(t_hi / kTileK, tile0, xl_tiles_ - 1);
+      rt.xl_t0 = tile0 * kTileK;
+      rt.xl_w = (tile1 - tile0 + 1) * kTileK;
+      Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>((alloc_rows + 1) * rt.xl_w));
+      float* g = sc.extra.get();
+      std::fill(g + it.rows * rt.xl_w, g + (alloc_rows + 1) * rt.xl_w, 0.0f);
+      for (int64_t hg = 0; hg < group_; ++hg) {
+        const int64_t h = it.hk * group_ + hg;
+        for (int64_t tt = tile0; tt <= tile1; ++tt) {
+          ScoresTile(qv + hg * it.nq * dim_, dim_,
+                     r_t_.get() + (h * xl_tiles_ + tt) * dim_ * kTileK, nq4,
+                     g + hg * it.nq * rt.xl_w + (tt - tile0) * kTileK, rt.xl_w);
         }
       }
     }
@@ -434,21 +557,15 @@ class Kernel {
       sc.wsum.assign(static_cast<size_t>(it.rows * (2 * kk + 1)), 0.0f);
     }
     if (p_.deberta_pos_key != nullptr) {
-      // c2p over every delta of this batch row: w = deberta_len values per query row.
-      const int64_t span2 = 2 * p_.deberta_span;
-      rt.deb_w = p_.deberta_len;
-      rt.deb_dmax = p_.deberta_dmax[it.b];
-      Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>(it.rows * rt.deb_w));
-      std::vector<float> proj(static_cast<size_t>(span2));
-      for (int64_t r = 0; r < it.rows; ++r) {
-        const int64_t h = HeadOf(it, r);
-        for (int64_t u = 0; u < span2; ++u) {
-          const float* pk = p_.deberta_pos_key + (u * p_.heads_q + h) * dim_;
-          proj[static_cast<size_t>(u)] = Dot(qp + r * dim_, pk, dim_) * p_.scale;
+      rt.deb_w = deb_tiles_ * kTileK;
+      Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>(alloc_rows * rt.deb_w));
+      for (int64_t hg = 0; hg < group_; ++hg) {
+        const int64_t h = it.hk * group_ + hg;
+        for (int64_t tt = 0; tt < deb_tiles_; ++tt) {
+          ScoresTile(qp + hg * it.nq * dim_, dim_,
+                     pk_t_.get() + (h * deb_tiles_ + tt) * dim_ * kTileK, nq4,
+                     sc.extra.get() + hg * it.nq * rt.deb_w + tt * kTileK, rt.deb_w);
         }
-        float* row = sc.extra.get() + r * rt.deb_w;
-        for (int64_t t = 0; t < rt.deb_w; ++t)
-          row[t] = proj[static_cast<size_t>(p_.deberta_c2p[t])];
       }
     }
   }
@@ -457,7 +574,7 @@ class Kernel {
   void Process(const Item& it, int64_t j_begin, int64_t j_end, const float* kt_all,
                Scratch& sc) const {
     RowTables rt;
-    PackQueries(it, sc, rt);
+    PackQueries(it, j_begin, j_end, sc, rt);
     Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
     Scratch::Ensure(sc.s, sc.s_n, static_cast<size_t>(it.rows_pad * kTileK));
     const bool pack_v = dim_ % lanes_ != 0;
@@ -535,8 +652,12 @@ class Kernel {
       bias = p_.bias + it.b * p_.bias_batch_stride + h * p_.bias_len;
       bias_off = p_.bias_dmax[it.b] - qp;
     }
-    const float* xl_r = nullptr;
-    if (p_.xl_r != nullptr) xl_r = p_.xl_r + h * p_.xl_len * dim_;
+    int32_t deb_off = 0;
+    const float* kpq_bh = nullptr;
+    if (p_.deberta_pos_key != nullptr) {
+      deb_off = static_cast<int32_t>(p_.deberta_dmax[it.b] - qp);
+      kpq_bh = kpq_.get() + (it.b * p_.heads_q + h) * deb_rows_ * seq_k_pad_;
+    }
     auto vmax = hn::Set(d, kNegInf);
     const auto vq = hn::Set(di, qp);
     for (int64_t c = 0; c < kTileK; c += n) {
@@ -549,15 +670,19 @@ class Kernel {
           sv = hn::Add(sv, hn::GatherIndex(d, bias, idx));
         }
       }
-      if (xl_r != nullptr) {
-        // XL: scale * (q + v) . r(delta); (q + u) . k is already in sv.
-        alignas(64) float extra[16];
-        const float* qv = sc.extra.get() + r * dim_;
-        for (int64_t x = 0; x < n; ++x) {
-          const int64_t delta = int64_t{qp} - kp[c + x];
-          extra[x] = Dot(qv, xl_r + (p_.xl_dmax - delta) * dim_, dim_);
+      if (p_.xl_sin != nullptr) {
+        // XL: scale * (q + v) . r(delta) from the item's band, (q + u) . k is already in sv.
+        const float* g = sc.extra.get() + r * rt.xl_w;
+        const int64_t first = p_.xl_dmax - qp + kp[c] - rt.xl_t0;
+        if (consec && first >= 0 && first + n <= rt.xl_w) {
+          sv = hn::Add(sv, hn::LoadU(d, g + first));
+        } else {
+          // Masked cells may fall outside the band: clamp (their score becomes -inf anyway).
+          auto idx = hn::Add(hn::Load(di, kp + c),
+                             hn::Set(di, static_cast<int32_t>(p_.xl_dmax - qp - rt.xl_t0)));
+          idx = hn::Min(hn::Max(idx, hn::Zero(di)), hn::Set(di, static_cast<int32_t>(rt.xl_w - 1)));
+          sv = hn::Add(sv, hn::GatherIndex(d, g, idx));
         }
-        sv = hn::MulAdd(hn::Load(d, extra), vscale, sv);
       }
       if (p_.shaw_rel_k != nullptr) {
         const float* row = sc.extra.get() + r * rt.shaw_w;
@@ -582,18 +707,15 @@ class Kernel {
         }
       }
       if (p_.deberta_pos_key != nullptr) {
-        // c2p from the row's table by delta, p2c from the per-key table (gathered).
-        const float* row = sc.extra.get() + r * rt.deb_w;
-        const float* kpq = p_.deberta_kpq;
-        alignas(64) float extra[16];
-        for (int64_t x = 0; x < n; ++x) {
-          const int64_t j = std::min(j0 + c + x, p_.seq_k - 1);
-          const int64_t t = rt.deb_dmax - (int64_t{qp} - kp[c + x]);
-          const int64_t u = p_.deberta_p2c[t];
-          extra[x] =
-              row[t] + kpq[((it.b * p_.heads_q + h) * 2 * p_.deberta_span + u) * p_.seq_k + j];
-        }
-        sv = hn::Add(sv, hn::Load(d, extra));
+        // c2p: the row's projection at c2p[t]; p2c: kpq[b, h, p2c[t], j]; t = dmax - delta.
+        const auto tv = hn::Add(hn::Load(di, kp + c), hn::Set(di, deb_off));
+        const auto u1 = hn::GatherIndex(di, p_.deberta_c2p, tv);
+        const auto u2 = hn::GatherIndex(di, p_.deberta_p2c, tv);
+        const auto jv = hn::Min(hn::Iota(di, static_cast<int32_t>(j0 + c)),
+                                hn::Set(di, static_cast<int32_t>(p_.seq_k - 1)));
+        const auto idx = hn::Add(hn::Mul(u2, hn::Set(di, static_cast<int32_t>(seq_k_pad_))), jv);
+        sv = hn::Add(sv, hn::Add(hn::GatherIndex(d, sc.extra.get() + r * rt.deb_w, u1),
+                                 hn::GatherIndex(d, kpq_bh, idx)));
       }
       if (!full) {
         auto vis = hn::FirstN(d, static_cast<size_t>(std::max<int64_t>(0, nk - c)));
@@ -684,6 +806,9 @@ class Kernel {
   const FusedAttentionParams& p_;
   int64_t lanes_ = 1, dim_ = 0, dpad_ = 0, group_ = 1, bq_ = 1, nqb_ = 0, ntiles_ = 0;
   int64_t splits_ = 1, chunk_ = 0;
+  // DeBERTa and XL tables (see PrepareDeberta / PrepareXl).
+  int64_t deb_tiles_ = 0, deb_rows_ = 0, seq_k_pad_ = 0, xl_tiles_ = 0;
+  hwy::AlignedFreeUniquePtr<float[]> pk_t_, kpq_, r_t_;
   std::vector<int32_t> tile_min_, tile_max_;
   std::vector<uint8_t> tile_consec_;
 };

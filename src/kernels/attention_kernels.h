@@ -50,22 +50,25 @@ struct FusedAttentionParams {
   int64_t shaw_k = 0;
   int64_t shaw_rel_k_heads = 1, shaw_rel_v_heads = 1;
 
-  // DeBERTa: c2p projections q . pos_key are computed in the kernel from pos_key [2K, heads_q,
-  // head_dim] (contiguous); p2c values k_j . pos_query[r] come precomputed as
-  // deberta_kpq[((b * heads_q + h) * 2K + r) * seq_k + j]. Row indices by delta come from
-  // deberta_c2p / deberta_p2c [deberta_len] at (deberta_dmax[b] - delta).
+  // DeBERTa: pos_key and pos_query [2K, heads_q, head_dim] dense; the kernel forms the c2p
+  // products q . pos_key per query block and the p2c products k . pos_query per key. Row indices
+  // by distance: deberta_c2p / deberta_p2c [deberta_len] at (deberta_dmax[b] - delta).
   const float* deberta_pos_key = nullptr;
-  const float* deberta_kpq = nullptr;
+  const float* deberta_pos_query = nullptr;
   int64_t deberta_span = 0;  // K
   const int32_t* deberta_c2p = nullptr;
   const int32_t* deberta_p2c = nullptr;
   int64_t deberta_len = 0;
   const int32_t* deberta_dmax = nullptr;
 
-  // Transformer-XL: r(delta) for head h is xl_r[(h * xl_len + (xl_dmax - delta)) * head_dim ..]
-  // (one distance range for the whole batch); u = r_w_bias and v = r_r_bias [heads_q, head_dim]
-  // dense. The kernel scores (q + u) . k with the main product and (q + v) . r(delta) per cell.
-  const float* xl_r = nullptr;
+  // Transformer-XL: the kernel projects r(delta) = W_r R(delta) itself (a GEMM): xl_sin holds
+  // R(delta) [xl_len, xl_dmodel] for delta = xl_dmax - t, t < xl_len (the distances a mask can
+  // leave visible); xl_rnet is W_r [heads_q * head_dim, xl_dmodel] dense; u = r_w_bias and
+  // v = r_r_bias [heads_q, head_dim] dense. Scores: (q + u) . k in the main product, and
+  // (q + v) . r(delta) from a per-block product against the band of distances it needs.
+  const float* xl_sin = nullptr;
+  const float* xl_rnet = nullptr;
+  int64_t xl_dmodel = 0;
   int64_t xl_len = 0;
   int64_t xl_dmax = 0;
   const float* xl_u = nullptr;

@@ -1,0 +1,728 @@
+// bench/harness.cc - see harness.h.
+#include "harness.h"
+
+#include <cblas.h>
+#include <malloc.h>
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "kernels/simd.h"
+#include "posenc/alibi.h"
+#include "posenc/error.h"
+#include "posenc/rope.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// GCC: compile the softmax row for AVX2 and AVX-512 too and pick one at load time, as the
+// frameworks' vectorized softmax does; the rest of the baseline is OpenBLAS (dispatched too).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define POSENC_BENCH_CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
+#else
+#define POSENC_BENCH_CLONES
+#endif
+
+namespace posenc::bench {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Memory and threads.
+
+// 64-byte aligned, uninitialized float storage (first touch happens where it is filled).
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(int64_t count) : count_(count) {
+    const std::size_t bytes =
+        (static_cast<std::size_t>(std::max<int64_t>(count, 1)) * 4 + 63) / 64 * 64;
+    data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+    if (data_ == nullptr) {
+      throw ValueError("bench: cannot allocate " + std::to_string(bytes) + " B");
+    }
+  }
+  ~Buffer() { std::free(data_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), count_(o.count_) {}
+  Buffer& operator=(Buffer&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(count_, o.count_);
+    return *this;
+  }
+  float* data() const { return data_; }
+  int64_t size() const { return count_; }
+
+ private:
+  float* data_ = nullptr;
+  int64_t count_ = 0;
+};
+
+// f(t) for t in [0, n) on n threads (static: chunk t always on thread t, so the chunk a thread
+// first touched is the one it later reads).
+template <class F>
+void for_each_thread(int n, F&& f) {
+#ifdef _OPENMP
+  if (n > 1) {
+#pragma omp parallel for num_threads(n) schedule(static, 1)
+    for (int t = 0; t < n; ++t) f(t);
+    return;
+  }
+#endif
+  for (int t = 0; t < n; ++t) f(t);
+}
+
+// f(i) for i in [0, n) over `threads` threads, dynamically scheduled in chunks of `grain`.
+template <class F>
+void parallel_rows(int64_t n, int threads, int64_t grain, F&& f) {
+#ifdef _OPENMP
+  if (threads > 1 && n > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, grain)
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) f(i);
+}
+
+// Uniform floats in [-1, 1) from splitmix64: cheap enough for gigabytes of inputs.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  float uniform() {
+    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return static_cast<float>(z >> 40) * 0x1p-23f - 1.0f;
+  }
+  void fill(float* x, int64_t n, float amplitude = 1.0f) {
+    for (int64_t i = 0; i < n; ++i) x[i] = amplitude * uniform();
+  }
+
+ private:
+  uint64_t state_;
+};
+
+// Keeps a computed value alive without the compiler proving it unused.
+volatile float g_sink = 0;
+
+// ---------------------------------------------------------------------------------------------
+// Kernels of the baselines.
+
+// Sum with 16 independent lanes: vectorizes without -ffast-math and keeps many loads in flight.
+float sum_floats(const float* x, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j];
+  }
+  for (; i < n; ++i) acc[0] += x[i];
+  float s = 0;
+  for (float a : acc) s += a;
+  return s;
+}
+
+// exp(x) for x <= 0 within a few ulp (Cephes expf: Cody-Waite reduction by ln 2, degree-6
+// polynomial, exponent by bit construction; below -87 the result flushes to 0). Plain arithmetic
+// without branches so that loops over it vectorize; always_inline because GCC does not inline
+// ordinary functions into the target clones below.
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  int32_t biased = static_cast<int32_t>(n) + 127;
+  biased = biased < 0 ? 0 : biased;
+  return p * std::bit_cast<float>(biased << 23);
+}
+
+// Softmax of row[0, visible) in place, row[visible, n) = 0 (masked). visible == 0: all 0.
+// Max and sum over 16 independent lanes (vectorizable without -ffast-math).
+POSENC_BENCH_CLONES
+void softmax_row(float* row, int64_t visible, int64_t n) {
+  int64_t j = 0;
+  if (visible > 0) {
+    float lanes[16];
+    for (float& m : lanes) m = row[0];
+    for (; j + 16 <= visible; j += 16) {
+      for (int l = 0; l < 16; ++l) lanes[l] = lanes[l] < row[j + l] ? row[j + l] : lanes[l];
+    }
+    for (; j < visible; ++j) lanes[0] = lanes[0] < row[j] ? row[j] : lanes[0];
+    float m = lanes[0];
+    for (float x : lanes) m = m < x ? x : m;
+    for (j = 0; j < visible; ++j) row[j] = exp_nonpositive(row[j] - m);
+    for (float& a : lanes) a = 0;
+    for (j = 0; j + 16 <= visible; j += 16) {
+      for (int l = 0; l < 16; ++l) lanes[l] += row[j + l];
+    }
+    for (; j < visible; ++j) lanes[0] += row[j];
+    float sum = 0;
+    for (float a : lanes) sum += a;
+    const float inv = 1.0f / sum;
+    for (j = 0; j < visible; ++j) row[j] *= inv;
+  }
+  for (j = visible < 0 ? 0 : visible; j < n; ++j) row[j] = 0.0f;
+}
+
+blasint blas_int(int64_t v) { return static_cast<blasint>(v); }
+
+// sgemm reads a head as a matrix with unit-stride rows of head_dim and leading dimension
+// stride[1] (the seq stride).
+void require_gemm_view(const View<const float, 4>& x, const char* what) {
+  if (x.shape[3] > 1 && x.stride[3] != 1) {
+    throw ShapeError(std::string("naive_attention: ") + what +
+                     ": head_dim must be contiguous (stride " + std::to_string(x.stride[3]) + ")");
+  }
+  if (x.shape[1] > 1 && x.stride[1] < x.shape[3]) {
+    throw ShapeError(std::string("naive_attention: ") + what + ": seq stride (" +
+                     std::to_string(x.stride[1]) + ") must be >= head_dim (" +
+                     std::to_string(x.shape[3]) + ")");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// /proc/self/status.
+
+// The value of a "Vm...:   1234 kB" line in KiB, or -1.
+int64_t status_kib(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.compare(0, field.size(), field) == 0 && line.size() > field.size() &&
+        line[field.size()] == ':') {
+      std::istringstream rest(line.substr(field.size() + 1));
+      int64_t kib = -1;
+      rest >> kib;
+      return kib;
+    }
+  }
+  return -1;
+}
+
+// Resets VmHWM to the current RSS (Linux >= 4.0). False when not possible.
+bool reset_peak_rss() {
+  std::ofstream out("/proc/self/clear_refs");
+  if (!out) return false;
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
+std::string dims_name(int64_t a, int64_t b, int64_t c) {
+  return std::to_string(a) + "x" + std::to_string(b) + "x" + std::to_string(c);
+}
+
+template <class T>
+View<T, 4> view4(T* data, int64_t b, int64_t l, int64_t h, int64_t d) {
+  return View<T, 4>::contiguous(data, {b, l, h, d});
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Timing.
+
+TimingOptions quick_timing() {
+  TimingOptions o;
+  o.warmup = 1;
+  o.min_total_s = 0.1;
+  o.min_reps = 2;
+  return o;
+}
+
+Timing measure(const std::function<void()>& fn, const TimingOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  for (int i = 0; i < options.warmup; ++i) fn();
+  std::vector<double> samples;
+  double total = 0;
+  const int max_reps = std::max(options.max_reps, 1);
+  while (static_cast<int>(samples.size()) < max_reps &&
+         (total < options.min_total_s || static_cast<int>(samples.size()) < options.min_reps)) {
+    const auto t0 = Clock::now();
+    fn();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    samples.push_back(s);
+    total += s;
+  }
+  std::sort(samples.begin(), samples.end());
+  const std::size_t n = samples.size();
+  Timing t;
+  t.reps = static_cast<int>(n);
+  t.min_s = samples.front();
+  t.median_s = n % 2 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
+  return t;
+}
+
+int resolve_threads(int requested) {
+  if (requested > 0) return requested;
+#ifdef _OPENMP
+  return std::max(1, omp_get_max_threads());
+#else
+  return 1;
+#endif
+}
+
+std::string simd_target() { return kernels::simd_target_name(); }
+std::string simd_targets_available() { return kernels::simd_targets_available(); }
+
+void set_blas_threads(int threads) { openblas_set_num_threads(std::max(threads, 1)); }
+
+std::string blas_config() {
+  const char* c = openblas_get_config();  // "OpenBLAS 0.3.21 DYNAMIC_ARCH ..."
+  return c == nullptr ? "OpenBLAS" : c;
+}
+
+double ratio(const Result& r, const Result& baseline) {
+  const double a = r.rate();
+  const double b = baseline.rate();
+  return a > 0 && b > 0 ? a / b : 0.0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Baselines.
+
+Result bench_copy_bandwidth(int threads, int64_t bytes, const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  const int64_t chunk = bytes / threads / 64 * 64;  // bytes per thread
+  const int64_t floats = chunk / 4;
+  Buffer src(floats * threads);
+  Buffer dst(floats * threads);
+  for_each_thread(threads, [&](int t) {
+    std::memset(src.data() + t * floats, 1, static_cast<std::size_t>(chunk));
+    std::memset(dst.data() + t * floats, 0, static_cast<std::size_t>(chunk));
+  });
+  Result r;
+  r.name = "copy_bandwidth";
+  r.threads = threads;
+  r.bytes = 2.0 * static_cast<double>(chunk) * threads;
+  r.timing = measure(
+      [&] {
+        for_each_thread(threads, [&](int t) {
+          std::memcpy(dst.data() + t * floats, src.data() + t * floats,
+                      static_cast<std::size_t>(chunk));
+        });
+      },
+      options);
+  r.extra.emplace_back("buffer_mb", static_cast<double>(chunk) * threads / (1 << 20));
+  return r;
+}
+
+Result bench_read_bandwidth(int threads, int64_t bytes, const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  const int64_t floats = bytes / threads / 64 * 16;  // per thread, multiple of 16
+  Buffer x(floats * threads);
+  for_each_thread(threads,
+                  [&](int t) { Rng(uint64_t(t) + 1).fill(x.data() + t * floats, floats); });
+  std::vector<float> partial(static_cast<std::size_t>(threads) * 16);  // padded to 64 bytes
+  Result r;
+  r.name = "read_bandwidth";
+  r.threads = threads;
+  r.bytes = 4.0 * static_cast<double>(floats) * threads;
+  r.timing = measure(
+      [&] {
+        for_each_thread(threads, [&](int t) {
+          partial[static_cast<std::size_t>(t) * 16] = sum_floats(x.data() + t * floats, floats);
+        });
+        float s = 0;
+        for (int t = 0; t < threads; ++t) s += partial[static_cast<std::size_t>(t) * 16];
+        g_sink = s;
+      },
+      options);
+  r.extra.emplace_back("buffer_mb", r.bytes / (1 << 20));
+  return r;
+}
+
+Result bench_sgemm(int threads, int64_t n, const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  Buffer a(n * n), b(n * n), c(n * n);
+  Rng rng(7);
+  rng.fill(a.data(), n * n);
+  rng.fill(b.data(), n * n);
+  std::fill(c.data(), c.data() + n * n, 0.0f);
+  set_blas_threads(threads);
+  Result r;
+  r.name = "sgemm";
+  r.threads = threads;
+  r.flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
+  const blasint bn = blas_int(n);
+  r.timing = measure(
+      [&] {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bn, bn, bn, 1.0f, a.data(), bn,
+                    b.data(), bn, 0.0f, c.data(), bn);
+      },
+      options);
+  r.extra.emplace_back("n", static_cast<double>(n));
+  r.info.emplace_back("blas", blas_config());
+  return r;
+}
+
+void naive_attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+                     bool causal, double scale, View<float, 4> out, int threads) {
+  require_gemm_view(q, "q");
+  require_gemm_view(k, "k");
+  require_gemm_view(v, "v");
+  require_gemm_view(out, "out");
+  const int64_t batch = q.shape[0], lq = q.shape[1], hq = q.shape[2], d = q.shape[3];
+  const int64_t lk = k.shape[1], hkv = k.shape[2];
+  if (k.shape[0] != batch || v.shape[0] != batch || v.shape[1] != lk || v.shape[2] != hkv ||
+      k.shape[3] != d || v.shape[3] != d || hkv < 1 || hq % hkv != 0 || out.shape != q.shape) {
+    throw ShapeError("naive_attention: q " + shape_str(q.shape) + ", k " + shape_str(k.shape) +
+                     ", v " + shape_str(v.shape) + ", out " + shape_str(out.shape) +
+                     " do not fit [batch, seq, heads, head_dim] with kv heads dividing q heads");
+  }
+  if (batch == 0 || lq == 0 || hq == 0 || d == 0) return;
+  threads = resolve_threads(threads);
+  // One thread pool: OpenMP threads each run a single-threaded sgemm on a block of query rows.
+  // (Multithreaded OpenBLAS, a second pool of spinning pthreads, fights the OpenMP threads of
+  // the softmax: 5x slower at 2 threads. Eager frameworks run BLAS and softmax on one pool.)
+  set_blas_threads(1);
+  constexpr int64_t kRows = 128;
+  const int64_t blocks = (lq + kRows - 1) / kRows;
+  const int64_t group = hq / hkv;
+  // Scores of every head, [heads_q, seq_q, seq_k]: the tensor eager attention materializes.
+  Buffer scores(hq * lq * lk);
+  for (int64_t b = 0; b < batch; ++b) {
+    parallel_rows(hq * blocks, threads, 1, [&](int64_t item) {
+      const int64_t h = item / blocks, i0 = item % blocks * kRows;
+      const int64_t rows = std::min(kRows, lq - i0);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, blas_int(rows), blas_int(lk),
+                  blas_int(d), static_cast<float>(scale), &q(b, i0, h, 0), blas_int(q.stride[1]),
+                  &k(b, 0, h / group, 0), blas_int(k.stride[1]), 0.0f,
+                  scores.data() + (h * lq + i0) * lk, blas_int(lk));
+    });
+    parallel_rows(hq * lq, threads, 8, [&](int64_t row) {
+      const int64_t i = row % lq;
+      const int64_t visible = causal ? std::clamp<int64_t>(lk - lq + i + 1, 0, lk) : lk;
+      softmax_row(scores.data() + row * lk, visible, lk);
+    });
+    parallel_rows(hq * blocks, threads, 1, [&](int64_t item) {
+      const int64_t h = item / blocks, i0 = item % blocks * kRows;
+      const int64_t rows = std::min(kRows, lq - i0);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, blas_int(rows), blas_int(d),
+                  blas_int(lk), 1.0f, scores.data() + (h * lq + i0) * lk, blas_int(lk),
+                  &v(b, 0, h / group, 0), blas_int(v.stride[1]), 0.0f, &out(b, i0, h, 0),
+                  blas_int(out.stride[1]));
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workloads.
+
+double attention_flops(const AttentionShape& s) {
+  double cells = static_cast<double>(s.seq_q) * static_cast<double>(s.seq_k);
+  if (s.causal) {
+    if (s.seq_q == s.seq_k) {
+      cells *= 0.5;
+    } else {
+      cells = 0;  // count the visible cells: query i sees keys j <= seq_k - seq_q + i
+      for (int64_t i = 0; i < s.seq_q; ++i) {
+        cells += static_cast<double>(std::clamp<int64_t>(s.seq_k - s.seq_q + i + 1, 0, s.seq_k));
+      }
+    }
+  }
+  return 4.0 * cells * static_cast<double>(s.head_dim) * static_cast<double>(s.heads_q) *
+         static_cast<double>(s.batch);
+}
+
+double kv_bytes(const AttentionShape& s) {
+  return 2.0 * 4.0 * static_cast<double>(s.batch) * static_cast<double>(s.seq_k) *
+         static_cast<double>(s.heads_kv) * static_cast<double>(s.head_dim);
+}
+
+const std::vector<std::string>& scheme_names() {
+  static const std::vector<std::string> names = {"none", "rope",    "alibi", "t5",
+                                                 "shaw", "deberta", "xl"};
+  return names;
+}
+
+struct AttentionWorkload::Storage {
+  Buffer q, k, v, out;
+  std::vector<float> table_a, table_b, table_c;
+  PositionScheme scheme;
+};
+
+AttentionWorkload::AttentionWorkload(const AttentionShape& shape, const std::string& scheme,
+                                     uint64_t seed)
+    : shape_(shape), scheme_name_(scheme), storage_(std::make_unique<Storage>()) {
+  const auto& names = scheme_names();
+  if (std::find(names.begin(), names.end(), scheme) == names.end()) {
+    throw ValueError("bench: unknown scheme '" + scheme + "'");
+  }
+  const AttentionShape& s = shape_;
+  Storage& st = *storage_;
+  const int64_t nq = s.batch * s.seq_q * s.heads_q * s.head_dim;
+  const int64_t nkv = s.batch * s.seq_k * s.heads_kv * s.head_dim;
+  st.q = Buffer(nq);
+  st.k = Buffer(nkv);
+  st.v = Buffer(nkv);
+  st.out = Buffer(nq);
+  Rng rng(seed);
+  rng.fill(st.q.data(), nq);
+  rng.fill(st.k.data(), nkv);
+  rng.fill(st.v.data(), nkv);
+  std::fill(st.out.data(), st.out.data() + nq, 0.0f);
+
+  const int64_t h = s.heads_q, d = s.head_dim;
+  auto table = [&](std::vector<float>& t, int64_t n, float amplitude) {
+    t.resize(static_cast<std::size_t>(n));
+    rng.fill(t.data(), n, amplitude);
+    return t.data();
+  };
+  if (scheme == "none") {
+    st.scheme = NoPositions{};
+  } else if (scheme == "rope") {
+    RopeConfig cfg;
+    cfg.head_dim = d;
+    st.scheme = Rope{rope_frequencies(cfg), RopeStyle::kHalf};
+  } else if (scheme == "alibi") {
+    st.scheme = Alibi{alibi_slopes(AlibiConfig{.heads = h}), 8.0};
+  } else if (scheme == "t5") {
+    const int64_t buckets = 32;
+    const float* t = table(st.table_a, buckets * h, 1.0f);
+    st.scheme = T5Bias{View<const float, 2>::contiguous(t, {buckets, h}), 128, std::nullopt};
+  } else if (scheme == "shaw") {
+    const int64_t rows = 2 * 16 + 1;
+    const float* rk = table(st.table_a, rows * d, 0.5f);
+    const float* rv = table(st.table_b, rows * d, 0.5f);
+    st.scheme = Shaw{shaw_table(View<const float, 2>::contiguous(rk, {rows, d})),
+                     shaw_table(View<const float, 2>::contiguous(rv, {rows, d}))};
+  } else if (scheme == "deberta") {
+    DebertaBuckets buckets;
+    buckets.max_relative_positions = 512;
+    buckets.position_buckets = 256;
+    const int64_t rows = 2 * buckets.span();
+    const float* pk = table(st.table_a, rows * h * d, 0.5f);
+    const float* pq = table(st.table_b, rows * h * d, 0.5f);
+    st.scheme = DeBERTa{View<const float, 3>::contiguous(pk, {rows, h, d}),
+                        View<const float, 3>::contiguous(pq, {rows, h, d}), buckets};
+  } else {  // xl
+    const int64_t d_model = h * d;
+    const float* u = table(st.table_a, h * d, 0.1f);
+    const float* w = table(st.table_b, h * d, 0.1f);
+    const float* r_net =
+        table(st.table_c, h * d * d_model, 1.0f / std::sqrt(static_cast<float>(d_model)));
+    st.scheme = TransformerXL{View<const float, 2>::contiguous(u, {h, d}),
+                              View<const float, 2>::contiguous(w, {h, d}),
+                              View<const float, 2>::contiguous(r_net, {h * d, d_model}), 1e4};
+  }
+}
+
+AttentionWorkload::~AttentionWorkload() = default;
+
+const PositionScheme& AttentionWorkload::scheme() const { return storage_->scheme; }
+
+View<const float, 4> AttentionWorkload::q() const {
+  return view4<const float>(storage_->q.data(), shape_.batch, shape_.seq_q, shape_.heads_q,
+                            shape_.head_dim);
+}
+View<const float, 4> AttentionWorkload::k() const {
+  return view4<const float>(storage_->k.data(), shape_.batch, shape_.seq_k, shape_.heads_kv,
+                            shape_.head_dim);
+}
+View<const float, 4> AttentionWorkload::v() const {
+  return view4<const float>(storage_->v.data(), shape_.batch, shape_.seq_k, shape_.heads_kv,
+                            shape_.head_dim);
+}
+View<float, 4> AttentionWorkload::out() {
+  return view4<float>(storage_->out.data(), shape_.batch, shape_.seq_q, shape_.heads_q,
+                      shape_.head_dim);
+}
+
+double AttentionWorkload::input_output_bytes() const {
+  return 4.0 *
+         static_cast<double>(2 * storage_->q.size() + storage_->k.size() + storage_->v.size());
+}
+
+void AttentionWorkload::run(int threads) {
+  AttentionOptions opt;
+  opt.causal = shape_.causal;
+  opt.num_threads = resolve_threads(threads);
+  attention(q(), k(), v(), scheme(), opt, out());
+}
+
+void AttentionWorkload::run_naive(int threads) {
+  naive_attention(q(), k(), v(), shape_.causal,
+                  1.0 / std::sqrt(static_cast<double>(shape_.head_dim)), out(), threads);
+}
+
+std::string attention_name(const std::string& scheme, const AttentionShape& s) {
+  return "attention_" + scheme + (s.causal ? "_causal" : "_bidir") + "_L" +
+         std::to_string(s.seq_k) + "_H" + std::to_string(s.heads_q) + "_D" +
+         std::to_string(s.head_dim);
+}
+
+Result bench_attention(const std::string& scheme, const AttentionShape& shape, int threads,
+                       const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  AttentionWorkload w(shape, scheme);
+  Result r;
+  r.name = attention_name(scheme, shape);
+  r.threads = threads;
+  r.flops = attention_flops(shape);
+  r.baselines = {"sgemm"};
+  r.timing = measure([&] { w.run(threads); }, options);
+  return r;
+}
+
+Result bench_naive_attention(const AttentionShape& shape, int threads,
+                             const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  AttentionWorkload w(shape, "none");
+  Result r;
+  r.name = attention_name("naive", shape);
+  r.threads = threads;
+  r.flops = attention_flops(shape);
+  r.baselines = {"sgemm"};
+  r.timing = measure([&] { w.run_naive(threads); }, options);
+  r.extra.emplace_back("scores_mb", 4.0 * static_cast<double>(shape.heads_q * shape.seq_q) *
+                                        static_cast<double>(shape.seq_k) / (1 << 20));
+  return r;
+}
+
+Result bench_decode(const AttentionShape& shape, int threads, const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  AttentionWorkload w(shape, "none");
+  Result r;
+  r.name = "decode_gqa_" + std::to_string(shape.heads_q) + "x" + std::to_string(shape.heads_kv) +
+           "_L" + std::to_string(shape.seq_k) + "_D" + std::to_string(shape.head_dim);
+  r.threads = threads;
+  r.bytes = kv_bytes(shape);
+  r.baselines = {"copy_bandwidth", "read_bandwidth"};
+  r.timing = measure([&] { w.run(threads); }, options);
+  return r;
+}
+
+Result bench_peak_memory_attention(const AttentionShape& shape, int threads) {
+  threads = resolve_threads(threads);
+  constexpr double kMiB = 1 << 20;
+#ifdef __GLIBC__
+  // Start from a trimmed heap so freed memory malloc still holds cannot hide an allocation.
+  malloc_trim(0);
+#endif
+  const int64_t base_kib = status_kib("VmRSS");
+  if (base_kib < 0 || !reset_peak_rss() || status_kib("VmHWM") < 0) {
+    throw Error("bench: cannot reset the peak resident set (/proc/self/clear_refs)");
+  }
+  Result r;
+  r.name = "peak_memory_" + attention_name("none", shape);
+  r.threads = threads;
+  r.flops = attention_flops(shape);
+  r.baselines = {"sgemm"};
+  AttentionWorkload w(shape, "none");
+  const int64_t before_call_kib = status_kib("VmRSS");
+  reset_peak_rss();
+  TimingOptions once;
+  once.warmup = 0;
+  once.min_reps = 1;
+  once.max_reps = 1;
+  once.min_total_s = 0;
+  r.timing = measure([&] { w.run(threads); }, once);
+  const int64_t peak_kib = status_kib("VmHWM");
+  r.extra.emplace_back("peak_mb", static_cast<double>(peak_kib - base_kib) * 1024 / kMiB);
+  r.extra.emplace_back("inputs_outputs_mb", w.input_output_bytes() / kMiB);
+  r.extra.emplace_back("workspace_mb",
+                       static_cast<double>(peak_kib - before_call_kib) * 1024 / kMiB);
+  r.extra.emplace_back("naive_scores_mb", 4.0 * static_cast<double>(shape.batch) *
+                                              static_cast<double>(shape.heads_q) *
+                                              static_cast<double>(shape.seq_q) *
+                                              static_cast<double>(shape.seq_k) / kMiB);
+  return r;
+}
+
+Result bench_rope(int64_t seq, int64_t heads, int64_t head_dim, int threads,
+                  const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  const int64_t n = seq * heads * head_dim;
+  Buffer x(n);
+  Rng(3).fill(x.data(), n);
+  RopeConfig cfg;
+  cfg.head_dim = head_dim;
+  cfg.base = 1e4;
+  const RopeFrequencies freqs = rope_frequencies(cfg, seq);
+  const Positions pos = Positions::offset(0);
+  const View<float, 4> xv = view4<float>(x.data(), 1, seq, heads, head_dim);
+  Result r;
+  r.name = "rope_neox_" + dims_name(seq, heads, head_dim);
+  r.threads = threads;
+  r.bytes = 2.0 * 4.0 * static_cast<double>(n);
+  r.baselines = {"copy_bandwidth"};
+  r.timing =
+      measure([&] { apply_rope(freqs, RopeStyle::kHalf, xv, &pos, Direction::kForward, threads); },
+              options);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Suite.
+
+std::vector<Entry> suite(const SuiteOptions& options) {
+  const int threads = resolve_threads(options.threads);
+  const bool quick = options.quick;
+  const TimingOptions timing = quick ? quick_timing() : TimingOptions{};
+  const int64_t buffer = int64_t{quick ? 64 : 256} << 20;
+  const int64_t gemm_n = quick ? 1024 : 4096;
+  const int64_t rope_seq = quick ? 1024 : 4096;
+  const int64_t attn_seq = quick ? 512 : 4096;
+  const int64_t decode_seq = quick ? 4096 : 32768;
+  const int64_t peak_seq = quick ? 2048 : 32768;
+
+  AttentionShape attn;
+  attn.seq_q = attn.seq_k = attn_seq;
+  attn.heads_q = attn.heads_kv = 8;
+  attn.head_dim = 128;
+  attn.causal = true;
+  AttentionShape decode;
+  decode.seq_q = 1;
+  decode.seq_k = decode_seq;
+  decode.heads_q = 32;
+  decode.heads_kv = 8;
+  decode.head_dim = 128;
+  decode.causal = true;
+  AttentionShape peak = attn;
+  peak.seq_q = peak.seq_k = peak_seq;
+
+  std::vector<Entry> all;
+  all.push_back({"copy_bandwidth", [=] { return bench_copy_bandwidth(threads, buffer, timing); }});
+  all.push_back({"read_bandwidth", [=] { return bench_read_bandwidth(threads, buffer, timing); }});
+  all.push_back({"sgemm", [=] { return bench_sgemm(threads, gemm_n, timing); }});
+  all.push_back({"rope_neox_" + dims_name(rope_seq, 32, 128),
+                 [=] { return bench_rope(rope_seq, 32, 128, threads, timing); }});
+  for (const char* scheme : {"none", "alibi", "t5", "shaw", "deberta", "xl", "rope"}) {
+    const std::string s = scheme;
+    all.push_back(
+        {attention_name(s, attn), [=] { return bench_attention(s, attn, threads, timing); }});
+  }
+  all.push_back({attention_name("naive", attn),
+                 [=] { return bench_naive_attention(attn, threads, timing); }});
+  all.push_back({"decode_gqa_32x8_L" + std::to_string(decode_seq) + "_D128",
+                 [=] { return bench_decode(decode, threads, timing); }});
+  all.push_back({"peak_memory_" + attention_name("none", peak),
+                 [=] { return bench_peak_memory_attention(peak, threads); }});
+
+  if (options.filter.empty()) return all;
+  std::vector<Entry> kept;
+  for (auto& e : all) {
+    if (e.name.find(options.filter) != std::string::npos) kept.push_back(std::move(e));
+  }
+  return kept;
+}
+
+}  // namespace posenc::bench

@@ -1,0 +1,221 @@
+// bench/harness.h - timing, baselines and workloads of `posenc bench` and the bench_* binaries.
+//
+// Every number is put next to what this machine can do anyway:
+//   copy_bandwidth   memcpy of a buffer larger than the caches; GB/s = 2 x bytes / s (read+write)
+//   read_bandwidth   sum-reduce of a large float buffer; GB/s = bytes / s
+//   sgemm            OpenBLAS cblas_sgemm, N x N x N; GFLOP/s = 2 N^3 / s
+//   attention_naive  the materialized float32 attention eager frameworks run: per (batch, head)
+//                    S = scale Q K^T (sgemm), causal mask, row softmax, O = P V (sgemm)
+// Bandwidth-bound items (RoPE, decode) are compared to a bandwidth baseline, compute-bound ones
+// (attention) to sgemm. Attention FLOPs are the useful ones: 4 Lq Lk D H, halved when causal
+// (the masked half is not work), whatever the implementation computes.
+//
+// Not thread-safe: the measurements set OpenBLAS's global thread count.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "posenc/attention.h"
+#include "posenc/tensor.h"
+
+namespace posenc::bench {
+
+// ---------------------------------------------------------------------------------------------
+// Timing.
+
+struct TimingOptions {
+  int warmup = 1;            // untimed calls first (page faults, thread start-up)
+  double min_total_s = 0.5;  // keep repeating until the timed calls add up to this...
+  int min_reps = 3;          // ...and at least this many were made
+  int max_reps = 1000;
+};
+
+// TimingOptions for `--quick` (one warmup, ~0.1 s, at least 2 reps).
+TimingOptions quick_timing();
+
+struct Timing {
+  double median_s = 0;
+  double min_s = 0;
+  int reps = 0;
+};
+
+// Calls fn warmup + N times (N adaptive, see TimingOptions) and returns the median and the
+// minimum of the N timed calls (steady clock, wall time).
+Timing measure(const std::function<void()>& fn, const TimingOptions& options = {});
+
+// ---------------------------------------------------------------------------------------------
+// Results.
+
+// One measured entry. `bytes` (memory traffic per call) makes it bandwidth-bound and reported
+// in GB/s, `flops` (useful FLOPs per call) compute-bound and reported in GFLOP/s.
+struct Result {
+  std::string name;
+  Timing timing;
+  int threads = 1;
+  double bytes = 0;
+  double flops = 0;
+  // Names of the entries to compare with, the main one first (empty = none).
+  std::vector<std::string> baselines;
+  std::vector<std::pair<std::string, double>> extra;      // more numeric fields, e.g. peak_mb
+  std::vector<std::pair<std::string, std::string>> info;  // more text fields, e.g. blas
+
+  bool is_bandwidth() const { return bytes > 0; }
+  double gbps() const { return bytes / timing.median_s * 1e-9; }
+  double gflops() const { return flops / timing.median_s * 1e-9; }
+  // GB/s or GFLOP/s (whichever applies).
+  double rate() const { return is_bandwidth() ? gbps() : gflops(); }
+};
+
+// Threads to use: `requested` if > 0, else all OpenMP offers (1 without OpenMP).
+int resolve_threads(int requested);
+
+// The Highway target posenc's kernels dispatch to (after POSENC_SIMD_TARGET), and every target
+// compiled in that this CPU supports (src/kernels/simd.h).
+std::string simd_target();
+std::string simd_targets_available();
+
+// OpenBLAS: set its thread count; its build description (openblas_get_config()).
+void set_blas_threads(int threads);
+std::string blas_config();
+
+// ---------------------------------------------------------------------------------------------
+// Baselines.
+
+// memcpy of `bytes` (rounded down to a multiple of 64 per thread) split over `threads` threads.
+Result bench_copy_bandwidth(int threads, int64_t bytes, const TimingOptions& options);
+// Sum of bytes / 4 floats, split over `threads` threads.
+Result bench_read_bandwidth(int threads, int64_t bytes, const TimingOptions& options);
+// C = A B, all n x n float32, OpenBLAS with `threads` threads.
+Result bench_sgemm(int threads, int64_t n, const TimingOptions& options);
+
+// The naive materialized float32 attention (what PyTorch eager does), no positional terms:
+// per (batch, head) S = scale Q K^T [seq_q, seq_k] with sgemm, causal mask (key j visible from
+// query i iff j <= seq_k - seq_q + i), row softmax in float, out = P V with sgemm. Heads share
+// kv heads as in posenc::attention (GQA). Last dims contiguous, seq and heads strides
+// arbitrary; out must not overlap the inputs. Uses `threads` OpenMP threads, each running
+// single-threaded sgemm on blocks of query rows, and one [heads_q, seq_q, seq_k] score buffer
+// (per batch row). A row with no visible key (only when seq_q > seq_k) is 0.
+void naive_attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+                     bool causal, double scale, View<float, 4> out, int threads);
+
+// ---------------------------------------------------------------------------------------------
+// Workloads.
+
+// Shapes of an attention call: q [batch, seq_q, heads_q, head_dim], k and v
+// [batch, seq_k, heads_kv, head_dim].
+struct AttentionShape {
+  int64_t batch = 1;
+  int64_t seq_q = 0;
+  int64_t seq_k = 0;
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;
+  bool causal = true;
+};
+
+// Useful FLOPs of one call: 4 Lq Lk D Hq per batch row (QK^T and PV), times the visible
+// fraction of the score matrix when causal (about 1/2 for square shapes, exact count).
+double attention_flops(const AttentionShape& shape);
+// Bytes of k and v (what a decode step must read).
+double kv_bytes(const AttentionShape& shape);
+
+// Scheme names accepted by AttentionWorkload: none, rope, alibi, t5, shaw, deberta, xl.
+const std::vector<std::string>& scheme_names();
+
+// Random q, k, v (uniform in [-1, 1], fixed seed), an output, and the scheme's parameters:
+//   rope     half style (NeoX), base 1e4
+//   alibi    alibi_slopes() for heads_q heads, max_bias 8
+//   t5       random table [32, heads_q], max_distance 128
+//   shaw     K = 16, shared random rel_k and rel_v [33, head_dim]
+//   deberta  position_buckets 256, max_relative_positions 512: random tables [512, heads_q, D]
+//   xl       random r_w_bias, r_r_bias [heads_q, D], r_net [heads_q D, heads_q D]
+// Throws ValueError on an unknown scheme.
+class AttentionWorkload {
+ public:
+  AttentionWorkload(const AttentionShape& shape, const std::string& scheme, uint64_t seed = 1);
+  ~AttentionWorkload();
+  AttentionWorkload(const AttentionWorkload&) = delete;
+  AttentionWorkload& operator=(const AttentionWorkload&) = delete;
+
+  const AttentionShape& shape() const { return shape_; }
+  const std::string& scheme_name() const { return scheme_name_; }
+  const PositionScheme& scheme() const;
+  View<const float, 4> q() const;
+  View<const float, 4> k() const;
+  View<const float, 4> v() const;
+  View<float, 4> out();
+  // Bytes of q, k, v and out.
+  double input_output_bytes() const;
+
+  // posenc::attention into out().
+  void run(int threads);
+  // naive_attention into out() (positional terms ignored: for scheme "none").
+  void run_naive(int threads);
+
+ private:
+  struct Storage;
+  AttentionShape shape_;
+  std::string scheme_name_;
+  std::unique_ptr<Storage> storage_;
+};
+
+// "attention_<scheme>_<causal|bidir>_L<seq_k>_H<heads_q>_D<head_dim>" (seq_q == seq_k).
+std::string attention_name(const std::string& scheme, const AttentionShape& shape);
+
+// posenc::attention with `scheme` (flops: attention_flops; baseline sgemm).
+Result bench_attention(const std::string& scheme, const AttentionShape& shape, int threads,
+                       const TimingOptions& options);
+// naive_attention, named "attention_naive_..." (flops: attention_flops; baseline sgemm).
+Result bench_naive_attention(const AttentionShape& shape, int threads,
+                             const TimingOptions& options);
+// One decode step, scheme none: "decode_gqa_<Hq>x<Hkv>_L<seq_k>_D<head_dim>" (seq_q = 1;
+// bytes: kv_bytes; baselines copy_bandwidth, then read_bandwidth: decode only reads).
+Result bench_decode(const AttentionShape& shape, int threads, const TimingOptions& options);
+
+// Peak memory of one posenc::attention call, scheme none: "peak_memory_attention_none_...".
+// Measured from the process's resident set (VmHWM reset through /proc/self/clear_refs), in MiB:
+//   peak_mb             peak RSS growth over allocating q, k, v, out and the call
+//   inputs_outputs_mb   bytes of q, k, v and out
+//   workspace_mb        peak RSS growth during the call itself (what attention allocates)
+//   naive_scores_mb     what the materialized path allocates for its scores (Hq Lq Lk floats)
+// One timed call (median_s = min_s), flops as bench_attention. Throws posenc::Error when the
+// kernel offers no way to reset the peak (no /proc/self/clear_refs).
+Result bench_peak_memory_attention(const AttentionShape& shape, int threads);
+
+// RoPE in place on x [1, seq, heads, head_dim], half style (NeoX), base 1e4, positions offset 0:
+// "rope_neox_<seq>x<heads>x<head_dim>", bytes 2 x size (read + write), baseline copy_bandwidth.
+Result bench_rope(int64_t seq, int64_t heads, int64_t head_dim, int threads,
+                  const TimingOptions& options);
+
+// ---------------------------------------------------------------------------------------------
+// The `posenc bench` suite.
+
+struct SuiteOptions {
+  int threads = 0;     // 0 = all available
+  bool quick = false;  // smaller sizes, shorter timing: seconds instead of minutes
+  std::string filter;  // run only entries whose name contains this ("" = all)
+};
+
+// A named entry of the suite, run on demand.
+struct Entry {
+  std::string name;
+  std::function<Result()> run;
+};
+
+// The entries in order, baselines first (copy_bandwidth, read_bandwidth, sgemm, rope,
+// attention per scheme, naive attention, decode, peak memory). Full sizes: 256 MiB buffers,
+// sgemm 4096, rope [1, 4096, 32, 128], attention [1, 4096, 8, 128] causal, decode q [1, 1, 32,
+// 128] k, v [1, 32768, 8, 128], peak memory at 32768 tokens. Quick: 64 MiB, sgemm 1024, rope
+// [1, 1024, 32, 128], attention at 512 tokens, decode at 4096, peak memory at 2048 (the names
+// say the sizes).
+std::vector<Entry> suite(const SuiteOptions& options);
+
+// Rate of `r` divided by the rate of `baseline` (0 when either is not positive).
+double ratio(const Result& r, const Result& baseline);
+
+}  // namespace posenc::bench

@@ -1,0 +1,175 @@
+// cli/cmd_bench.cc - `posenc bench`: time the library against this machine's baselines.
+//
+//   posenc bench [--threads N] [--quick] [--filter TEXT] [--json]
+//
+// --json: one JSON object per line, e.g.
+//   {"name": "rope_neox_4096x32x128", "median_s": 0.0031, "min_s": 0.0030, "reps": 161,
+//    "threads": 16, "gbps": 43.3, "baseline": "copy_bandwidth", "ratio": 0.87,
+//    "simd_target": "AVX3", "quick": false}
+// Bandwidth-bound entries carry "gbps", compute-bound ones "gflops" (useful FLOPs); "ratio" is
+// the rate over the first baseline's (RoPE and decode: copy_bandwidth, attention: sgemm) and
+// "ratio_<name>" over the others'. Without --json: a table with the same numbers. Entries run
+// and print one at a time, baselines first (bench/harness.h has the list and the sizes).
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "common.h"
+#include "harness.h"
+
+namespace posenc::cli {
+
+namespace {
+
+struct BenchArgs {
+  int threads = 0;
+  bool quick = false;
+  bool json = false;
+  std::string filter;
+};
+
+// A JSON number (6 significant digits), or null when not finite.
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+std::string json_string(const std::string& s) { return "\"" + json_escape(s) + "\""; }
+
+// Three significant digits, trailing zeros kept: "3.20", "32.0", "320".
+std::string format_3(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", v >= 99.95 ? 0 : (v >= 9.995 ? 1 : 2), v);
+  return buf;
+}
+
+// "12.3 ms".
+std::string format_seconds(double s) {
+  if (s >= 1) return format_3(s) + " s";
+  if (s >= 1e-3) return format_3(s * 1e3) + " ms";
+  return format_3(s * 1e6) + " us";
+}
+
+std::string format_fixed(double v, int decimals) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+  return buf;
+}
+
+std::string pad(std::string s, std::size_t width, bool right = false) {
+  if (s.size() >= width) return s + " ";
+  const std::string fill(width - s.size(), ' ');
+  return right ? fill + s : s + fill;
+}
+
+struct Context {
+  std::string simd_target;
+  bool quick = false;
+  std::map<std::string, bench::Result> done;  // baselines measured so far
+};
+
+void print_json(const bench::Result& r, const Context& ctx) {
+  std::string line = "{\"name\": " + json_string(r.name) +
+                     ", \"median_s\": " + json_number(r.timing.median_s) +
+                     ", \"min_s\": " + json_number(r.timing.min_s) +
+                     ", \"reps\": " + std::to_string(r.timing.reps) +
+                     ", \"threads\": " + std::to_string(r.threads);
+  line += r.is_bandwidth() ? ", \"gbps\": " + json_number(r.gbps())
+                           : ", \"gflops\": " + json_number(r.gflops());
+  for (std::size_t i = 0; i < r.baselines.size(); ++i) {
+    const auto it = ctx.done.find(r.baselines[i]);
+    if (i == 0) line += ", \"baseline\": " + json_string(r.baselines[i]);
+    if (it == ctx.done.end()) continue;
+    line += i == 0 ? ", \"ratio\": " : ", \"ratio_" + r.baselines[i] + "\": ";
+    line += json_number(bench::ratio(r, it->second));
+  }
+  for (const auto& [key, value] : r.extra) {
+    line += ", " + json_string(key) + ": " + json_number(value);
+  }
+  for (const auto& [key, value] : r.info) {
+    line += ", " + json_string(key) + ": " + json_string(value);
+  }
+  line += ", \"simd_target\": " + json_string(ctx.simd_target);
+  line += std::string(", \"quick\": ") + (ctx.quick ? "true" : "false") + "}";
+  std::cout << line << std::endl;
+}
+
+constexpr std::size_t kNameWidth = 50;
+
+void print_table_header(int threads, const Context& ctx) {
+  std::cout << "posenc bench: SIMD target " << ctx.simd_target
+            << " (available: " << bench::simd_targets_available() << "), " << threads << " thread"
+            << (threads == 1 ? "" : "s") << (ctx.quick ? ", quick sizes" : "") << '\n'
+            << "BLAS: " << bench::blas_config() << "\n\n"
+            << pad("name", kNameWidth) << pad("median", 11, true) << pad("min", 11, true)
+            << pad("rate", 17, true) << "  ratio\n";
+  std::cout.flush();
+}
+
+void print_table_row(const bench::Result& r, const Context& ctx) {
+  const std::string rate = format_fixed(r.rate(), 1) + (r.is_bandwidth() ? " GB/s" : " GFLOP/s");
+  std::string line = pad(r.name, kNameWidth) + pad(format_seconds(r.timing.median_s), 11, true) +
+                     pad(format_seconds(r.timing.min_s), 11, true) + pad(rate, 17, true);
+  std::string ratios;
+  for (const std::string& b : r.baselines) {
+    const auto it = ctx.done.find(b);
+    if (it == ctx.done.end()) continue;
+    ratios +=
+        (ratios.empty() ? "  " : ", ") + format_fixed(bench::ratio(r, it->second), 3) + " x " + b;
+  }
+  line += ratios;
+  for (const auto& [key, value] : r.extra) {
+    if (key == "peak_mb" || key == "inputs_outputs_mb" || key == "workspace_mb" ||
+        key == "naive_scores_mb") {
+      line += "  " + key.substr(0, key.size() - 3) + " " + format_fixed(value, 1) + " MiB";
+    }
+  }
+  std::cout << line << std::endl;
+}
+
+int run_bench(const BenchArgs& a) {
+  require_at_least("--threads", a.threads, 0);
+  bench::SuiteOptions opt;
+  opt.threads = bench::resolve_threads(a.threads);
+  opt.quick = a.quick;
+  opt.filter = a.filter;
+  const std::vector<bench::Entry> entries = bench::suite(opt);
+  if (entries.empty()) throw UsageError("--filter '" + a.filter + "' matches no entry");
+  Context ctx;
+  ctx.simd_target = bench::simd_target();
+  ctx.quick = a.quick;
+  if (!a.json) print_table_header(opt.threads, ctx);
+  for (const bench::Entry& e : entries) {
+    bench::Result r = e.run();
+    if (a.json) {
+      print_json(r, ctx);
+    } else {
+      print_table_row(r, ctx);
+    }
+    ctx.done.emplace(r.name, std::move(r));
+  }
+  return 0;
+}
+
+}  // namespace
+
+Command add_bench_command(CLI::App& parent) {
+  auto a = std::make_shared<BenchArgs>();
+  CLI::App* app = parent.add_subcommand(
+      "bench",
+      "Time RoPE, attention per scheme and decode against memory bandwidth, OpenBLAS sgemm and "
+      "a naive materialized attention (minutes; --quick: seconds)");
+  app->add_option("--threads", a->threads, "Threads (0 = all available)")->capture_default_str();
+  app->add_flag("--quick", a->quick, "Smaller sizes and shorter timing (names show the sizes)");
+  app->add_option("--filter", a->filter, "Run only the entries whose name contains this text");
+  app->add_flag("--json", a->json, "One JSON object per line instead of the table");
+  return {app, [a] { return run_bench(*a); }};
+}
+
+}  // namespace posenc::cli

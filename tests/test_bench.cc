@@ -1,0 +1,257 @@
+// tests/test_bench.cc - smoke tests of the benchmark harness (bench/harness.h) on tiny shapes.
+//
+// No timing assertions: only that every entry runs, reports sane fields, that the suite names
+// match the `posenc bench` contract, and that the naive attention baseline computes attention
+// (against the float64 reference).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "harness.h"
+#include "posenc/attention.h"
+#include "test_util.h"
+
+namespace {
+
+using posenc::View;
+namespace pb = posenc::bench;
+
+pb::TimingOptions tiny_timing() {
+  pb::TimingOptions t;
+  t.warmup = 0;
+  t.min_total_s = 0;
+  t.min_reps = 2;
+  return t;
+}
+
+double extra(const pb::Result& r, const std::string& key) {
+  for (const auto& [k, v] : r.extra) {
+    if (k == key) return v;
+  }
+  ADD_FAILURE() << r.name << ": no field " << key;
+  return 0;
+}
+
+TEST(BenchMeasure, RepeatsUntilMinRepsAndReportsMedianAndMin) {
+  int calls = 0;
+  pb::TimingOptions t;
+  t.warmup = 2;
+  t.min_total_s = 0;
+  t.min_reps = 5;
+  const pb::Timing timing = pb::measure([&] { ++calls; }, t);
+  EXPECT_EQ(calls, 7);
+  EXPECT_EQ(timing.reps, 5);
+  EXPECT_GE(timing.median_s, timing.min_s);
+  EXPECT_GE(timing.min_s, 0.0);
+}
+
+TEST(BenchMeasure, StopsAtMaxReps) {
+  int calls = 0;
+  pb::TimingOptions t;
+  t.warmup = 0;
+  t.min_total_s = 1e9;
+  t.max_reps = 4;
+  EXPECT_EQ(pb::measure([&] { ++calls; }, t).reps, 4);
+  EXPECT_EQ(calls, 4);
+}
+
+TEST(BenchFlops, UsefulFlopsHalvedWhenCausal) {
+  pb::AttentionShape s;
+  s.seq_q = s.seq_k = 4096;
+  s.heads_q = s.heads_kv = 8;
+  s.head_dim = 128;
+  s.causal = false;
+  EXPECT_DOUBLE_EQ(pb::attention_flops(s), 4.0 * 4096 * 4096 * 128 * 8);
+  s.causal = true;
+  EXPECT_DOUBLE_EQ(pb::attention_flops(s), 2.0 * 4096 * 4096 * 128 * 8);
+  // Decode: one query sees every key.
+  s.seq_q = 1;
+  EXPECT_DOUBLE_EQ(pb::attention_flops(s), 4.0 * 4096 * 128 * 8);
+  s.heads_kv = 2;
+  EXPECT_DOUBLE_EQ(pb::kv_bytes(s), 2.0 * 4 * 4096 * 2 * 128);
+}
+
+TEST(BenchBaselines, RunOnSmallBuffers) {
+  for (int threads : {1, 2}) {
+    const pb::Result copy = pb::bench_copy_bandwidth(threads, 1 << 20, tiny_timing());
+    EXPECT_EQ(copy.name, "copy_bandwidth");
+    EXPECT_EQ(copy.threads, threads);
+    EXPECT_TRUE(copy.is_bandwidth());
+    EXPECT_GT(copy.gbps(), 0);
+    const pb::Result read = pb::bench_read_bandwidth(threads, 1 << 20, tiny_timing());
+    EXPECT_EQ(read.name, "read_bandwidth");
+    EXPECT_GT(read.gbps(), 0);
+    const pb::Result gemm = pb::bench_sgemm(threads, 64, tiny_timing());
+    EXPECT_EQ(gemm.name, "sgemm");
+    EXPECT_FALSE(gemm.is_bandwidth());
+    EXPECT_DOUBLE_EQ(gemm.flops, 2.0 * 64 * 64 * 64);
+    EXPECT_GT(gemm.gflops(), 0);
+  }
+}
+
+// naive_attention against the float64 reference: causal and not, MHA and GQA, seq_q < seq_k
+// (KV cache), odd sizes.
+TEST(BenchNaiveAttention, MatchesReference) {
+  struct Case {
+    int64_t batch, seq_q, seq_k, heads_q, heads_kv, head_dim;
+  };
+  const Case cases[] = {{1, 5, 5, 2, 2, 8},
+                        {2, 7, 7, 4, 1, 16},
+                        {1, 3, 11, 8, 2, 5},
+                        {1, 130, 130, 2, 1, 4},
+                        {1, 1, 33, 4, 2, 32}};
+  posenc_test::Rng rng(posenc_test::test_seed(), 77);
+  for (const Case& c : cases) {
+    for (bool causal : {false, true}) {
+      for (int threads : {1, 3}) {
+        SCOPED_TRACE(posenc_test::seed_trace() + " shape " + std::to_string(c.seq_q) + "x" +
+                     std::to_string(c.seq_k) + " heads " + std::to_string(c.heads_q) + "/" +
+                     std::to_string(c.heads_kv) + " D " + std::to_string(c.head_dim) +
+                     (causal ? " causal" : "") + " threads " + std::to_string(threads));
+        const std::array<int64_t, 4> qs = {c.batch, c.seq_q, c.heads_q, c.head_dim};
+        const std::array<int64_t, 4> ks = {c.batch, c.seq_k, c.heads_kv, c.head_dim};
+        const auto q =
+            rng.values<float>(static_cast<std::size_t>(c.batch * c.seq_q * c.heads_q * c.head_dim));
+        const auto k = rng.values<float>(
+            static_cast<std::size_t>(c.batch * c.seq_k * c.heads_kv * c.head_dim));
+        const auto v = rng.values<float>(k.size());
+        std::vector<float> out(q.size(), -7.0f);
+        const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+        pb::naive_attention(View<const float, 4>::contiguous(q.data(), qs),
+                            View<const float, 4>::contiguous(k.data(), ks),
+                            View<const float, 4>::contiguous(v.data(), ks), causal, scale,
+                            View<float, 4>::contiguous(out.data(), qs), threads);
+
+        const std::vector<double> qd(q.begin(), q.end()), kd(k.begin(), k.end()),
+            vd(v.begin(), v.end());
+        std::vector<double> want(q.size());
+        posenc::AttentionOptions opt;
+        opt.causal = causal;
+        posenc::ref::attention(View<const double, 4>::contiguous(qd.data(), qs),
+                               View<const double, 4>::contiguous(kd.data(), ks),
+                               View<const double, 4>::contiguous(vd.data(), ks),
+                               posenc::NoPositions{}, opt,
+                               View<double, 4>::contiguous(want.data(), qs));
+        double max_err = 0;
+        for (std::size_t i = 0; i < out.size(); ++i) {
+          max_err = std::max(max_err, std::fabs(out[i] - want[i]));
+        }
+        EXPECT_LT(max_err, 2e-5);
+      }
+    }
+  }
+}
+
+TEST(BenchNaiveAttention, RejectsMismatchedShapes) {
+  std::vector<float> x(2 * 3 * 4, 0.0f), out(x.size());
+  const auto q = View<const float, 4>::contiguous(x.data(), {1, 2, 3, 4});
+  const auto kv = View<const float, 4>::contiguous(x.data(), {1, 3, 2, 4});  // 2 does not divide 3
+  EXPECT_THROW(pb::naive_attention(q, kv, kv, false, 1.0,
+                                   View<float, 4>::contiguous(out.data(), {1, 2, 3, 4}), 1),
+               posenc::ShapeError);
+}
+
+TEST(BenchWorkload, EverySchemeRuns) {
+  pb::AttentionShape s;
+  s.seq_q = s.seq_k = 17;
+  s.heads_q = 4;
+  s.heads_kv = 4;
+  s.head_dim = 8;
+  for (bool causal : {true, false}) {
+    s.causal = causal;
+    for (const std::string& scheme : pb::scheme_names()) {
+      SCOPED_TRACE(scheme + (causal ? " causal" : ""));
+      pb::AttentionWorkload w(s, scheme);
+      EXPECT_EQ(posenc::scheme_name(w.scheme()), scheme);
+      w.run(2);
+      const View<float, 4> out = w.out();
+      for (int64_t i = 0; i < out.numel(); ++i) ASSERT_TRUE(std::isfinite(out.data[i]));
+    }
+  }
+  EXPECT_THROW(pb::AttentionWorkload(s, "sinusoidal"), posenc::ValueError);
+}
+
+// The fast path and the naive baseline agree on scheme none (both float32).
+TEST(BenchWorkload, NaiveMatchesAttention) {
+  pb::AttentionShape s;
+  s.seq_q = s.seq_k = 40;
+  s.heads_q = 8;
+  s.heads_kv = 2;
+  s.head_dim = 16;
+  pb::AttentionWorkload w(s, "none");
+  w.run(1);
+  const View<float, 4> out = w.out();
+  const std::vector<float> fast(out.data, out.data + out.numel());
+  w.run_naive(2);
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    ASSERT_NEAR(out.data[i], fast[static_cast<std::size_t>(i)], 1e-5) << "element " << i;
+  }
+}
+
+TEST(BenchEntries, AttentionDecodeRopeAndPeakMemoryReportTheirFields) {
+  pb::AttentionShape s;
+  s.seq_q = s.seq_k = 32;
+  s.heads_q = s.heads_kv = 2;
+  s.head_dim = 16;
+  const pb::Result a = pb::bench_attention("alibi", s, 1, tiny_timing());
+  EXPECT_EQ(a.name, "attention_alibi_causal_L32_H2_D16");
+  EXPECT_EQ(a.baselines, std::vector<std::string>{"sgemm"});
+  EXPECT_GT(a.gflops(), 0);
+  const pb::Result naive = pb::bench_naive_attention(s, 1, tiny_timing());
+  EXPECT_EQ(naive.name, "attention_naive_causal_L32_H2_D16");
+
+  pb::AttentionShape d = s;
+  d.seq_q = 1;
+  d.heads_q = 8;
+  const pb::Result dec = pb::bench_decode(d, 1, tiny_timing());
+  EXPECT_EQ(dec.name, "decode_gqa_8x2_L32_D16");
+  EXPECT_TRUE(dec.is_bandwidth());
+  EXPECT_DOUBLE_EQ(dec.bytes, 2.0 * 4 * 32 * 2 * 16);
+
+  const pb::Result rope = pb::bench_rope(8, 4, 16, 1, tiny_timing());
+  EXPECT_EQ(rope.name, "rope_neox_8x4x16");
+  EXPECT_DOUBLE_EQ(rope.bytes, 2.0 * 4 * 8 * 4 * 16);
+
+  const pb::Result peak = pb::bench_peak_memory_attention(s, 1);
+  EXPECT_EQ(peak.name, "peak_memory_attention_none_causal_L32_H2_D16");
+  EXPECT_EQ(peak.timing.reps, 1);
+  EXPECT_DOUBLE_EQ(extra(peak, "inputs_outputs_mb"), 4.0 * 4 * 32 * 2 * 16 / (1 << 20));
+  EXPECT_GE(extra(peak, "peak_mb"), 0);
+  EXPECT_DOUBLE_EQ(extra(peak, "naive_scores_mb"), 4.0 * 2 * 32 * 32 / (1 << 20));
+}
+
+// The `posenc bench` contract names, full and quick (without running anything).
+TEST(BenchSuite, NamesFollowTheContract) {
+  auto names = [](bool quick, const std::string& filter = "") {
+    pb::SuiteOptions o;
+    o.quick = quick;
+    o.filter = filter;
+    std::vector<std::string> n;
+    for (const auto& e : pb::suite(o)) n.push_back(e.name);
+    return n;
+  };
+  const std::vector<std::string> full = names(false);
+  for (const char* want :
+       {"copy_bandwidth", "read_bandwidth", "sgemm", "rope_neox_4096x32x128",
+        "attention_none_causal_L4096_H8_D128", "attention_alibi_causal_L4096_H8_D128",
+        "attention_t5_causal_L4096_H8_D128", "attention_shaw_causal_L4096_H8_D128",
+        "attention_deberta_causal_L4096_H8_D128", "attention_xl_causal_L4096_H8_D128",
+        "attention_naive_causal_L4096_H8_D128", "decode_gqa_32x8_L32768_D128",
+        "peak_memory_attention_none_causal_L32768_H8_D128"}) {
+    EXPECT_NE(std::find(full.begin(), full.end(), want), full.end()) << want;
+  }
+  // Baselines come first.
+  ASSERT_GE(full.size(), 3u);
+  EXPECT_EQ(full[0], "copy_bandwidth");
+  EXPECT_EQ(full[2], "sgemm");
+  const std::vector<std::string> quick = names(true);
+  EXPECT_NE(std::find(quick.begin(), quick.end(), "attention_none_causal_L512_H8_D128"),
+            quick.end());
+  EXPECT_EQ(names(false, "decode"), std::vector<std::string>{"decode_gqa_32x8_L32768_D128"});
+  EXPECT_TRUE(names(false, "no such entry").empty());
+}
+
+}  // namespace
