@@ -14,6 +14,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "kernels/simd.h"
@@ -370,6 +371,10 @@ Result bench_sgemm(int threads, int64_t n, const TimingOptions& options) {
       options);
   r.extra.emplace_back("n", static_cast<double>(n));
   r.info.emplace_back("blas", blas_config());
+  // OpenBLAS's worker threads keep spinning for a while after a call; left alone they would
+  // steal cycles from the entries measured next. Back to one thread, and let them park.
+  set_blas_threads(1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
   return r;
 }
 

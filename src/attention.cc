@@ -254,6 +254,14 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
 }
 
 template <class T>
+void require_finite_inputs(const View<const T, 4>& q, const View<const T, 4>& k,
+                           const View<const T, 4>& v) {
+  detail::require_all_finite(q, "attention: q");
+  detail::require_all_finite(k, "attention: k");
+  detail::require_all_finite(v, "attention: v");
+}
+
+template <class T>
 struct Problem {
   View<const T, 4> q, k, v;
   Dims d;
@@ -264,7 +272,8 @@ struct Problem {
 template <class T>
 Problem<T> make_problem(View<const T, 4> q, View<const T, 4> k, View<const T, 4> v,
                         const std::array<int64_t, 4>& out_shape, const AttentionOptions& opt,
-                        const Positions* query_positions, const Positions* key_positions) {
+                        const Positions* query_positions, const Positions* key_positions,
+                        bool check_finite = true) {
   Problem<T> pr{q, k, v, validate_shapes(q, k, v, out_shape), {}, {}, opt};
   const Dims& d = pr.d;
   if (opt.scale) detail::require_finite(*opt.scale, "attention: scale");
@@ -282,9 +291,7 @@ Problem<T> make_problem(View<const T, 4> q, View<const T, 4> k, View<const T, 4>
   pr.kp = key_positions ? *key_positions : Positions::offset(0);
   pr.qp.validate(d.batch, d.seq_q, "attention: query positions");
   pr.kp.validate(d.batch, d.seq_k, "attention: key positions");
-  detail::require_all_finite(q, "attention: q");
-  detail::require_all_finite(k, "attention: k");
-  detail::require_all_finite(v, "attention: v");
+  if (check_finite) require_finite_inputs(q, k, v);
   return pr;
 }
 
@@ -431,6 +438,17 @@ void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out) {
   }
 }
 
+bool all_finite(const View<float, 4>& x) {
+  bool ok = true;
+  for (int64_t b = 0; b < x.shape[0]; ++b)
+    for (int64_t i = 0; i < x.shape[1]; ++i)
+      for (int64_t h = 0; h < x.shape[2]; ++h) {
+        const float* r = &x(b, i, h, 0);
+        for (int64_t c = 0; c < x.shape[3]; ++c) ok &= std::isfinite(r[c * x.stride[3]]);
+      }
+  return ok;
+}
+
 // ---- the fused float32 path ------------------------------------------------------------------
 
 // Rejects (or, when allowed, leaves to the kernel's zero output) query rows that see no key:
@@ -464,7 +482,8 @@ void check_fully_masked(const Problem<float>& pr) {
 
 // Fills kernels::FusedAttentionParams (positions as int32 offsets, per-scheme tables) and runs
 // the fused kernel. Returns false when the call is outside the kernel's domain.
-bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4> out) {
+bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4> out,
+               int* nan_score) {
   const Dims& d = pr.d;
   if (!pr.q.last_dim_contiguous() || !pr.k.last_dim_contiguous() || !pr.v.last_dim_contiguous() ||
       !out.last_dim_contiguous()) {
@@ -657,6 +676,7 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
     fp.xl_u = xl_u.data();
     fp.xl_v = xl_v.data();
   }
+  fp.nan_score = nan_score;
   kernels::fused_attention(fp);
   return true;
 }
@@ -667,15 +687,25 @@ void attention(View<const float, 4> q, View<const float, 4> k, View<const float,
                const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
                const Positions* query_positions, const Positions* key_positions) {
   detail::require_data(out, "attention: out");
-  auto pr = make_problem<float>(q, k, v, out.shape, options, query_positions, key_positions);
+  // Inputs are not scanned for NaN/Inf up front (on a decode step that pass would read the whole
+  // KV cache a second time); a non-finite output is traced back to its input below instead.
+  auto pr = make_problem<float>(q, k, v, out.shape, options, query_positions, key_positions,
+                                /*check_finite=*/false);
   const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
                                 /*build_xl_table=*/false);
   check_fully_masked(pr);
-  if (!run_fused(pr, p, out)) {
+  int nan_score = 0;
+  if (!run_fused(pr, p, out, &nan_score)) {
     // Outside the fused kernel's domain (positions too sparse for int32 distance tables, a
     // non-contiguous last dimension): the simple path.
     const auto pn = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
     run<float>(pr, pn, out);
+  }
+  if (nan_score != 0 || !all_finite(out)) {
+    require_finite_inputs(q, k, v);
+    fail(
+        "attention: the output is not finite although q, k and v are: the scores overflow "
+        "float32 (inputs or scale too large)");
   }
 }
 

@@ -234,4 +234,30 @@ TEST(FusedAttention, FullyMaskedRowsAreRejectedUnlessAllowed) {
   for (int x = 4; x < 8; ++x) EXPECT_EQ(out[static_cast<size_t>(x)], 0.0f);
 }
 
+// NaN/Inf inputs are reported (naming the tensor and the element) without a scan up front:
+// the kernel flags NaN scores and the API traces non-finite results back to their input.
+TEST(FusedAttention, NonFiniteInputsAreReported) {
+  const Shape s{1, 70, 70, 2, 1, 16};
+  for (const char* which : {"q", "k", "v"}) {
+    std::mt19937_64 rng(19);
+    auto c = make_case(s, rng);
+    std::vector<float>& t = which[0] == 'q' ? c.q : (which[0] == 'k' ? c.k : c.v);
+    t[t.size() - 3] = std::numeric_limits<float>::quiet_NaN();
+    try {
+      run(&attention, c, NoPositions{}, {.causal = true});
+      ADD_FAILURE() << which << ": expected an error";
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("attention: ") + which + ": non-finite"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  // Finite inputs whose scores overflow float32.
+  std::mt19937_64 rng(21);
+  auto c = make_case(s, rng);
+  for (auto& x : c.q) x *= 3e20f;  // q . k ~ 1e41 > FLT_MAX
+  for (auto& x : c.k) x *= 3e20f;
+  EXPECT_THROW(run(&attention, c, NoPositions{}, {.causal = true}), ValueError);
+}
+
 }  // namespace

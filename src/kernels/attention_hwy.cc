@@ -141,6 +141,40 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
   }
 }
 
+// S[r][c] = q_r . k_c straight from row-major keys (no transposition), for few rows (decoding):
+// each key row is loaded once and reduced against up to 4 query rows. Columns >= nk get 0.
+HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const float* k,
+                          int64_t kstride, int64_t nk, int64_t rows_pad, float* HWY_RESTRICT s) {
+  const DF d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t dv = dim / n * n;
+  for (int64_t r = 0; r < rows_pad; r += 4) {
+    const float* q0 = qp + r * dim;
+    for (int64_t c = 0; c < nk; ++c) {
+      const float* kr = k + c * kstride;
+      auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+      for (int64_t x = 0; x < dv; x += n) {
+        const auto kv = hn::LoadU(d, kr + x);
+        a0 = hn::MulAdd(hn::LoadU(d, q0 + x), kv, a0);
+        a1 = hn::MulAdd(hn::LoadU(d, q0 + dim + x), kv, a1);
+        a2 = hn::MulAdd(hn::LoadU(d, q0 + 2 * dim + x), kv, a2);
+        a3 = hn::MulAdd(hn::LoadU(d, q0 + 3 * dim + x), kv, a3);
+      }
+      float t0 = hn::GetLane(hn::SumOfLanes(d, a0)), t1 = hn::GetLane(hn::SumOfLanes(d, a1));
+      float t2 = hn::GetLane(hn::SumOfLanes(d, a2)), t3 = hn::GetLane(hn::SumOfLanes(d, a3));
+      for (int64_t x = dv; x < dim; ++x) {
+        t0 += q0[x] * kr[x], t1 += q0[dim + x] * kr[x];
+        t2 += q0[2 * dim + x] * kr[x], t3 += q0[3 * dim + x] * kr[x];
+      }
+      s[r * kTileK + c] = t0, s[(r + 1) * kTileK + c] = t1;
+      s[(r + 2) * kTileK + c] = t2, s[(r + 3) * kTileK + c] = t3;
+    }
+    for (int64_t c = nk; c < kTileK; ++c) {
+      for (int64_t rr = 0; rr < 4; ++rr) s[(r + rr) * kTileK + c] = 0.0f;
+    }
+  }
+}
+
 // O[r][:] += sum_{c < nk} P[r][c] * V[c][:] for r < rows_pad (multiple of 4); O rows have dpad
 // (multiple of lanes) floats, V rows vstride floats apart with at least dpad readable.
 HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const float* v,
@@ -281,7 +315,10 @@ class Kernel {
     }
     chunk_ = RoundUp((p_.seq_k + splits_ - 1) / splits_, kTileK);
     splits_ = (p_.seq_k + chunk_ - 1) / chunk_;
-    if (nqb_ * splits_ >= 2 * threads) {
+    // Few query rows per item (decoding): dot products against row-major keys, no transposition
+    // (decided by the shape alone, so results never depend on the thread count).
+    use_dot_ = RoundUp(group_ * std::min(bq_, p_.seq_q), 4) <= 8;
+    if (!use_dot_ && nqb_ * splits_ >= 2 * threads) {
       // Enough work inside one (batch row, kv head): transpose its keys once into tiles shared
       // by all query blocks, then run the blocks in parallel. Memory: seq_k x head_dim floats.
       auto kt_all = hwy::AllocateAligned<float>(static_cast<size_t>(ntiles_ * dim_ * kTileK));
@@ -606,13 +643,21 @@ class Kernel {
         const int64_t far = std::max<int64_t>(int64_t{qhi} - klo, int64_t{khi} - qlo);
         if (far >= p_.window) full = false;
       }
+      // Few rows (decoding): dot products against the key rows beat transposing the tile.
+      const bool dot = use_dot_;
       const float* kt = kt_all != nullptr ? kt_all + t * dim_ * kTileK : sc.kt.get();
-      if (kt_all == nullptr) TransposeTile(it.b, it.hk, j0, sc.kt.get());
+      if (kt_all == nullptr && !dot) TransposeTile(it.b, it.hk, j0, sc.kt.get());
       int32_t* kp = sc.kpos.get();
       for (int64_t c = 0; c < kTileK; ++c) {
         kp[c] = p_.kpos[it.b * p_.seq_k + std::min(j0 + c, p_.seq_k - 1)];
       }
-      ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get());
+      if (dot) {
+        DotScores(sc.qp.get(), dim_,
+                  p_.k + it.b * p_.k_stride[0] + it.hk * p_.k_stride[2] + j0 * p_.k_stride[1],
+                  p_.k_stride[1], nk, it.rows_pad, sc.s.get());
+      } else {
+        ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get());
+      }
       const bool consec = tile_consec_[ta] != 0;
       for (int64_t r = 0; r < it.rows; ++r) {
         RowUpdate(it, r, j0, nk, full, consec, rt, sc);
@@ -659,6 +704,7 @@ class Kernel {
       kpq_bh = kpq_.get() + (it.b * p_.heads_q + h) * deb_rows_ * seq_k_pad_;
     }
     auto vmax = hn::Set(d, kNegInf);
+    auto nan = hn::Zero(d);
     const auto vq = hn::Set(di, qp);
     for (int64_t c = 0; c < kTileK; c += n) {
       auto sv = hn::Mul(hn::Load(d, s + c), vscale);
@@ -717,6 +763,9 @@ class Kernel {
         sv = hn::Add(sv, hn::Add(hn::GatherIndex(d, sc.extra.get() + r * rt.deb_w, u1),
                                  hn::GatherIndex(d, kpq_bh, idx)));
       }
+      // Visible scores must be finite: NaN or an overflow to +-inf would otherwise turn into a
+      // silent 0 (exp of NaN is 0 here) instead of an error.
+      auto bad = hn::Not(hn::IsFinite(sv));
       if (!full) {
         auto vis = hn::FirstN(d, static_cast<size_t>(std::max<int64_t>(0, nk - c)));
         const auto rel = hn::Sub(hn::Load(di, kp + c), vq);
@@ -725,10 +774,15 @@ class Kernel {
           const auto w = hn::Set(di, static_cast<int32_t>(std::min<int64_t>(p_.window, INT32_MAX)));
           vis = hn::And(vis, hn::RebindMask(d, hn::Gt(w, hn::Abs(rel))));
         }
+        bad = hn::And(bad, vis);
         sv = hn::IfThenElse(vis, sv, hn::Set(d, kNegInf));
       }
       hn::Store(sv, d, s + c);
       vmax = hn::Max(vmax, sv);
+      nan = hn::Or(nan, hn::VecFromMask(d, bad));
+    }
+    if (!hn::AllFalse(d, hn::MaskFromVec(nan)) && p_.nan_score != nullptr) {
+      __atomic_store_n(p_.nan_score, 1, __ATOMIC_RELAXED);
     }
     const float tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
     float& m = sc.m[static_cast<size_t>(r)];
@@ -806,6 +860,7 @@ class Kernel {
   const FusedAttentionParams& p_;
   int64_t lanes_ = 1, dim_ = 0, dpad_ = 0, group_ = 1, bq_ = 1, nqb_ = 0, ntiles_ = 0;
   int64_t splits_ = 1, chunk_ = 0;
+  bool use_dot_ = false;
   // DeBERTa and XL tables (see PrepareDeberta / PrepareXl).
   int64_t deb_tiles_ = 0, deb_rows_ = 0, seq_k_pad_ = 0, xl_tiles_ = 0;
   hwy::AlignedFreeUniquePtr<float[]> pk_t_, kpq_, r_t_;

@@ -75,6 +75,10 @@ struct FusedAttentionParams {
   const float* xl_v = nullptr;
 
   int num_threads = 0;
+
+  // Set to 1 (by any thread) when a visible score is not finite; the API then finds and reports
+  // the offending input. Such scores would otherwise vanish: exp(NaN) is 0 in the kernel.
+  int* nan_score = nullptr;
 };
 
 // Flash-attention forward: tiles of queries x keys with a running max and sum, float32
