@@ -74,9 +74,12 @@ struct Scratch {
 struct Item {
   int64_t b = 0, hk = 0;
   int64_t i0 = 0, nq = 0;  // query positions [i0, i0 + nq)
-  int64_t group = 1;       // query heads per kv head
-  int64_t rows = 0;        // group * nq, row r <-> (head hk * group + r / nq, query i0 + r % nq)
-  int64_t rows_pad = 0;    // rows rounded up to 4
+  int64_t nkv = 1;         // kv heads covered: hk .. hk + nkv - 1 (all of them when decoding)
+  int64_t gstride = 0;     // row slots per kv head: group * nq rounded up to 4
+  // Row slot r <-> kv head hk + r / gstride, query head (that) * group + (r % gstride) / nq,
+  // query i0 + (r % gstride) % nq; slots with r % gstride >= group * nq are padding (zero q).
+  int64_t rows = 0;
+  int64_t rows_pad = 0;  // = rows = nkv * gstride (a multiple of 4)
 };
 
 // S[r][c] = sum_d Qp[r][d] * Kt[d][c] for r < rows_pad (multiple of 4), c < kTileK.
@@ -144,7 +147,8 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
 // S[r][c] = q_r . k_c straight from row-major keys (no transposition), for few rows (decoding):
 // each key row is loaded once and reduced against up to 4 query rows. Columns >= nk get 0.
 HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const float* k,
-                          int64_t kstride, int64_t nk, int64_t rows_pad, float* HWY_RESTRICT s) {
+                          int64_t kstride, int64_t nk, int64_t rows_pad, float* HWY_RESTRICT s,
+                          bool zero_tail = true) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = dim / n * n;
@@ -169,8 +173,50 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const float
       s[r * kTileK + c] = t0, s[(r + 1) * kTileK + c] = t1;
       s[(r + 2) * kTileK + c] = t2, s[(r + 3) * kTileK + c] = t3;
     }
-    for (int64_t c = nk; c < kTileK; ++c) {
+    for (int64_t c = nk; zero_tail && c < kTileK; ++c) {
       for (int64_t rr = 0; rr < 4; ++rr) s[(r + rr) * kTileK + c] = 0.0f;
+    }
+  }
+}
+
+// Decoding, all kv heads at once: S[g gstride + r][c] = q_{g, r} . k_{c, g} with the key loop
+// outside the head loop, so that each key's heads (adjacent in a [seq, heads, dim] layout) are
+// read as one contiguous run. gstride is a multiple of 4; columns >= nk get 0.
+HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t gstride,
+                              int64_t nkv, const float* k, int64_t kstride, int64_t hstride,
+                              int64_t nk, float* HWY_RESTRICT s) {
+  for (int64_t c = 0; c < nk; ++c) {
+    for (int64_t g = 0; g < nkv; ++g) {
+      DotScores(qp + g * gstride * dim, dim, k + c * kstride + g * hstride, kstride, 1, gstride,
+                s + g * gstride * kTileK + c, /*zero_tail=*/false);
+    }
+  }
+  for (int64_t r = 0; r < nkv * gstride; ++r) {
+    std::fill(s + r * kTileK + nk, s + (r + 1) * kTileK, 0.0f);
+  }
+}
+
+// Decoding PV, all kv heads at once (key loop outside): O[g gstride + r][:] +=
+// P[g gstride + r][c] * v_{c, g}. O and P stay in L1; V is read key by key across heads.
+HWY_INLINE void AccumulateWide(const float* HWY_RESTRICT pm, int64_t nk, const float* v,
+                               int64_t vstride, int64_t hstride, int64_t nkv, int64_t gstride,
+                               int64_t dim, int64_t dpad, float* HWY_RESTRICT o) {
+  const DF d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t dv = dim / n * n;
+  for (int64_t c = 0; c < nk; ++c) {
+    for (int64_t g = 0; g < nkv; ++g) {
+      const float* vr = v + c * vstride + g * hstride;
+      for (int64_t r = g * gstride; r < (g + 1) * gstride; ++r) {
+        const float pr = pm[r * kTileK + c];
+        if (pr == 0.0f) continue;
+        const auto bp = hn::Set(d, pr);
+        float* orow = o + r * dpad;
+        for (int64_t x = 0; x < dv; x += n) {
+          hn::Store(hn::MulAdd(bp, hn::LoadU(d, vr + x), hn::Load(d, orow + x)), d, orow + x);
+        }
+        for (int64_t x = dv; x < dim; ++x) orow[x] += pr * vr[x];
+      }
     }
   }
 }
@@ -307,17 +353,21 @@ class Kernel {
   void Run() {
     const int threads = resolve_threads(p_.num_threads);
     const int64_t groups = p_.batch * p_.heads_kv;
+    // Few query rows per kv head (decoding): dot products against row-major keys instead of
+    // transposed tiles, and one item covers every kv head of a batch row so that each key's
+    // heads (adjacent in memory) are read together. Decided by the shape alone, so results never
+    // depend on the thread count.
+    use_dot_ = RoundUp(group_ * std::min(bq_, p_.seq_q), 4) <= 8;
+    wide_ = use_dot_;
+    const int64_t units = wide_ ? p_.batch : groups;
     // Decoding shapes: few items over many keys. Split each item's keys into fixed chunks
     // (depending on the shape only) and merge; otherwise one item = all keys.
     splits_ = 1;
-    if (groups * nqb_ < 16 && p_.seq_k >= 4 * 1024) {
+    if (units * nqb_ < 16 && p_.seq_k >= 4 * 1024) {
       splits_ = std::min<int64_t>(64, (p_.seq_k + 2047) / 2048);
     }
     chunk_ = RoundUp((p_.seq_k + splits_ - 1) / splits_, kTileK);
     splits_ = (p_.seq_k + chunk_ - 1) / chunk_;
-    // Few query rows per item (decoding): dot products against row-major keys, no transposition
-    // (decided by the shape alone, so results never depend on the thread count).
-    use_dot_ = RoundUp(group_ * std::min(bq_, p_.seq_q), 4) <= 8;
     if (!use_dot_ && nqb_ * splits_ >= 2 * threads) {
       // Enough work inside one (batch row, kv head): transpose its keys once into tiles shared
       // by all query blocks, then run the blocks in parallel. Memory: seq_k x head_dim floats.
@@ -330,7 +380,7 @@ class Kernel {
         RunItems(g * nqb_, nqb_, threads, kt_all.get());
       }
     } else {
-      RunItems(0, groups * nqb_, threads, nullptr);
+      RunItems(0, units * nqb_, threads, nullptr);
     }
   }
 
@@ -346,7 +396,7 @@ class Kernel {
       });
       return;
     }
-    const int64_t rows_max = group_ * bq_;
+    const int64_t rows_max = (wide_ ? p_.heads_kv : 1) * RoundUp(group_ * bq_, 4);
     const int64_t splits = splits_;
     std::vector<float> part_o(static_cast<size_t>(count * splits * rows_max * dpad_));
     std::vector<float> part_m(static_cast<size_t>(count * splits * rows_max));
@@ -359,6 +409,7 @@ class Kernel {
       Process(it, sp * chunk_, std::min(p_.seq_k, (sp + 1) * chunk_), kt_all, sc);
       const size_t base = static_cast<size_t>(ws * rows_max);
       for (int64_t r = 0; r < it.rows; ++r) {
+        if (!Valid(it, r)) continue;
         part_m[base + static_cast<size_t>(r)] = sc.m[static_cast<size_t>(r)];
         part_l[base + static_cast<size_t>(r)] = sc.l[static_cast<size_t>(r)];
         std::memcpy(&part_o[(base + static_cast<size_t>(r)) * static_cast<size_t>(dpad_)],
@@ -370,6 +421,7 @@ class Kernel {
       const Item it = MakeItem(w0 + w);
       InitAccumulators(it, sc);
       for (int64_t r = 0; r < it.rows; ++r) {
+        if (!Valid(it, r)) continue;
         float mx = kNegInf;
         for (int64_t sp = 0; sp < splits; ++sp) {
           mx = std::max(mx, part_m[static_cast<size_t>((w * splits + sp) * rows_max + r)]);
@@ -489,20 +541,32 @@ class Kernel {
     // schedule, largest first) so no thread is left with a big block at the end.
     const int64_t qb = nqb_ - 1 - w % nqb_;
     const int64_t bh = w / nqb_;
-    it.hk = bh % p_.heads_kv;
-    it.b = bh / p_.heads_kv;
+    if (wide_) {
+      it.b = bh;
+      it.hk = 0;
+      it.nkv = p_.heads_kv;
+    } else {
+      it.hk = bh % p_.heads_kv;
+      it.b = bh / p_.heads_kv;
+    }
     it.i0 = qb * bq_;
     it.nq = std::min(bq_, p_.seq_q - it.i0);
-    it.group = group_;
-    it.rows = group_ * it.nq;
-    it.rows_pad = RoundUp(it.rows, 4);
+    it.gstride = RoundUp(group_ * it.nq, 4);
+    it.rows = it.rows_pad = it.nkv * it.gstride;
     return it;
   }
 
-  int64_t HeadOf(const Item& it, int64_t r) const { return it.hk * group_ + r / it.nq; }
-  int64_t QueryOf(const Item& it, int64_t r) const { return it.i0 + r % it.nq; }
+  bool Valid(const Item& it, int64_t r) const { return r % it.gstride < group_ * it.nq; }
+  int64_t HeadOf(const Item& it, int64_t r) const {
+    return (it.hk + r / it.gstride) * group_ + (r % it.gstride) / it.nq;
+  }
+  int64_t QueryOf(const Item& it, int64_t r) const { return it.i0 + (r % it.gstride) % it.nq; }
   int32_t QPos(const Item& it, int64_t r) const {
     return p_.qpos[it.b * p_.seq_q + QueryOf(it, r)];
+  }
+  // First row slot of query head `hh` (0 <= hh < nkv * group) of the item.
+  int64_t HeadRow(const Item& it, int64_t hh) const {
+    return (hh / group_) * it.gstride + (hh % group_) * it.nq;
   }
 
   void InitAccumulators(const Item& it, Scratch& sc) const {
@@ -522,6 +586,7 @@ class Kernel {
     float* qp = sc.qp.get();
     std::fill(qp, qp + alloc_rows * dim_, 0.0f);
     for (int64_t r = 0; r < it.rows; ++r) {
+      if (!Valid(it, r)) continue;
       const int64_t h = HeadOf(it, r), i = QueryOf(it, r);
       const float* src = p_.q + it.b * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
       std::memcpy(qp + r * dim_, src, static_cast<size_t>(dim_) * sizeof(float));
@@ -534,6 +599,7 @@ class Kernel {
       float* qv = sc.extra2.get();
       std::fill(qv, qv + alloc_rows * dim_, 0.0f);
       for (int64_t r = 0; r < it.rows; ++r) {
+        if (!Valid(it, r)) continue;
         const int64_t h = HeadOf(it, r);
         for (int64_t c = 0; c < dim_; ++c) {
           qv[r * dim_ + c] = qp[r * dim_ + c] + p_.xl_v[h * dim_ + c];
@@ -565,12 +631,11 @@ class Kernel {
       Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>((alloc_rows + 1) * rt.xl_w));
       float* g = sc.extra.get();
       std::fill(g + it.rows * rt.xl_w, g + (alloc_rows + 1) * rt.xl_w, 0.0f);
-      for (int64_t hg = 0; hg < group_; ++hg) {
-        const int64_t h = it.hk * group_ + hg;
+      for (int64_t hh = 0; hh < it.nkv * group_; ++hh) {
+        const int64_t h = it.hk * group_ + hh, row0 = HeadRow(it, hh);
         for (int64_t tt = tile0; tt <= tile1; ++tt) {
-          ScoresTile(qv + hg * it.nq * dim_, dim_,
-                     r_t_.get() + (h * xl_tiles_ + tt) * dim_ * kTileK, nq4,
-                     g + hg * it.nq * rt.xl_w + (tt - tile0) * kTileK, rt.xl_w);
+          ScoresTile(qv + row0 * dim_, dim_, r_t_.get() + (h * xl_tiles_ + tt) * dim_ * kTileK, nq4,
+                     g + row0 * rt.xl_w + (tt - tile0) * kTileK, rt.xl_w);
         }
       }
     }
@@ -580,6 +645,7 @@ class Kernel {
       Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>(it.rows * rt.shaw_w));
       std::vector<float> proj(static_cast<size_t>(2 * kk + 1));
       for (int64_t r = 0; r < it.rows; ++r) {
+        if (!Valid(it, r)) continue;
         const int64_t h = p_.shaw_rel_k_heads == 1 ? 0 : HeadOf(it, r);
         for (int64_t u = 0; u <= 2 * kk; ++u) {
           const float* rk = p_.shaw_rel_k + (u * p_.shaw_rel_k_heads + h) * dim_;
@@ -596,12 +662,11 @@ class Kernel {
     if (p_.deberta_pos_key != nullptr) {
       rt.deb_w = deb_tiles_ * kTileK;
       Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>(alloc_rows * rt.deb_w));
-      for (int64_t hg = 0; hg < group_; ++hg) {
-        const int64_t h = it.hk * group_ + hg;
+      for (int64_t hh = 0; hh < it.nkv * group_; ++hh) {
+        const int64_t h = it.hk * group_ + hh, row0 = HeadRow(it, hh);
         for (int64_t tt = 0; tt < deb_tiles_; ++tt) {
-          ScoresTile(qp + hg * it.nq * dim_, dim_,
-                     pk_t_.get() + (h * deb_tiles_ + tt) * dim_ * kTileK, nq4,
-                     sc.extra.get() + hg * it.nq * rt.deb_w + tt * kTileK, rt.deb_w);
+          ScoresTile(qp + row0 * dim_, dim_, pk_t_.get() + (h * deb_tiles_ + tt) * dim_ * kTileK,
+                     nq4, sc.extra.get() + row0 * rt.deb_w + tt * kTileK, rt.deb_w);
         }
       }
     }
@@ -652,29 +717,37 @@ class Kernel {
         kp[c] = p_.kpos[it.b * p_.seq_k + std::min(j0 + c, p_.seq_k - 1)];
       }
       if (dot) {
-        DotScores(sc.qp.get(), dim_,
-                  p_.k + it.b * p_.k_stride[0] + it.hk * p_.k_stride[2] + j0 * p_.k_stride[1],
-                  p_.k_stride[1], nk, it.rows_pad, sc.s.get());
+        DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
+                      p_.k + it.b * p_.k_stride[0] + it.hk * p_.k_stride[2] + j0 * p_.k_stride[1],
+                      p_.k_stride[1], p_.k_stride[2], nk, sc.s.get());
       } else {
         ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get());
       }
       const bool consec = tile_consec_[ta] != 0;
       for (int64_t r = 0; r < it.rows; ++r) {
-        RowUpdate(it, r, j0, nk, full, consec, rt, sc);
+        if (Valid(it, r)) RowUpdate(it, r, j0, nk, full, consec, rt, sc);
       }
-      const float* vsrc = vbase + j0 * p_.v_stride[1];
-      int64_t vstride = p_.v_stride[1];
-      if (pack_v) {
-        float* vt = sc.vt.get();
-        for (int64_t c = 0; c < nk; ++c) {
-          std::memcpy(vt + c * dpad_, vsrc + c * p_.v_stride[1],
-                      static_cast<size_t>(dim_) * sizeof(float));
-          std::fill(vt + c * dpad_ + dim_, vt + (c + 1) * dpad_, 0.0f);
+      if (dot) {
+        AccumulateWide(sc.s.get(), nk, vbase + j0 * p_.v_stride[1], p_.v_stride[1], p_.v_stride[2],
+                       it.nkv, it.gstride, dim_, dpad_, sc.o.get());
+        continue;
+      }
+      for (int64_t g2 = 0; g2 < it.nkv; ++g2) {
+        const float* vsrc = vbase + g2 * p_.v_stride[2] + j0 * p_.v_stride[1];
+        int64_t vstride = p_.v_stride[1];
+        if (pack_v) {
+          float* vt = sc.vt.get();
+          for (int64_t c = 0; c < nk; ++c) {
+            std::memcpy(vt + c * dpad_, vsrc + c * p_.v_stride[1],
+                        static_cast<size_t>(dim_) * sizeof(float));
+            std::fill(vt + c * dpad_ + dim_, vt + (c + 1) * dpad_, 0.0f);
+          }
+          vsrc = vt;
+          vstride = dpad_;
         }
-        vsrc = vt;
-        vstride = dpad_;
+        AccumulateTile(sc.s.get() + g2 * it.gstride * kTileK, nk, vsrc, vstride, dpad_, it.gstride,
+                       sc.o.get() + g2 * it.gstride * dpad_);
       }
-      AccumulateTile(sc.s.get(), nk, vsrc, vstride, dpad_, it.rows_pad, sc.o.get());
     }
   }
 
@@ -831,6 +904,7 @@ class Kernel {
   // out = O / l (+ Shaw's value term), or 0 for rows that saw no key.
   void Finish(const Item& it, Scratch& sc) const {
     for (int64_t r = 0; r < it.rows; ++r) {
+      if (!Valid(it, r)) continue;
       const int64_t h = HeadOf(it, r), i = QueryOf(it, r);
       float* dst = p_.out + it.b * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
       const float l = sc.l[static_cast<size_t>(r)];
@@ -860,7 +934,7 @@ class Kernel {
   const FusedAttentionParams& p_;
   int64_t lanes_ = 1, dim_ = 0, dpad_ = 0, group_ = 1, bq_ = 1, nqb_ = 0, ntiles_ = 0;
   int64_t splits_ = 1, chunk_ = 0;
-  bool use_dot_ = false;
+  bool use_dot_ = false, wide_ = false;
   // DeBERTa and XL tables (see PrepareDeberta / PrepareXl).
   int64_t deb_tiles_ = 0, deb_rows_ = 0, seq_k_pad_ = 0, xl_tiles_ = 0;
   hwy::AlignedFreeUniquePtr<float[]> pk_t_, kpq_, r_t_;
