@@ -496,13 +496,28 @@ class Kernel {
     kpq_ = hwy::AllocateAligned<float>(
         static_cast<size_t>(p_.batch * p_.heads_q * deb_rows_ * seq_k_pad_));
     const int threads = resolve_threads(p_.num_threads);
+    // Only the pos_query rows that visible distances use (about half under a causal mask).
+    int64_t ulo = span2, uhi = 0;
+    for (int64_t b = 0; b < p_.batch; ++b) {
+      Item all;
+      all.b = b;
+      all.i0 = 0;
+      all.nq = p_.seq_q;
+      const auto [dlo, dhi] = VisibleDeltas(all, 0, p_.seq_k);
+      const int64_t dmax = p_.deberta_dmax[b];
+      for (int64_t t = dmax - dhi; t <= dmax - dlo; ++t) {
+        ulo = std::min<int64_t>(ulo, p_.deberta_p2c[t]);
+        uhi = std::max<int64_t>(uhi, p_.deberta_p2c[t]);
+      }
+    }
+    const int64_t u0 = std::min(ulo, uhi) / 4 * 4, nrows = RoundUp(uhi + 1 - u0, 4);
     parallel_for(p_.batch * p_.heads_q * ntiles_, threads, [&](int64_t w) {
       const int64_t t = w % ntiles_, bh = w / ntiles_;
       const int64_t b = bh / p_.heads_q, h = bh % p_.heads_q;
       auto kt = hwy::AllocateAligned<float>(static_cast<size_t>(dim_ * kTileK));
       TransposeTile(b, h / group_, t * kTileK, kt.get());
-      ScoresTile(pq.get() + h * deb_rows_ * dim_, dim_, kt.get(), deb_rows_,
-                 kpq_.get() + bh * deb_rows_ * seq_k_pad_ + t * kTileK, seq_k_pad_);
+      ScoresTile(pq.get() + (h * deb_rows_ + u0) * dim_, dim_, kt.get(), nrows,
+                 kpq_.get() + (bh * deb_rows_ + u0) * seq_k_pad_ + t * kTileK, seq_k_pad_);
     });
   }
 
@@ -576,6 +591,40 @@ class Kernel {
     sc.l.assign(static_cast<size_t>(it.rows_pad), 0.0f);
   }
 
+  // Visible distance range of the item's queries against keys [j_begin, j_end), after the
+  // causal / window limits: [dlo, dhi].
+  std::pair<int64_t, int64_t> VisibleDeltas(const Item& it, int64_t j_begin, int64_t j_end) const {
+    int32_t qlo = std::numeric_limits<int32_t>::max(), qhi = std::numeric_limits<int32_t>::min();
+    for (int64_t i = it.i0; i < it.i0 + it.nq; ++i) {
+      qlo = std::min(qlo, p_.qpos[it.b * p_.seq_q + i]);
+      qhi = std::max(qhi, p_.qpos[it.b * p_.seq_q + i]);
+    }
+    int32_t klo = std::numeric_limits<int32_t>::max(), khi = std::numeric_limits<int32_t>::min();
+    for (int64_t t = j_begin / kTileK; t * kTileK < j_end; ++t) {
+      klo = std::min(klo, tile_min_[static_cast<size_t>(it.b * ntiles_ + t)]);
+      khi = std::max(khi, tile_max_[static_cast<size_t>(it.b * ntiles_ + t)]);
+    }
+    int64_t dlo = int64_t{qlo} - khi, dhi = int64_t{qhi} - klo;
+    if (p_.causal) dlo = std::max<int64_t>(dlo, 0);
+    if (p_.window > 0) {
+      dlo = std::max<int64_t>(dlo, 1 - p_.window);
+      dhi = std::min<int64_t>(dhi, p_.window - 1);
+    }
+    return {dlo, std::max(dhi, dlo)};
+  }
+
+  // Range of table rows index[dmax - delta] over the item's visible distances.
+  std::pair<int64_t, int64_t> UsedRows(const Item& it, int64_t j_begin, int64_t j_end,
+                                       const int32_t* index, int64_t dmax) const {
+    const auto [dlo, dhi] = VisibleDeltas(it, j_begin, j_end);
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+    for (int64_t t = dmax - dhi; t <= dmax - dlo; ++t) {
+      lo = std::min<int64_t>(lo, index[t]);
+      hi = std::max<int64_t>(hi, index[t]);
+    }
+    return {std::min(lo, hi), hi};
+  }
+
   // Packs the item's query rows (XL: q + u) and the per-row scheme tables for keys
   // [j_begin, j_end). Row buffers keep 4 spare zero rows so that per-head products over
   // rows [g nq, g nq + RoundUp(nq, 4)) stay inside them.
@@ -606,23 +655,7 @@ class Kernel {
           qp[r * dim_ + c] += p_.xl_u[h * dim_ + c];
         }
       }
-      int32_t qlo = std::numeric_limits<int32_t>::max(), qhi = std::numeric_limits<int32_t>::min();
-      for (int64_t i = it.i0; i < it.i0 + it.nq; ++i) {
-        qlo = std::min(qlo, p_.qpos[it.b * p_.seq_q + i]);
-        qhi = std::max(qhi, p_.qpos[it.b * p_.seq_q + i]);
-      }
-      int32_t klo = std::numeric_limits<int32_t>::max(), khi = std::numeric_limits<int32_t>::min();
-      for (int64_t t = j_begin / kTileK; t * kTileK < j_end; ++t) {
-        klo = std::min(klo, tile_min_[static_cast<size_t>(it.b * ntiles_ + t)]);
-        khi = std::max(khi, tile_max_[static_cast<size_t>(it.b * ntiles_ + t)]);
-      }
-      int64_t dlo = int64_t{qlo} - khi, dhi = int64_t{qhi} - klo;
-      if (p_.causal) dlo = std::max<int64_t>(dlo, 0);
-      if (p_.window > 0) {
-        dlo = std::max<int64_t>(dlo, 1 - p_.window);
-        dhi = std::min<int64_t>(dhi, p_.window - 1);
-      }
-      dhi = std::max(dhi, dlo);
+      const auto [dlo, dhi] = VisibleDeltas(it, j_begin, j_end);
       const int64_t t_lo = p_.xl_dmax - dhi, t_hi = p_.xl_dmax - dlo;
       const int64_t tile0 = std::clamp<int64_t>(t_lo / kTileK, 0, xl_tiles_ - 1);
       const int64_t tile1 = std::clamp<int64_t>(t_hi / kTileK, tile0, xl_tiles_ - 1);
@@ -662,9 +695,12 @@ class Kernel {
     if (p_.deberta_pos_key != nullptr) {
       rt.deb_w = deb_tiles_ * kTileK;
       Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>(alloc_rows * rt.deb_w));
+      // Only the pos_key rows the item's visible distances use (about half under a causal
+      // mask); masked cells may read other columns, whose scores the mask replaces anyway.
+      const auto [ulo, uhi] = UsedRows(it, j_begin, j_end, p_.deberta_c2p, p_.deberta_dmax[it.b]);
       for (int64_t hh = 0; hh < it.nkv * group_; ++hh) {
         const int64_t h = it.hk * group_ + hh, row0 = HeadRow(it, hh);
-        for (int64_t tt = 0; tt < deb_tiles_; ++tt) {
+        for (int64_t tt = ulo / kTileK; tt <= uhi / kTileK; ++tt) {
           ScoresTile(qp + row0 * dim_, dim_, pk_t_.get() + (h * deb_tiles_ + tt) * dim_ * kTileK,
                      nq4, sc.extra.get() + row0 * rt.deb_w + tt * kTileK, rt.deb_w);
         }
@@ -915,16 +951,23 @@ class Kernel {
       }
       const float inv = 1.0f / l;
       if (p_.shaw_rel_v != nullptr && !sc.wsum.empty()) {
+        // O += sum_u w[u] rel_v[u], vectorized over head_dim (O rows are dpad wide).
         const int64_t kk = p_.shaw_k;
         const float* w = sc.wsum.data() + r * (2 * kk + 1);
         const int64_t th = p_.shaw_rel_v_heads == 1 ? 0 : h;
-        for (int64_t x = 0; x < dim_; ++x) {
-          float acc = o[x];
-          for (int64_t u = 0; u <= 2 * kk; ++u) {
-            acc += w[u] * p_.shaw_rel_v[(u * p_.shaw_rel_v_heads + th) * dim_ + x];
+        float* orow = sc.o.get() + r * dpad_;
+        const DF d;
+        const int64_t dv = dim_ / lanes_ * lanes_;
+        for (int64_t u = 0; u <= 2 * kk; ++u) {
+          if (w[u] == 0.0f) continue;
+          const float* rv = p_.shaw_rel_v + (u * p_.shaw_rel_v_heads + th) * dim_;
+          const auto wv = hn::Set(d, w[u]);
+          for (int64_t x = 0; x < dv; x += lanes_) {
+            hn::Store(hn::MulAdd(wv, hn::LoadU(d, rv + x), hn::Load(d, orow + x)), d, orow + x);
           }
-          dst[x] = acc * inv;
+          for (int64_t x = dv; x < dim_; ++x) orow[x] += w[u] * rv[x];
         }
+        for (int64_t x = 0; x < dim_; ++x) dst[x] = orow[x] * inv;
       } else {
         for (int64_t x = 0; x < dim_; ++x) dst[x] = o[x] * inv;
       }
