@@ -4,7 +4,10 @@
 //
 // Precision: inverse frequencies are double; p * inv_freq, cos and sin are double; the rotated
 // pair is formed in double from the float inputs and rounded once. The float32 output is thus
-// the float64 result rounded once (up to an ulp), at any position.
+// the float64 result rounded once (up to an ulp), at any position. float32 views with accurate
+// angles and a unit-stride head_dim go to the SIMD kernel (kernels/rope_hwy.cc: same math, cos/sin
+// once per token shared by all heads, threads); the scalar `rotate` below serves the float64
+// reference, float32 angles, M-RoPE, re-rotation and strided head_dims.
 #include "posenc/rope.h"
 
 #include <algorithm>
@@ -12,6 +15,8 @@
 #include <numbers>
 
 #include "common.h"
+#include "kernels/parallel.h"
+#include "kernels/rope_kernels.h"
 
 namespace posenc {
 namespace {
@@ -306,12 +311,66 @@ void fill_angles(const RopeFrequencies& freqs, Direction dir, PosOf&& pos_of, do
   }
 }
 
+void require_threads(int num_threads, const std::string& fn) {
+  if (num_threads < 0) {
+    detail::fail(fn + ": num_threads must be >= 0 (0 = all; got " + std::to_string(num_threads) +
+                 ")");
+  }
+}
+
+// The SIMD kernel (src/kernels/rope_hwy.cc) takes accurate angles on views whose head_dim is
+// unit-stride; everything else (float32 angles, strided head_dim) runs the scalar `rotate`.
+bool kernel_applies(const RopeFrequencies& freqs, const View<const float, 4>& x,
+                    const View<float, 4>& out) {
+  return freqs.angles == RopeAngles::kAccurate && x.last_dim_contiguous() &&
+         out.last_dim_contiguous() && x.numel() > 0;
+}
+
+kernels::RopeTensor kernel_tensor(const View<const float, 4>& x, const View<float, 4>& out) {
+  kernels::RopeTensor t;
+  t.x = x.data;
+  t.out = out.data;
+  t.heads = x.shape[2];
+  for (std::size_t d = 0; d < 3; ++d) {
+    t.x_stride[d] = x.stride[d];
+    t.out_stride[d] = out.stride[d];
+  }
+  return t;
+}
+
+kernels::RopeParams kernel_params(const RopeFrequencies& freqs, RopeStyle style,
+                                  const View<const float, 4>& x, const Positions& pos,
+                                  Direction dir, int num_threads) {
+  kernels::RopeParams p;
+  p.batch = x.shape[0];
+  p.seq = x.shape[1];
+  p.head_dim = x.shape[3];
+  p.inv_freq = freqs.inv_freq.data();
+  p.pairs = static_cast<int64_t>(freqs.inv_freq.size());
+  p.attention_factor = freqs.attention_factor;
+  p.interleaved = style == RopeStyle::kInterleaved;
+  p.inverse = dir == Direction::kInverse;
+  p.positions = &pos;
+  p.num_threads = kernels::resolve_threads(num_threads);
+  return p;
+}
+
 template <class T>
 void apply_checked(const RopeFrequencies& freqs, RopeStyle style, View<const T, 4> x,
-                   View<T, 4> out, const Positions* positions, Direction dir, const char* fn) {
+                   View<T, 4> out, const Positions* positions, Direction dir, const char* fn,
+                   int num_threads = 1) {
   validate_apply(freqs, x, out, fn);
+  require_threads(num_threads, fn);
   const Positions pos = positions ? *positions : Positions::offset(0);
   pos.validate(x.shape[0], x.shape[1], std::string(fn) + ": positions");
+  if constexpr (std::is_same_v<T, float>) {
+    if (kernel_applies(freqs, x, out)) {
+      kernels::RopeParams p = kernel_params(freqs, style, x, pos, dir, num_threads);
+      p.tensors[0] = kernel_tensor(x, out);
+      kernels::rope_f32(p);
+      return;
+    }
+  }
   const bool f32 = freqs.angles == RopeAngles::kFloat32 && std::is_same_v<T, float>;
   rotate<T>(static_cast<int64_t>(freqs.inv_freq.size()), style, f32, x, out,
             [&](int64_t b, int64_t i, double* cs) {
@@ -346,13 +405,41 @@ void apply_mrope_checked(const RopeFrequencies& freqs, RopeStyle style, const MR
 }  // namespace
 
 void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<const float, 4> x,
-                View<float, 4> out, const Positions* positions, Direction direction) {
-  apply_checked<float>(freqs, style, x, out, positions, direction, "apply_rope");
+                View<float, 4> out, const Positions* positions, Direction direction,
+                int num_threads) {
+  apply_checked<float>(freqs, style, x, out, positions, direction, "apply_rope", num_threads);
 }
 
 void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<float, 4> x,
-                const Positions* positions, Direction direction) {
-  apply_checked<float>(freqs, style, x, x, positions, direction, "apply_rope");
+                const Positions* positions, Direction direction, int num_threads) {
+  apply_checked<float>(freqs, style, x, x, positions, direction, "apply_rope", num_threads);
+}
+
+void apply_rope_qk(const RopeFrequencies& freqs, RopeStyle style, View<float, 4> q,
+                   View<float, 4> k, const Positions* positions, Direction direction,
+                   int num_threads) {
+  const std::string fn = "apply_rope_qk";
+  validate_apply<float>(freqs, q, q, fn + ": q");
+  validate_apply<float>(freqs, k, k, fn + ": k");
+  require_threads(num_threads, fn);
+  if (q.shape[0] != k.shape[0] || q.shape[1] != k.shape[1] || q.shape[3] != k.shape[3]) {
+    detail::fail<ShapeError>(fn + ": q " + shape_str(q.shape) + " and k " + shape_str(k.shape) +
+                             " [batch, seq, heads, head_dim] need the same batch, seq and "
+                             "head_dim");
+  }
+  const Positions pos = positions ? *positions : Positions::offset(0);
+  pos.validate(q.shape[0], q.shape[1], fn + ": positions");
+  if (kernel_applies(freqs, q, q) && kernel_applies(freqs, k, k)) {
+    // One pass: each token's cos/sin rotate the heads of q, then those of k.
+    kernels::RopeParams p = kernel_params(freqs, style, q, pos, direction, num_threads);
+    p.tensors[0] = kernel_tensor(q, q);
+    p.tensors[1] = kernel_tensor(k, k);
+    p.num_tensors = 2;
+    kernels::rope_f32(p);
+    return;
+  }
+  apply_checked<float>(freqs, style, q, q, &pos, direction, "apply_rope_qk: q", num_threads);
+  apply_checked<float>(freqs, style, k, k, &pos, direction, "apply_rope_qk: k", num_threads);
 }
 
 void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,

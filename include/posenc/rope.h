@@ -79,15 +79,30 @@ void validate(const RopeConfig& cfg);
 RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len = 0,
                                  RopeAngles angles = RopeAngles::kAccurate);
 
-// Rotates x [batch, seq, heads, head_dim] into out (same shape; any strides; out may be x itself
-// for in-place, other partial overlap is undefined). head_dim >= freqs.rotary_dim(); positions
-// default to offset(0). Thread-safe for distinct outputs.
+// Rotates x [batch, seq, heads, head_dim] into out (same shape; any strides, stride 0 allowed in
+// x; out may be x itself for in-place, other partial overlap is undefined). head_dim >=
+// freqs.rotary_dim(); dims >= rotary_dim are copied. positions default to offset(0).
+// Accurate angles on views whose head_dim is unit-stride run the SIMD kernel (every Highway
+// target, `num_threads` OpenMP threads, 0 = all; results bit-identical for any thread count);
+// float32 angles and strided head_dims run a scalar loop. Both round the float64 result once.
+// Thread-safe for distinct outputs. Throws ShapeError (shapes, rotary_dim > head_dim) and
+// ValueError (freqs, positions, num_threads < 0).
 void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<const float, 4> x,
                 View<float, 4> out, const Positions* positions = nullptr,
-                Direction direction = Direction::kForward);
+                Direction direction = Direction::kForward, int num_threads = 0);
 // In-place form.
 void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<float, 4> x,
-                const Positions* positions = nullptr, Direction direction = Direction::kForward);
+                const Positions* positions = nullptr, Direction direction = Direction::kForward,
+                int num_threads = 0);
+
+// Rotates q [batch, seq, heads_q, head_dim] and k [batch, seq, heads_kv, head_dim] in place in
+// one pass: each token's cos/sin are computed once and applied to its q and k heads. Same
+// positions for both; batch, seq and head_dim must match (heads may differ, e.g. GQA); any
+// strides. q and k must not overlap. The result equals apply_rope on q and on k bit for bit.
+// num_threads as in apply_rope. Throws ShapeError / ValueError as apply_rope.
+void apply_rope_qk(const RopeFrequencies& freqs, RopeStyle style, View<float, 4> q,
+                   View<float, 4> k, const Positions* positions = nullptr,
+                   Direction direction = Direction::kForward, int num_threads = 0);
 
 // Re-rotates keys cached as rope(k, p; from) into rope(k, p; to) in place, without the
 // unrotated keys: a rotation by the angle difference p * to_i - p * from_i (formed in double) and
