@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/deps.sh
 cmake -S . -B build-test -G Ninja -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TESTS=ON >/dev/null
 cmake --build build-test -j"$(nproc)"
-ctest --test-dir build-test --output-on-failure -j"$(nproc)" "$@"
+# Tests run side by side (-j): idle OpenMP threads should sleep, not spin on the shared cores.
+OMP_WAIT_POLICY=passive ctest --test-dir build-test --output-on-failure -j"$(nproc)" "$@"
