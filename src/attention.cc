@@ -131,8 +131,8 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
       ref::apply_rope(f, r->style, q, qo, &qp);
       ref::apply_rope(f, r->style, k, ko, &kp);
     } else {
-      apply_rope(f, r->style, q, qo, &qp);
-      apply_rope(f, r->style, k, ko, &kp);
+      apply_rope(f, r->style, q, qo, &qp, Direction::kForward, opt.num_threads);
+      apply_rope(f, r->style, k, ko, &kp, Direction::kForward, opt.num_threads);
     }
   } else if (const auto* a = std::get_if<Alibi>(&scheme)) {
     if (a->slopes.empty()) {

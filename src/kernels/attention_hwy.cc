@@ -30,6 +30,7 @@
 
 #include "kernels/attention_kernels.h"
 #include "kernels/parallel.h"
+#include "kernels/simd.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/attention_hwy.cc"
@@ -999,7 +1000,10 @@ namespace posenc::kernels {
 
 HWY_EXPORT(FusedAttention);
 
-void fused_attention(const FusedAttentionParams& p) { HWY_DYNAMIC_DISPATCH(FusedAttention)(p); }
+void fused_attention(const FusedAttentionParams& p) {
+  simd_target_name();  // applies POSENC_SIMD_TARGET before the first dispatch
+  HWY_DYNAMIC_DISPATCH(FusedAttention)(p);
+}
 
 }  // namespace posenc::kernels
 #endif  // HWY_ONCE

@@ -1,9 +1,9 @@
 // src/kernels/parallel.h - the one threading primitive of posenc's kernels.
 //
 // parallel_for(n, threads, f) calls f(i) for i in [0, n), spreading the items over `threads`
-// OpenMP threads with a static schedule. Each item is computed by exactly one thread and never
-// split, so results do not depend on the thread count. Runs serially with one thread, one item,
-// inside an enclosing parallel region, or without OpenMP.
+// OpenMP threads, handed out one at a time in index order (dynamic schedule). Each item is computed
+// by exactly one thread and never split, so results do not depend on the thread count. Runs
+// serially with one thread, one item, inside an enclosing parallel region, or without OpenMP.
 #pragma once
 
 #include <algorithm>
