@@ -52,6 +52,7 @@ Command add_attention_command(CLI::App& parent);
 Command add_check_command(CLI::App& parent);
 Command add_bench_command(CLI::App& parent);
 Command add_demo_command(CLI::App& parent);
+Command add_plot_command(CLI::App& parent);
 Command add_version_command(CLI::App& parent);
 Command add_rope_freqs_command(CLI::App& parent);
 Command add_describe_command(CLI::App& parent);

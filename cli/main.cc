@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
         pc::add_describe_command(app),
         pc::add_inspect_command(app),
         pc::add_demo_command(app),
+        pc::add_plot_command(app),
         pc::add_version_command(app),
     };
     command = command_name(argc, argv, commands);

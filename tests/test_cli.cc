@@ -824,7 +824,8 @@ TEST_F(CliTest, CheckJson) {
 }
 
 TEST_F(CliTest, Demo) {
-  const RunResult r = run("demo");
+  // The text demo (`posenc demo` itself draws figures: tests/test_plot.cc).
+  const RunResult r = run("demo --text");
   EXPECT_EQ(r.status, 0) << r.err;
   for (const char* s : {"PASS", "Sinusoidal", "ALiBi", "T5", "RoPE", "0.00390625"}) {
     EXPECT_NE(r.out.find(s), std::string::npos) << s;
