@@ -864,14 +864,42 @@ class Kernel {
       }
       if (p_.deberta_pos_key != nullptr) {
         // c2p: the row's projection at c2p[t]; p2c: kpq[b, h, p2c[t], j]; t = dmax - delta.
-        const auto tv = hn::Add(hn::Load(di, kp + c), hn::Set(di, deb_off));
-        const auto u1 = hn::GatherIndex(di, p_.deberta_c2p, tv);
-        const auto u2 = hn::GatherIndex(di, p_.deberta_p2c, tv);
+        // Both index tables are monotone in t, so with consecutive key positions a vector whose
+        // end indices agree uses a single row: a broadcast (c2p) and a contiguous load (p2c).
+        // Gathers remain for the band of distances where the buckets still change.
+        const float* prow = sc.extra.get() + r * rt.deb_w;
         const auto jv = hn::Min(hn::Iota(di, static_cast<int32_t>(j0 + c)),
                                 hn::Set(di, static_cast<int32_t>(p_.seq_k - 1)));
-        const auto idx = hn::Add(hn::Mul(u2, hn::Set(di, static_cast<int32_t>(seq_k_pad_))), jv);
-        sv = hn::Add(sv, hn::Add(hn::GatherIndex(d, sc.extra.get() + r * rt.deb_w, u1),
-                                 hn::GatherIndex(d, kpq_bh, idx)));
+        const auto lkp = hn::Set(di, static_cast<int32_t>(seq_k_pad_));
+        if (consec) {
+          const int64_t t0 = int64_t{deb_off} + kp[0] + c;
+          const int32_t* c2p = p_.deberta_c2p + t0;
+          const int32_t* p2c = p_.deberta_p2c + t0;
+          const auto c2 = c2p[0] == c2p[n - 1] ? hn::Set(d, prow[c2p[0]])
+                                               : hn::GatherIndex(d, prow, hn::LoadU(di, c2p));
+          // p2c: lanes take rows p2c[0] .. p2c[n-1] (monotone). Few distinct rows: one
+          // contiguous load per row, blended by lane; many (the exact-distance band): gather.
+          const int32_t lo = std::min(p2c[0], p2c[n - 1]), hi = std::max(p2c[0], p2c[n - 1]);
+          auto p2 = hn::Zero(d);
+          if (hi - lo < 4) {
+            const auto uv = hn::LoadU(di, p2c);
+            const float* base = kpq_bh + j0 + c;
+            p2 = hn::LoadU(d, base + int64_t{lo} * seq_k_pad_);
+            for (int32_t u = lo + 1; u <= hi; ++u) {
+              p2 = hn::IfThenElse(hn::RebindMask(d, hn::Eq(uv, hn::Set(di, u))),
+                                  hn::LoadU(d, base + int64_t{u} * seq_k_pad_), p2);
+            }
+          } else {
+            p2 = hn::GatherIndex(d, kpq_bh, hn::Add(hn::Mul(hn::LoadU(di, p2c), lkp), jv));
+          }
+          sv = hn::Add(sv, hn::Add(c2, p2));
+        } else {
+          const auto tv = hn::Add(hn::Load(di, kp + c), hn::Set(di, deb_off));
+          const auto u1 = hn::GatherIndex(di, p_.deberta_c2p, tv);
+          const auto u2 = hn::GatherIndex(di, p_.deberta_p2c, tv);
+          sv = hn::Add(sv, hn::Add(hn::GatherIndex(d, prow, u1),
+                                   hn::GatherIndex(d, kpq_bh, hn::Add(hn::Mul(u2, lkp), jv))));
+        }
       }
       // Visible scores must be finite: NaN or an overflow to +-inf would otherwise turn into a
       // silent 0 (exp of NaN is 0 here) instead of an error.
