@@ -56,7 +56,8 @@ void require_all_finite(const View<T, R>& v, const std::string& name) {
     for (std::size_t d = 0; d + 1 < R; ++d) off += idx[d] * v.stride[d];
     const T* p = v.data + off;
     bool ok = true;
-    for (int64_t i = 0; i < inner; ++i) ok &= std::isfinite(static_cast<double>(p[i * inner_stride]));
+    for (int64_t i = 0; i < inner; ++i)
+      ok &= std::isfinite(static_cast<double>(p[i * inner_stride]));
     if (!ok) {
       for (int64_t i = 0; i < inner; ++i) {
         const double x = static_cast<double>(p[i * inner_stride]);
