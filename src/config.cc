@@ -622,7 +622,8 @@ void read_rope(const Reader& r, const Scope& s, Family family, const std::string
 
     if (const auto x = d.get("low_freq_factor")) sc.low_freq_factor = r.positive(*x);
     if (const auto x = d.get("high_freq_factor")) sc.high_freq_factor = r.positive(*x);
-    if (sc.type == RopeScalingType::kLlama3 && !(sc.high_freq_factor > sc.low_freq_factor)) {
+    if (sc.type == RopeScalingType::kLlama3 && !(sc.high_freq_factor >= sc.low_freq_factor)) {
+      // Equal factors are valid (Llama 4: no blend band).
       r.fail(sd->name + ": high_freq_factor (" + fmt(sc.high_freq_factor) +
              ") must exceed low_freq_factor (" + fmt(sc.low_freq_factor) + ")");
     }

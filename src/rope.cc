@@ -76,9 +76,10 @@ void validate(const RopeConfig& cfg) {
     case RopeScalingType::kLlama3:
       require_factor(s, "llama3");
       require_original(s, "llama3");
-      if (!(s.low_freq_factor > 0) || !(s.high_freq_factor > s.low_freq_factor) ||
+      // Equal factors (Llama 4) leave an empty blend band.
+      if (!(s.low_freq_factor > 0) || !(s.high_freq_factor >= s.low_freq_factor) ||
           !std::isfinite(s.high_freq_factor)) {
-        detail::fail("rope scaling 'llama3': need 0 < low_freq_factor < high_freq_factor (got " +
+        detail::fail("rope scaling 'llama3': need 0 < low_freq_factor <= high_freq_factor (got " +
                      detail::num(s.low_freq_factor) + ", " + detail::num(s.high_freq_factor) + ")");
       }
       break;
@@ -159,7 +160,7 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len, RopeAng
         const double wl = 2.0 * std::numbers::pi / f;
         if (wl > low_wl) {
           f /= s.factor;
-        } else if (wl >= high_wl) {
+        } else if (wl >= high_wl && s.high_freq_factor > s.low_freq_factor) {
           const double sigma =
               (lo / wl - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
           f = (1.0 - sigma) * f / s.factor + sigma * f;

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <complex>
+#include <numbers>
 #include <random>
 
 #include "posenc/posenc.h"
@@ -172,6 +173,24 @@ TEST(RopeModels, YarnLowEqualsHigh) {
   EXPECT_DOUBLE_EQ(f.inv_freq[0], plain.inv_freq[0]);
   for (std::size_t i = 1; i < 64; ++i)
     EXPECT_DOUBLE_EQ(f.inv_freq[i], plain.inv_freq[i] / 4.0) << i;
+}
+
+// Llama 4 uses rope_type llama3 with low_freq_factor == high_freq_factor: no blend band, every
+// wavelength is either interpolated (longer than Lo / low) or kept.
+TEST(RopeModels, Llama3WithEqualFactors) {
+  RopeConfig cfg{.head_dim = 128, .base = 5e5};
+  cfg.scaling = {.type = RopeScalingType::kLlama3,
+                 .factor = 16.0,
+                 .original_max_position_embeddings = 8192,
+                 .low_freq_factor = 1.0,
+                 .high_freq_factor = 1.0};
+  const auto f = rope_frequencies(cfg);
+  const auto plain = rope_frequencies({.head_dim = 128, .base = 5e5});
+  for (std::size_t i = 0; i < 64; ++i) {
+    const double wl = 2.0 * std::numbers::pi / plain.inv_freq[i];
+    EXPECT_DOUBLE_EQ(f.inv_freq[i], wl > 8192.0 ? plain.inv_freq[i] / 16.0 : plain.inv_freq[i])
+        << i;
+  }
 }
 
 // ---- M-RoPE ------------------------------------------------------------------------------------
