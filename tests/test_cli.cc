@@ -21,39 +21,17 @@
 #include <string>
 #include <vector>
 
+#include "cli_test_util.h"
 #include "posenc/posenc.h"
-
-#ifndef POSENC_CLI_PATH
-#error "POSENC_CLI_PATH must name the posenc binary"
-#endif
 
 namespace fs = std::filesystem;
 
 namespace posenc {
 namespace {
 
-struct RunResult {
-  int status = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string read_text(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
-
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) {
-    if (c == '\'') {
-      q += "'\\''";
-    } else {
-      q += c;
-    }
-  }
-  return q + "'";
-}
+using cli_test::quote;
+using cli_test::read_text;
+using cli_test::RunResult;
 
 std::vector<float> random_floats(std::size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
   std::mt19937 rng(seed);
@@ -69,45 +47,8 @@ std::size_t count(const std::vector<int64_t>& shape) {
   return n;
 }
 
-class CliTest : public ::testing::Test {
+class CliTest : public cli_test::CliFixture {
  protected:
-  void SetUp() override {
-    const char* env = std::getenv("POSENC_TEST_TMP");
-    const fs::path base =
-        env && *env ? fs::path(env) : fs::temp_directory_path() / "posenc_test_cli";
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = base / (std::string(info->test_suite_name()) + "." + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
-  // Runs `posenc <args>` with stdout and stderr captured to files.
-  RunResult run(const std::string& args) const {
-    const std::string out = path("stdout.txt"), err = path("stderr.txt");
-    const std::string cmd =
-        quote(POSENC_CLI_PATH) + " " + args + " > " + quote(out) + " 2> " + quote(err);
-    const int raw = std::system(cmd.c_str());
-    RunResult r;
-    r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-    r.out = read_text(out);
-    r.err = read_text(err);
-    return r;
-  }
-
-  std::string write_f32(const std::string& name, const std::vector<int64_t>& shape,
-                        const std::vector<float>& v) const {
-    const std::string p = path(name);
-    write_npy(p, Tensor::from_f32(shape, v));
-    return p;
-  }
-  std::string write_i64(const std::string& name, const std::vector<int64_t>& shape,
-                        const std::vector<int64_t>& v) const {
-    const std::string p = path(name);
-    write_npy(p, Tensor::from_i64(shape, v));
-    return p;
-  }
   std::string write_params(const std::string& name,
                            const std::map<std::string, Tensor>& tensors) const {
     SafetensorsFile f;
@@ -162,8 +103,6 @@ class CliTest : public ::testing::Test {
     EXPECT_NE(r.err.find(needle), std::string::npos)
         << "stderr does not name '" << needle << "': " << r.err;
   }
-
-  fs::path dir_;
 };
 
 void expect_tensor_eq(const Tensor& t, const std::vector<int64_t>& shape,

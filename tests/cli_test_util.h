@@ -1,0 +1,92 @@
+// tests/cli_test_util.h - running the posenc binary from tests: a fixture with a fresh scratch
+// folder per test, the command runner (stdout and stderr captured) and .npy writers.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "posenc/io.h"
+
+#ifndef POSENC_CLI_PATH
+#error "POSENC_CLI_PATH must name the posenc binary"
+#endif
+
+namespace posenc::cli_test {
+
+namespace fs = std::filesystem;
+
+struct RunResult {
+  int status = -1;
+  std::string out;
+  std::string err;
+};
+
+inline std::string read_text(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// Single-quotes `s` for /bin/sh.
+inline std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) {
+    if (c == '\'') {
+      q += "'\\''";
+    } else {
+      q += c;
+    }
+  }
+  return q + "'";
+}
+
+// A scratch folder per test under $POSENC_TEST_TMP (or the system temp folder).
+class CliFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* env = std::getenv("POSENC_TEST_TMP");
+    const fs::path base = env && *env ? fs::path(env) : fs::temp_directory_path() / "posenc_cli";
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = base / (std::string(info->test_suite_name()) + "." + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // Runs `posenc <args>` with stdout and stderr captured to files.
+  RunResult run(const std::string& args) const {
+    const std::string out = path("stdout.txt"), err = path("stderr.txt");
+    const std::string cmd =
+        quote(POSENC_CLI_PATH) + " " + args + " > " + quote(out) + " 2> " + quote(err);
+    const int raw = std::system(cmd.c_str());
+    RunResult r;
+    r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+    r.out = read_text(out);
+    r.err = read_text(err);
+    return r;
+  }
+
+  std::string write_f32(const std::string& name, const std::vector<int64_t>& shape,
+                        const std::vector<float>& v) const {
+    const std::string p = path(name);
+    write_npy(p, Tensor::from_f32(shape, v));
+    return p;
+  }
+  std::string write_i64(const std::string& name, const std::vector<int64_t>& shape,
+                        const std::vector<int64_t>& v) const {
+    const std::string p = path(name);
+    write_npy(p, Tensor::from_i64(shape, v));
+    return p;
+  }
+
+  fs::path dir_;
+};
+
+}  // namespace posenc::cli_test
