@@ -27,40 +27,10 @@ struct InspectArgs {
   bool stats = false;
 };
 
-const char* safetensors_dtype(DType t) {
-  switch (t) {
-    case DType::kF16:
-      return "F16";
-    case DType::kBF16:
-      return "BF16";
-    case DType::kF32:
-      return "F32";
-    case DType::kF64:
-      return "F64";
-    case DType::kI32:
-      return "I32";
-    case DType::kI64:
-      return "I64";
-  }
-  return "?";
-}
-
+// NumPy's spelling, or bfloat16's name where NumPy has none.
 const char* npy_dtype(DType t) {
-  switch (t) {
-    case DType::kF16:
-      return "<f2";
-    case DType::kBF16:
-      return "bfloat16";
-    case DType::kF32:
-      return "<f4";
-    case DType::kF64:
-      return "<f8";
-    case DType::kI32:
-      return "<i4";
-    case DType::kI64:
-      return "<i8";
-  }
-  return "?";
+  const char* d = dtype_npy_descr(t);
+  return d != nullptr ? d : "bfloat16";
 }
 
 // By content (the NumPy magic), else by a .npy suffix (so a broken .npy gets the npy reader's
@@ -122,7 +92,7 @@ void print_table(const std::vector<Row>& rows, bool stats, const std::string& wh
   for (const Row& r : rows) {
     const Tensor& t = *r.tensor;
     std::vector<std::string> c = {
-        r.name, std::string(dtype_name(t.dtype)) + " (" + safetensors_dtype(t.dtype) + ")",
+        r.name, std::string(dtype_name(t.dtype)) + " (" + dtype_safetensors_name(t.dtype) + ")",
         t.shape_str(), std::to_string(t.bytes.size())};
     if (stats) {
       const Stats s = tensor_stats(t, what + ": " + r.name);
@@ -157,7 +127,7 @@ nlohmann::json tensor_json(const std::string& name, const Tensor& t, bool stats,
                            const std::string& what) {
   nlohmann::json j = {{"name", name},
                       {"dtype", dtype_name(t.dtype)},
-                      {"safetensors_dtype", safetensors_dtype(t.dtype)},
+                      {"safetensors_dtype", dtype_safetensors_name(t.dtype)},
                       {"shape", t.shape},
                       {"bytes", t.bytes.size()}};
   if (stats) {

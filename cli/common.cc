@@ -178,22 +178,6 @@ RopeAngles parse_rope_angles(const std::string& s) {
   throw UsageError("--angles must be accurate or float32 (got '" + s + "')");
 }
 
-const char* model_scheme_name(ModelScheme s) {
-  switch (s) {
-    case ModelScheme::kRope:
-      return "rope";
-    case ModelScheme::kAlibi:
-      return "alibi";
-    case ModelScheme::kT5:
-      return "t5";
-    case ModelScheme::kDeberta:
-      return "deberta";
-    case ModelScheme::kLearned:
-      return "learned";
-  }
-  return "unknown";
-}
-
 ModelConfig read_rope_model_config(const std::string& path) {
   ModelConfig cfg = read_model_config(path);
   if (cfg.scheme != ModelScheme::kRope) {

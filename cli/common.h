@@ -125,9 +125,6 @@ RopeStyle parse_rope_style(const std::string& s);
 
 RopeAngles parse_rope_angles(const std::string& s);
 
-// "rope", "alibi", "t5", "deberta" or "learned".
-const char* model_scheme_name(ModelScheme s);
-
 // read_model_config(path), which must describe a RoPE model: otherwise a UsageError naming the
 // model_type and its scheme.
 ModelConfig read_rope_model_config(const std::string& path);

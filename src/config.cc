@@ -1049,22 +1049,6 @@ const char* scaling_name(RopeScalingType t) {
 
 namespace {
 
-const char* scheme_name(ModelScheme s) {
-  switch (s) {
-    case ModelScheme::kRope:
-      return "rope";
-    case ModelScheme::kAlibi:
-      return "alibi";
-    case ModelScheme::kT5:
-      return "t5";
-    case ModelScheme::kDeberta:
-      return "deberta";
-    case ModelScheme::kLearned:
-      return "learned";
-  }
-  return "unknown";
-}
-
 std::string list_summary(const std::vector<double>& v) {
   if (v.empty()) return "[]";
   const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
@@ -1080,7 +1064,7 @@ std::string describe(const ModelConfig& cfg) {
     out += key + ": " + value + "\n";
   };
   line("model_type", cfg.model_type);
-  line("scheme", scheme_name(cfg.scheme));
+  line("scheme", model_scheme_name(cfg.scheme));
   line("hidden_size", fmt(cfg.hidden_size));
   line("heads", fmt(cfg.heads_q) + " q / " + fmt(cfg.heads_kv) + " kv");
   line("head_dim", fmt(cfg.head_dim));
@@ -1182,6 +1166,22 @@ std::string describe(const ModelConfig& cfg) {
   }
   line("effective_context", fmt(cfg.effective_context()));
   return out;
+}
+
+const char* model_scheme_name(ModelScheme s) {
+  switch (s) {
+    case ModelScheme::kRope:
+      return "rope";
+    case ModelScheme::kAlibi:
+      return "alibi";
+    case ModelScheme::kT5:
+      return "t5";
+    case ModelScheme::kDeberta:
+      return "deberta";
+    case ModelScheme::kLearned:
+      return "learned";
+  }
+  return "unknown";
 }
 
 }  // namespace posenc

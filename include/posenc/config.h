@@ -79,5 +79,6 @@ std::string describe(const ModelConfig& cfg);
 // "half" / "interleaved", "default" / "linear" / ..., for messages and JSON.
 const char* style_name(RopeStyle s);
 const char* scaling_name(RopeScalingType t);
+const char* model_scheme_name(ModelScheme s);  // "rope", "alibi", "t5", "deberta", "learned"
 
 }  // namespace posenc

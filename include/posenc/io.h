@@ -22,6 +22,10 @@ enum class DType { kF16, kBF16, kF32, kF64, kI32, kI64 };
 // element size in bytes.
 const char* dtype_name(DType t);
 int64_t dtype_size(DType t);
+// The safetensors dtype name ("F32", "BF16", ...).
+const char* dtype_safetensors_name(DType t);
+// The .npy descr ("<f4", ...); nullptr for bfloat16, which NumPy has no dtype for.
+const char* dtype_npy_descr(DType t);
 
 // An owning dense tensor in C order, little-endian element bytes.
 struct Tensor {

@@ -33,23 +33,6 @@ std::optional<DType> dtype_from_descr(const std::string& d) {
   return std::nullopt;
 }
 
-const char* descr_of(DType t) {
-  switch (t) {
-    case DType::kF16:
-      return "<f2";
-    case DType::kF32:
-      return "<f4";
-    case DType::kF64:
-      return "<f8";
-    case DType::kI32:
-      return "<i4";
-    case DType::kI64:
-      return "<i8";
-    default:
-      return nullptr;  // bfloat16 has no NumPy dtype
-  }
-}
-
 // The header text for messages: printable, one line, bounded length, padding dropped.
 std::string snippet(const std::string& text) {
   constexpr std::size_t kMax = 160;
@@ -295,7 +278,7 @@ Tensor read_npy(const std::string& path) {
 namespace {
 
 std::vector<unsigned char> encode(const Tensor& t, const std::string& what) {
-  const char* descr = descr_of(t.dtype);
+  const char* descr = dtype_npy_descr(t.dtype);
   if (!descr) {
     throw IoError(what + ": " + dtype_name(t.dtype) + " has no .npy dtype; use .safetensors");
   }
@@ -341,6 +324,23 @@ std::vector<unsigned char> encode_npy(const Tensor& t) { return encode(t, "encod
 void write_npy(const std::string& path, const Tensor& t) {
   const std::vector<unsigned char> data = encode(t, path);
   write_file_atomic(path, data.data(), data.size());
+}
+
+const char* dtype_npy_descr(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return "<f2";
+    case DType::kF32:
+      return "<f4";
+    case DType::kF64:
+      return "<f8";
+    case DType::kI32:
+      return "<i4";
+    case DType::kI64:
+      return "<i8";
+    default:
+      return nullptr;  // bfloat16 has no NumPy dtype
+  }
 }
 
 }  // namespace posenc

@@ -36,24 +36,6 @@ std::optional<DType> dtype_from_name(const std::string& s) {
   return std::nullopt;
 }
 
-const char* st_name(DType t) {
-  switch (t) {
-    case DType::kF16:
-      return "F16";
-    case DType::kBF16:
-      return "BF16";
-    case DType::kF32:
-      return "F32";
-    case DType::kF64:
-      return "F64";
-    case DType::kI32:
-      return "I32";
-    case DType::kI64:
-      return "I64";
-  }
-  return "?";
-}
-
 std::string quoted(const std::string& name) {
   std::string s(1, '\'');
   s += io_detail::printable(name);
@@ -235,10 +217,10 @@ std::vector<unsigned char> encode(const SafetensorsFile& f, const std::string& w
     }
     if (static_cast<uint64_t>(nbytes) != t.bytes.size()) {
       throw IoError(where + ": " + std::to_string(t.bytes.size()) + " bytes do not match " +
-                    st_name(t.dtype) + " x shape " + t.shape_str() + " (" + std::to_string(nbytes) +
-                    " bytes)");
+                    dtype_safetensors_name(t.dtype) + " x shape " + t.shape_str() + " (" +
+                    std::to_string(nbytes) + " bytes)");
     }
-    header[name] = {{"dtype", st_name(t.dtype)},
+    header[name] = {{"dtype", dtype_safetensors_name(t.dtype)},
                     {"shape", t.shape},
                     {"data_offsets", {offset, offset + t.bytes.size()}}};
     offset += t.bytes.size();
@@ -271,6 +253,24 @@ std::vector<unsigned char> encode_safetensors(const SafetensorsFile& f) {
 void write_safetensors(const std::string& path, const SafetensorsFile& f) {
   const std::vector<unsigned char> data = encode(f, path);
   write_file_atomic(path, data.data(), data.size());
+}
+
+const char* dtype_safetensors_name(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF32:
+      return "F32";
+    case DType::kF64:
+      return "F64";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
+  }
+  return "?";
 }
 
 }  // namespace posenc
