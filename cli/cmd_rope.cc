@@ -212,6 +212,7 @@ struct RopeFreqsArgs {
   FreqFlags freq;
   int64_t head_dim = 0;
   std::string out;
+  bool details = false;
 };
 
 int run_rope_freqs(const CLI::App& app, const RopeFreqsArgs& a) {
@@ -224,12 +225,17 @@ int run_rope_freqs(const CLI::App& app, const RopeFreqsArgs& a) {
   const RopeSetup s = rope_setup(a.freq, model, a.head_dim, "--head-dim", seq_len);
   write_f64(a.out, {static_cast<int64_t>(s.freqs.inv_freq.size())}, s.freqs.inv_freq);
 
+  // Exactly the contract's three keys by default; --details appends the rest.
   std::string line = "{\"rotary_dim\": " + std::to_string(s.freqs.rotary_dim()) +
                      ", \"attention_factor\": " + full_precision(s.freqs.attention_factor) +
-                     ", \"style\": \"" + style_name(s.style) + "\", \"scaling\": \"" +
-                     scaling_name(s.scaling) + "\", \"base\": " + full_precision(s.base) +
-                     ", \"seq_len\": " + std::to_string(seq_len) + ", \"angles\": \"" +
-                     a.freq.angles + "\"";
+                     ", \"style\": \"" + style_name(s.style) + "\"";
+  if (!a.details) {
+    std::cout << line << "}" << std::endl;
+    return 0;
+  }
+  line += ", \"scaling\": \"" + std::string(scaling_name(s.scaling)) +
+          "\", \"base\": " + full_precision(s.base) + ", \"seq_len\": " + std::to_string(seq_len) +
+          ", \"angles\": \"" + a.freq.angles + "\"";
   if (s.model) {
     line += ", \"model_type\": \"" + json_escape(s.model->model_type) +
             "\", \"head_dim\": " + std::to_string(s.model->head_dim);
@@ -288,6 +294,8 @@ Command add_rope_freqs_command(CLI::App& parent) {
                   "Sequence length L (default 0: the short / original regime)");
   app->add_option("--head-dim", a->head_dim, "Head dim D (without --config)");
   app->add_option("--out", a->out, "Output .npy, float64 [R/2]")->required();
+  app->add_flag("--details", a->details,
+                "Also print scaling, base, seq_len, angles, model_type, head_dim (and M-RoPE)");
   return {app, [a, app] { return run_rope_freqs(*app, *a); }};
 }
 

@@ -440,10 +440,15 @@ TEST_F(CliModelsTest, RopeFreqsJsonAndTable) {
     EXPECT_EQ(j.at("rotary_dim").get<int64_t>(), want.rotary_dim());
     EXPECT_EQ(j.at("attention_factor").get<double>(), want.attention_factor);
     EXPECT_EQ(j.at("style").get<std::string>(), style_name(cfg.rope.style));
-    EXPECT_EQ(j.at("scaling").get<std::string>(), scaling_name(cfg.rope.scaling.type));
-    // The three contract keys come first, in order.
+    // Exactly the contract's three keys, in order; --details adds the rest.
+    EXPECT_EQ(j.size(), 3u) << r.out;
     EXPECT_EQ(r.out.rfind("{\"rotary_dim\": ", 0), 0u) << r.out;
     EXPECT_LT(r.out.find("\"attention_factor\""), r.out.find("\"style\""));
+    RunResult rd;
+    run_ok(args + " --details", path("f2.npy"), &rd);
+    const nlohmann::json jd = nlohmann::json::parse(rd.out);
+    EXPECT_EQ(jd.at("scaling").get<std::string>(), scaling_name(cfg.rope.scaling.type));
+    EXPECT_EQ(jd.at("rotary_dim"), j.at("rotary_dim"));
   }
   // Without --config: --head-dim and the rope flags.
   RopeConfig rc;
