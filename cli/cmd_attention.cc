@@ -41,7 +41,7 @@ struct AttentionArgs {
   // deberta
   int64_t position_buckets = 0;
   int64_t max_relative_positions = 512;
-  std::string deberta_p2c = "model";
+  std::string deberta_p2c = "spec";
   bool deberta_float64_log = false;
   // positions and options
   std::string positions_q, positions_k;
@@ -191,7 +191,7 @@ void build_scheme(const AttentionArgs& a, const ModelConfig* model, int64_t head
     buckets.max_relative_positions = a.max_relative_positions;
     buckets.position_buckets = a.position_buckets;
     buckets.float64_log = a.deberta_float64_log;
-    buckets.p2c = a.deberta_p2c == "paper" ? DebertaP2c::kPaper : DebertaP2c::kModel;
+    buckets.p2c = a.deberta_p2c == "model" ? DebertaP2c::kModel : DebertaP2c::kSpec;
     validate(buckets);
     b.load_params(true);
     const FloatArray* pk = b.get("pos_key", {3}, "[2K, heads, head_dim]", true);
@@ -433,8 +433,10 @@ Command add_attention_command(CLI::App& parent) {
   app->add_option("--max-relative-positions", a->max_relative_positions,
                   "deberta: max_relative_positions")
       ->capture_default_str();
-  app->add_option("--deberta-p2c", a->deberta_p2c, "deberta: p2c index, model or paper")
-      ->check(CLI::IsMember({"model", "paper"}))
+  app->add_option("--deberta-p2c", a->deberta_p2c,
+                  "deberta: p2c index: spec (SPEC §8 and the paper, clamp(-rho + K)) or model "
+                  "(what trained checkpoints compute, clamp(rho + K)); paper = spec")
+      ->check(CLI::IsMember({"spec", "paper", "model"}))
       ->capture_default_str();
   app->add_flag("--deberta-float64-log", a->deberta_float64_log,
                 "deberta: log bucketing in float64 (the authors' code) instead of float32 (HF)");

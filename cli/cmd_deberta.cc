@@ -18,7 +18,7 @@ struct DebertaArgs {
   int64_t max_relative_positions = 512;
   bool float64_log = false;
   std::string index = "c2p";
-  std::string p2c = "model";
+  std::string p2c = "spec";
   std::string out;
 };
 
@@ -29,7 +29,7 @@ int run_deberta(const DebertaArgs& a) {
   cfg.max_relative_positions = a.max_relative_positions;
   cfg.position_buckets = a.position_buckets;
   cfg.float64_log = a.float64_log;
-  cfg.p2c = a.p2c == "paper" ? DebertaP2c::kPaper : DebertaP2c::kModel;
+  cfg.p2c = a.p2c == "model" ? DebertaP2c::kModel : DebertaP2c::kSpec;
   validate(cfg);
   // SPEC §0 default positions: key j at j, query i at Lk - Lq + i.
   if (a.query_length > a.key_length) {
@@ -71,8 +71,10 @@ Command add_deberta_buckets_command(CLI::App& parent) {
   app->add_option("--index", a->index, "c2p (rows of pos_key) or p2c (rows of pos_query)")
       ->check(CLI::IsMember({"c2p", "p2c"}))
       ->capture_default_str();
-  app->add_option("--p2c", a->p2c, "p2c index form: model (trained models) or paper")
-      ->check(CLI::IsMember({"model", "paper"}))
+  app->add_option(
+         "--p2c", a->p2c,
+         "p2c index form: spec (SPEC §8, the paper; default) or model (trained checkpoints)")
+      ->check(CLI::IsMember({"spec", "paper", "model"}))
       ->capture_default_str();
   app->add_option("--out", a->out, "Output .npy, int64 [Lq, Lk]")->required();
   return {app, [a] { return run_deberta(*a); }};

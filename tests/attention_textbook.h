@@ -132,7 +132,7 @@ inline std::vector<double> attention(const Problem& p, const posenc::PositionSch
             const int64_t rho = deberta_bucket(pq - pk, d->buckets);
             const int64_t c2p = std::clamp<int64_t>(rho + kspan, 0, 2 * kspan - 1);
             const int64_t p2c = std::clamp<int64_t>(
-                (d->buckets.p2c == DebertaP2c::kPaper ? -rho : rho) + kspan, 0, 2 * kspan - 1);
+                (d->buckets.p2c == DebertaP2c::kModel ? rho : -rho) + kspan, 0, 2 * kspan - 1);
             for (int64_t c = 0; c < p.dim; ++c) {
               content += qi[c] * d->pos_key(c2p, h, c) + kj[c] * d->pos_query(p2c, h, c);
             }

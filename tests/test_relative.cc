@@ -169,10 +169,10 @@ TEST(Deberta, PlainSpanClipsRho) {
   EXPECT_EQ(deberta_c2p_index(10, 7, b), 7);
   EXPECT_EQ(deberta_c2p_index(10, 2, b), 7);  // rho = 8 clamps to 2K - 1
   EXPECT_EQ(deberta_c2p_index(2, 10, b), 0);  // rho = -8 clamps to 0
-  EXPECT_EQ(deberta_p2c_index(10, 7, b), 7);  // model: same as c2p
-  DebertaBuckets paper = b;
-  paper.p2c = DebertaP2c::kPaper;
-  EXPECT_EQ(deberta_p2c_index(10, 7, paper), 1);  // -rho + K
+  EXPECT_EQ(deberta_p2c_index(10, 7, b), 1);  // default, SPEC §8: -rho + K
+  DebertaBuckets model = b;
+  model.p2c = DebertaP2c::kModel;
+  EXPECT_EQ(deberta_p2c_index(10, 7, model), 7);  // trained checkpoints: same as c2p
 }
 
 // SPEC §8: "they differ first at |rho| = 1643 for 512 buckets / 4096 positions (427 vs 428)".
@@ -215,11 +215,12 @@ TEST(Deberta, LogBucketProperties) {
 }
 
 // The released code computes p2c as gather(k . pos_query^T, index = clamp(-r_pos + K)) along the
-// key axis and transposes. Emulated literally here; posenc's default (kModel) equals it.
+// key axis and transposes. Emulated literally here; DebertaP2c::kModel equals it.
 TEST(Deberta, ModelP2cEqualsGatherThenTranspose) {
   std::mt19937_64 rng(21);
   const int64_t len = 11, dim = 3, heads = 1;
-  const DebertaBuckets b{.max_relative_positions = 20, .position_buckets = 6};
+  const DebertaBuckets b{
+      .max_relative_positions = 20, .position_buckets = 6, .p2c = DebertaP2c::kModel};
   const int64_t kspan = b.span();
   const auto q = randn(rng, len * dim), k = randn(rng, len * dim);
   const auto pk = cases::randn_f(rng, 2 * kspan * dim), pq = cases::randn_f(rng, 2 * kspan * dim);
