@@ -513,6 +513,8 @@ AttentionWorkload::AttentionWorkload(const AttentionShape& shape, const std::str
     DebertaBuckets buckets;
     buckets.max_relative_positions = 512;
     buckets.position_buckets = 256;
+    // DeBERTa-v3 checkpoints compute the transposed p2c index (include/posenc/deberta.h).
+    buckets.p2c = DebertaP2c::kModel;
     const int64_t rows = 2 * buckets.span();
     const float* pk = table(st.table_a, rows * h * d, 0.5f);
     const float* pq = table(st.table_b, rows * h * d, 0.5f);

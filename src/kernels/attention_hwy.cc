@@ -877,21 +877,10 @@ class Kernel {
           const int32_t* p2c = p_.deberta_p2c + t0;
           const auto c2 = c2p[0] == c2p[n - 1] ? hn::Set(d, prow[c2p[0]])
                                                : hn::GatherIndex(d, prow, hn::LoadU(di, c2p));
-          // p2c: lanes take rows p2c[0] .. p2c[n-1] (monotone). Few distinct rows: one
-          // contiguous load per row, blended by lane; many (the exact-distance band): gather.
-          const int32_t lo = std::min(p2c[0], p2c[n - 1]), hi = std::max(p2c[0], p2c[n - 1]);
-          auto p2 = hn::Zero(d);
-          if (hi - lo < 4) {
-            const auto uv = hn::LoadU(di, p2c);
-            const float* base = kpq_bh + j0 + c;
-            p2 = hn::LoadU(d, base + int64_t{lo} * seq_k_pad_);
-            for (int32_t u = lo + 1; u <= hi; ++u) {
-              p2 = hn::IfThenElse(hn::RebindMask(d, hn::Eq(uv, hn::Set(di, u))),
-                                  hn::LoadU(d, base + int64_t{u} * seq_k_pad_), p2);
-            }
-          } else {
-            p2 = hn::GatherIndex(d, kpq_bh, hn::Add(hn::Mul(hn::LoadU(di, p2c), lkp), jv));
-          }
+          const auto p2 =
+              p2c[0] == p2c[n - 1]
+                  ? hn::LoadU(d, kpq_bh + int64_t{p2c[0]} * seq_k_pad_ + j0 + c)
+                  : hn::GatherIndex(d, kpq_bh, hn::Add(hn::Mul(hn::LoadU(di, p2c), lkp), jv));
           sv = hn::Add(sv, hn::Add(c2, p2));
         } else {
           const auto tv = hn::Add(hn::Load(di, kp + c), hn::Set(di, deb_off));
