@@ -353,6 +353,9 @@ class Kernel {
 
   void Run() {
     const int threads = resolve_threads(p_.num_threads);
+    // One scratch per thread for the whole call: items reuse its buffers (allocating them per
+    // item cost page faults on every large buffer, e.g. XL's distance band).
+    scratch_ = std::vector<Scratch>(static_cast<size_t>(threads));
     const int64_t groups = p_.batch * p_.heads_kv;
     // Few query rows per kv head (decoding): dot products against row-major keys instead of
     // transposed tiles, and one item covers every kv head of a batch row so that each key's
@@ -389,7 +392,7 @@ class Kernel {
   void RunItems(int64_t w0, int64_t count, int threads, const float* kt_all) {
     if (splits_ == 1) {
       parallel_for(count, threads, [&](int64_t w) {
-        Scratch sc;
+        Scratch& sc = Local();
         const Item it = MakeItem(w0 + w);
         InitAccumulators(it, sc);
         Process(it, 0, p_.seq_k, kt_all, sc);
@@ -404,7 +407,7 @@ class Kernel {
     std::vector<float> part_l(part_m.size());
     parallel_for(count * splits, threads, [&](int64_t ws) {
       const int64_t w = ws / splits, sp = ws % splits;
-      Scratch sc;
+      Scratch& sc = Local();
       const Item it = MakeItem(w0 + w);
       InitAccumulators(it, sc);
       Process(it, sp * chunk_, std::min(p_.seq_k, (sp + 1) * chunk_), kt_all, sc);
@@ -418,7 +421,7 @@ class Kernel {
       }
     });
     parallel_for(count, threads, [&](int64_t w) {
-      Scratch sc;
+      Scratch& sc = Local();
       const Item it = MakeItem(w0 + w);
       InitAccumulators(it, sc);
       for (int64_t r = 0; r < it.rows; ++r) {
@@ -551,6 +554,8 @@ class Kernel {
   }
 
  private:
+  Scratch& Local() { return scratch_[static_cast<size_t>(thread_index()) % scratch_.size()]; }
+
   Item MakeItem(int64_t w) const {
     Item it;
     // Later query blocks see more keys under a causal mask: hand them out first (dynamic
@@ -996,6 +1001,7 @@ class Kernel {
   int64_t lanes_ = 1, dim_ = 0, dpad_ = 0, group_ = 1, bq_ = 1, nqb_ = 0, ntiles_ = 0;
   int64_t splits_ = 1, chunk_ = 0;
   bool use_dot_ = false, wide_ = false;
+  std::vector<Scratch> scratch_;
   // DeBERTa and XL tables (see PrepareDeberta / PrepareXl).
   int64_t deb_tiles_ = 0, deb_rows_ = 0, seq_k_pad_ = 0, xl_tiles_ = 0;
   hwy::AlignedFreeUniquePtr<float[]> pk_t_, kpq_, r_t_;
