@@ -119,28 +119,12 @@ RopeFrequencies model_or_default_rope(const std::optional<ModelConfig>& model, i
   return rope_frequencies(cfg);
 }
 
-const char* scheme_of(const ModelConfig& m) {
-  switch (m.scheme) {
-    case ModelScheme::kRope:
-      return "rope";
-    case ModelScheme::kAlibi:
-      return "alibi";
-    case ModelScheme::kT5:
-      return "t5";
-    case ModelScheme::kDeberta:
-      return "deberta";
-    case ModelScheme::kLearned:
-      return "learned";
-  }
-  return "?";
-}
-
 // Panels of one model: its scheme only; `kind` names the plot for messages.
 std::string model_scheme(const std::optional<ModelConfig>& model, const std::string& requested,
                          const std::string& kind, const std::string& model_name,
                          const std::vector<std::string>& supported) {
   if (!model) return requested;
-  const std::string s = scheme_of(*model);
+  const std::string s = model_scheme_name(model->scheme);
   if (requested != "all" && requested != s) {
     throw ValueError(kind + ": --scheme " + requested + " conflicts with the model (" + model_name +
                      " is " + model->model_type + ", scheme " + s + ")");

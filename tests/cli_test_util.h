@@ -73,6 +73,17 @@ class CliFixture : public ::testing::Test {
     return r;
   }
 
+  // Runs a command expected to succeed (writing `out`, empty stderr) and returns the tensor.
+  Tensor run_ok(const std::string& args, const std::string& out,
+                RunResult* result = nullptr) const {
+    const RunResult r = run(args + " --out " + quote(out));
+    EXPECT_EQ(r.status, 0) << "posenc " << args << "\nstderr: " << r.err;
+    EXPECT_EQ(r.err, "");
+    if (result) *result = r;
+    if (r.status != 0) return {};
+    return read_npy(out);
+  }
+
   std::string write_f32(const std::string& name, const std::vector<int64_t>& shape,
                         const std::vector<float>& v) const {
     const std::string p = path(name);

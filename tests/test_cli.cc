@@ -58,15 +58,6 @@ class CliTest : public cli_test::CliFixture {
     return p;
   }
 
-  // Runs a command expected to succeed and returns the tensor written to `out`.
-  Tensor run_ok(const std::string& args, const std::string& out) const {
-    const RunResult r = run(args + " --out " + quote(out));
-    EXPECT_EQ(r.status, 0) << "posenc " << args << "\nstderr: " << r.err;
-    EXPECT_EQ(r.err, "");
-    if (r.status != 0) return {};
-    return read_npy(out);
-  }
-
   // Runs a command expected to fail with a usage/input error: status 2, one stderr line
   // "posenc <command>: error: ..." containing `needle`, and no output file afterwards.
   void expect_error(const std::string& command, const std::string& args,

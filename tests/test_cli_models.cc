@@ -94,16 +94,6 @@ void expect_tensor_eq(const Tensor& t, const std::vector<int64_t>& shape,
 
 class CliModelsTest : public cli_test::CliFixture {
  protected:
-  // Runs a command expected to succeed (with --out `out`) and returns the tensor written.
-  Tensor run_ok(const std::string& args, const std::string& out,
-                RunResult* result = nullptr) const {
-    const RunResult r = run(args + " --out " + quote(out));
-    EXPECT_EQ(r.status, 0) << "posenc " << args << "\nstderr: " << r.err;
-    EXPECT_EQ(r.err, "");
-    if (result) *result = r;
-    if (r.status != 0) return {};
-    return read_npy(out);
-  }
 
   // Status 2, one stderr line "posenc <command>: error: ..." containing `needle`, no output.
   void expect_error(const std::string& command, const std::string& args,
