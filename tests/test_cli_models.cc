@@ -94,7 +94,6 @@ void expect_tensor_eq(const Tensor& t, const std::vector<int64_t>& shape,
 
 class CliModelsTest : public cli_test::CliFixture {
  protected:
-
   // Status 2, one stderr line "posenc <command>: error: ..." containing `needle`, no output.
   void expect_error(const std::string& command, const std::string& args,
                     const std::string& needle) const {
