@@ -248,6 +248,20 @@ TimingOptions quick_timing() {
   return o;
 }
 
+namespace {
+
+Timing summarize(std::vector<double> samples) {
+  std::sort(samples.begin(), samples.end());
+  const std::size_t n = samples.size();
+  Timing t;
+  t.reps = static_cast<int>(n);
+  t.min_s = samples.front();
+  t.median_s = n % 2 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
+  return t;
+}
+
+}  // namespace
+
 Timing measure(const std::function<void()>& fn, const TimingOptions& options) {
   using Clock = std::chrono::steady_clock;
   for (int i = 0; i < options.warmup; ++i) fn();
@@ -262,13 +276,39 @@ Timing measure(const std::function<void()>& fn, const TimingOptions& options) {
     samples.push_back(s);
     total += s;
   }
-  std::sort(samples.begin(), samples.end());
-  const std::size_t n = samples.size();
-  Timing t;
-  t.reps = static_cast<int>(n);
-  t.min_s = samples.front();
-  t.median_s = n % 2 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
-  return t;
+  return summarize(std::move(samples));
+}
+
+PairTiming measure_pair(const std::function<void()>& a, const std::function<void()>& b,
+                        const TimingOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  for (int i = 0; i < options.warmup; ++i) {
+    a();
+    b();
+  }
+  auto timed = [](const std::function<void()>& fn) {
+    const auto t0 = Clock::now();
+    fn();
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  std::vector<double> sa, sb, ratios;
+  double total = 0;
+  const int min_pairs = std::max(options.min_reps, 5);
+  const int max_pairs = std::max(options.max_reps, 1);
+  while (static_cast<int>(sa.size()) < max_pairs &&
+         (total < 2 * options.min_total_s || static_cast<int>(sa.size()) < min_pairs)) {
+    sa.push_back(timed(a));
+    sb.push_back(timed(b));
+    ratios.push_back(sb.back() / sa.back());
+    total += sa.back() + sb.back();
+  }
+  PairTiming p;
+  p.a = summarize(sa);
+  p.b = summarize(sb);
+  std::sort(ratios.begin(), ratios.end());
+  const std::size_t n = ratios.size();
+  p.ratio = n % 2 ? ratios[n / 2] : 0.5 * (ratios[n / 2 - 1] + ratios[n / 2]);
+  return p;
 }
 
 int resolve_threads(int requested) {
@@ -585,7 +625,16 @@ Result bench_attention(const std::string& scheme, const AttentionShape& shape, i
   r.threads = threads;
   r.flops = attention_flops(shape);
   r.baselines = {"sgemm"};
-  r.timing = measure([&] { w.run(threads); }, options);
+  if (scheme == "none") {
+    r.timing = measure([&] { w.run(threads); }, options);
+    return r;
+  }
+  // The scheme's cost over no positions: timed against a no-position run in alternation.
+  AttentionWorkload none(shape, "none");
+  const PairTiming pt = measure_pair([&] { none.run(threads); }, [&] { w.run(threads); }, options);
+  r.timing = pt.b;
+  r.extra.emplace_back("vs_none", pt.ratio);
+  r.extra.emplace_back("none_median_s", pt.a.median_s);
   return r;
 }
 

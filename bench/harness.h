@@ -48,6 +48,17 @@ struct Timing {
 // minimum of the N timed calls (steady clock, wall time).
 Timing measure(const std::function<void()>& fn, const TimingOptions& options = {});
 
+// Two workloads timed in alternation (a, b, a, b, ...; at least 5 pairs, options otherwise as
+// for measure), so that both see the same machine state: on a shared machine the speed drifts
+// between runs by more than the differences worth measuring. ratio = median over the pairs of
+// time(b) / time(a).
+struct PairTiming {
+  Timing a, b;
+  double ratio = 0;
+};
+PairTiming measure_pair(const std::function<void()>& a, const std::function<void()>& b,
+                        const TimingOptions& options = {});
+
 // ---------------------------------------------------------------------------------------------
 // Results.
 

@@ -8,7 +8,9 @@
 //    "simd_target": "AVX3", "quick": false}
 // Bandwidth-bound entries carry "gbps", compute-bound ones "gflops" (useful FLOPs); "ratio" is
 // the rate over the first baseline's (RoPE and decode: copy_bandwidth, attention: sgemm) and
-// "ratio_<name>" over the others'. Without --json: a table with the same numbers. Entries run
+// "ratio_<name>" over the others'. Attention entries with positions also carry "vs_none": their
+// time over a no-position run timed in alternation with them (median of the pairs' ratios), and
+// "none_median_s". Without --json: a table with the same numbers. Entries run
 // and print one at a time, baselines first (bench/harness.h has the list and the sizes).
 #include <CLI/CLI.hpp>
 #include <cmath>
@@ -128,6 +130,8 @@ void print_table_row(const bench::Result& r, const Context& ctx) {
     if (key == "peak_mb" || key == "inputs_outputs_mb" || key == "workspace_mb" ||
         key == "naive_scores_mb") {
       line += "  " + key.substr(0, key.size() - 3) + " " + format_fixed(value, 1) + " MiB";
+    } else if (key == "vs_none") {
+      line += (ratios.empty() ? "  " : ", ") + format_fixed(value, 3) + " x none's time";
     }
   }
   std::cout << line << std::endl;

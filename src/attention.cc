@@ -632,7 +632,7 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
     fp.deberta_dmax = dmax.data();
     pos_query = dense3(p.pos_query);
     fp.deberta_pos_query = pos_query.data();
-    if (span2 * ((d.seq_k + kPad - 1) / kPad * kPad) >= (int64_t{1} << 31)) return false;
+    if (span2 * ((d.seq_k + kPad - 1) / kPad * kPad + 16) >= (int64_t{1} << 31)) return false;
   }
 
   // Transformer-XL: the sinusoid rows R(delta) for the distances a mask can leave visible (the

@@ -189,6 +189,76 @@ TEST(FusedAttention, EveryCompiledSimdTarget) {
   kernels::set_simd_target_for_test(0);
 }
 
+// DeBERTa with spans wide enough for every fast path of the kernel: constant and linear runs of
+// the index tables (broadcasts, contiguous and reversed loads, the diagonal p2c band), the
+// log-bucket gathers, both p2c forms (the table rising or falling with the key position),
+// queries offset from the keys, windows, the per-group tables (long sequences at 1 and 2
+// threads) and the all-heads tables (3 threads), and every compiled SIMD target.
+TEST(FusedAttention, DebertaWideSpans) {
+  const std::vector<DebertaBuckets> configs = {
+      {.max_relative_positions = 256, .position_buckets = 64},
+      {.max_relative_positions = 256, .position_buckets = 64, .p2c = DebertaP2c::kModel},
+      {.max_relative_positions = 40},
+      {.max_relative_positions = 40, .p2c = DebertaP2c::kModel},
+  };
+  const std::vector<Shape> shapes = {{1, 520, 530, 2, 2, 16}, {2, 100, 300, 4, 2, 8}};
+  uint64_t seed = 500;
+  for (const auto& cfg : configs) {
+    for (const auto& s : shapes) {
+      for (bool causal : {false, true}) {
+        ++seed;
+        std::mt19937_64 rng(seed);
+        const int64_t k = cfg.span();
+        const auto pk = cases::randn_f(rng, 2 * k * s.heads_q * s.dim, 0.5);
+        const auto pq = cases::randn_f(rng, 2 * k * s.heads_q * s.dim, 0.5);
+        const DeBERTa scheme{View<const float, 3>::contiguous(pk.data(), {2 * k, s.heads_q, s.dim}),
+                             View<const float, 3>::contiguous(pq.data(), {2 * k, s.heads_q, s.dim}),
+                             cfg};
+        const auto c = make_case(s, rng);
+        SCOPED_TRACE(str(s) + (causal ? " causal" : " bidirectional") + " K " + std::to_string(k) +
+                     (cfg.p2c == DebertaP2c::kModel ? " model p2c" : " spec p2c"));
+        std::vector<float> first;
+        for (int threads : {1, 2, 3}) {
+          const AttentionOptions opt{.causal = causal, .num_threads = threads};
+          if (threads == 1) check(c, scheme, opt);
+          const auto out = run(&attention, c, scheme, opt);
+          if (first.empty()) {
+            first = out;
+          } else {
+            EXPECT_EQ(out, first) << threads << " threads";
+          }
+        }
+        if (s.batch == 2) {
+          check(c, scheme, {.causal = causal, .window = 45});
+          // Queries at the end of the keys (SPEC section 0 default positions for Lq != Lk).
+          const auto qpos = Positions::shared([&] {
+            std::vector<int64_t> ids(static_cast<size_t>(s.seq_q));
+            for (int64_t i = 0; i < s.seq_q; ++i) ids[static_cast<size_t>(i)] = 1000 + 2 * i;
+            return ids;
+          }());
+          check(c, scheme, {.causal = false}, &qpos);
+        }
+      }
+    }
+  }
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    SCOPED_TRACE(hwy::TargetName(target));
+    kernels::set_simd_target_for_test(target);
+    std::mt19937_64 rng(600);
+    const Shape s{1, 150, 200, 2, 1, 12};
+    const DebertaBuckets cfg{.max_relative_positions = 128, .position_buckets = 48};
+    const auto pk = cases::randn_f(rng, 2 * cfg.span() * s.heads_q * s.dim, 0.5);
+    const auto pq = cases::randn_f(rng, 2 * cfg.span() * s.heads_q * s.dim, 0.5);
+    const DeBERTa scheme{
+        View<const float, 3>::contiguous(pk.data(), {2 * cfg.span(), s.heads_q, s.dim}),
+        View<const float, 3>::contiguous(pq.data(), {2 * cfg.span(), s.heads_q, s.dim}), cfg};
+    const auto c = make_case(s, rng);
+    check(c, scheme, {.causal = true});
+    check(c, scheme, {.causal = false});
+  }
+  kernels::set_simd_target_for_test(0);
+}
+
 // Strided (non-contiguous) views: q as [B, H, L, D] storage, out with padding.
 TEST(FusedAttention, NonContiguousViews) {
   const Shape s{2, 9, 70, 4, 2, 16};

@@ -53,6 +53,8 @@ constexpr int64_t kTileK = 64;
 // Query rows per work item: about this many (query heads of the group x positions).
 constexpr int64_t kRowsPerItem = 128;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Runs of DeBERTa index entries (see PrepareDeberta).
+constexpr int8_t kConst = 0, kLinear = 1, kGather = 2;
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -311,8 +313,9 @@ struct RowTables {
   int64_t shaw_w = 0;
   // DeBERTa: c2p projections scale * q_r . pos_key[u, h], u < 2K, rows of deb_w floats.
   int64_t deb_w = 0;
-  // Transformer-XL: scale * (q_r + v) . r(t) for t in [xl_t0, xl_t0 + xl_w), rows of xl_w.
-  int64_t xl_t0 = 0, xl_w = 0;
+  // Transformer-XL: scale * (q_r + v) . r(t) for t in [xl_t0, xl_t0 + xl_w), rows xl_ld floats
+  // apart (off a power of two: rows 2^k floats apart would share their cache sets).
+  int64_t xl_t0 = 0, xl_w = 0, xl_ld = 0;
 };
 
 class Kernel {
@@ -375,15 +378,36 @@ class Kernel {
     if (!use_dot_ && nqb_ * splits_ >= 2 * threads) {
       // Enough work inside one (batch row, kv head): transpose its keys once into tiles shared
       // by all query blocks, then run the blocks in parallel. Memory: seq_k x head_dim floats.
+      // DeBERTa's p2c products are formed here from the same tiles, one group at a time.
       auto kt_all = hwy::AllocateAligned<float>(static_cast<size_t>(ntiles_ * dim_ * kTileK));
+      if (p_.deberta_pos_key != nullptr) AllocateP2c(group_);
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t b = g / p_.heads_kv, hk = g % p_.heads_kv;
         parallel_for(ntiles_, threads, [&](int64_t t) {
           TransposeTile(b, hk, t * kTileK, kt_all.get() + t * dim_ * kTileK);
         });
+        if (p_.deberta_pos_key != nullptr) {
+          parallel_for(group_ * ntiles_, threads, [&](int64_t w) {
+            const int64_t h = hk * group_ + w / ntiles_, t = w % ntiles_;
+            FillP2c(h, t, kt_all.get() + t * dim_ * kTileK, P2cSlot(b, h));
+          });
+          FillDiags(0, group_, threads);
+        }
         RunItems(g * nqb_, nqb_, threads, kt_all.get());
       }
     } else {
+      if (p_.deberta_pos_key != nullptr) {
+        AllocateP2c(p_.batch * p_.heads_q);
+        parallel_for(p_.batch * p_.heads_q * ntiles_, threads, [&](int64_t w) {
+          const int64_t t = w % ntiles_, bh = w / ntiles_;
+          const int64_t b = bh / p_.heads_q, h = bh % p_.heads_q;
+          Scratch& sc = Local();
+          Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
+          TransposeTile(b, h / group_, t * kTileK, sc.kt.get());
+          FillP2c(h, t, sc.kt.get(), P2cSlot(b, h));
+        });
+        FillDiags(0, p_.batch * p_.heads_q, threads);
+      }
       RunItems(0, units * nqb_, threads, nullptr);
     }
   }
@@ -474,32 +498,33 @@ class Kernel {
     }
   }
 
-  // DeBERTa: pos_key^T tiles per head (for the per-item c2p products) and the p2c values
-  // kpq[b][h][u][j] = scale * k_j . pos_query[u, h] for every key (a GEMM per (b, h)).
+  // DeBERTa, per call: pos_key^T tiles per head (for the per-item c2p products), pos_query
+  // scaled (the p2c products are formed in Run, see FillP2c), the rows of pos_query that visible
+  // distances use, and per distance whether the next `lanes` index entries are constant,
+  // linear (step +-1) or neither.
   void PrepareDeberta() {
     const int64_t span2 = 2 * p_.deberta_span;
     deb_tiles_ = (span2 + kTileK - 1) / kTileK;
     deb_rows_ = RoundUp(span2, 4);
-    seq_k_pad_ = RoundUp(p_.seq_k, kTileK);
+    // Row stride of the p2c table: off a power of two (a 2^k-float stride maps the rows a gather
+    // touches onto the same cache sets).
+    seq_k_pad_ = RoundUp(p_.seq_k, kTileK) + 16;
     pk_t_ =
         hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * deb_tiles_ * dim_ * kTileK));
     for (int64_t h = 0; h < p_.heads_q; ++h) {
       TransposeTable(p_.deberta_pos_key + h * dim_, span2, p_.heads_q * dim_, dim_, p_.scale,
                      pk_t_.get() + h * deb_tiles_ * dim_ * kTileK);
     }
-    auto pq = hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * deb_rows_ * dim_));
-    std::fill(pq.get(), pq.get() + p_.heads_q * deb_rows_ * dim_, 0.0f);
+    pq_ = hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * deb_rows_ * dim_));
+    std::fill(pq_.get(), pq_.get() + p_.heads_q * deb_rows_ * dim_, 0.0f);
     for (int64_t h = 0; h < p_.heads_q; ++h) {
       for (int64_t u = 0; u < span2; ++u) {
         for (int64_t x = 0; x < dim_; ++x) {
-          pq[static_cast<size_t>((h * deb_rows_ + u) * dim_ + x)] =
+          pq_[static_cast<size_t>((h * deb_rows_ + u) * dim_ + x)] =
               p_.deberta_pos_query[(u * p_.heads_q + h) * dim_ + x] * p_.scale;
         }
       }
     }
-    kpq_ = hwy::AllocateAligned<float>(
-        static_cast<size_t>(p_.batch * p_.heads_q * deb_rows_ * seq_k_pad_));
-    const int threads = resolve_threads(p_.num_threads);
     // Only the pos_query rows that visible distances use (about half under a causal mask).
     int64_t ulo = span2, uhi = 0;
     for (int64_t b = 0; b < p_.batch; ++b) {
@@ -514,15 +539,108 @@ class Kernel {
         uhi = std::max<int64_t>(uhi, p_.deberta_p2c[t]);
       }
     }
-    const int64_t u0 = std::min(ulo, uhi) / 4 * 4, nrows = RoundUp(uhi + 1 - u0, 4);
-    parallel_for(p_.batch * p_.heads_q * ntiles_, threads, [&](int64_t w) {
-      const int64_t t = w % ntiles_, bh = w / ntiles_;
-      const int64_t b = bh / p_.heads_q, h = bh % p_.heads_q;
-      auto kt = hwy::AllocateAligned<float>(static_cast<size_t>(dim_ * kTileK));
-      TransposeTile(b, h / group_, t * kTileK, kt.get());
-      ScoresTile(pq.get() + (h * deb_rows_ + u0) * dim_, dim_, kt.get(), nrows,
-                 kpq_.get() + (bh * deb_rows_ + u0) * seq_k_pad_ + t * kTileK, seq_k_pad_);
+    deb_u0_ = std::min(ulo, uhi) / 4 * 4;
+    deb_nrows_ = RoundUp(uhi + 1 - deb_u0_, 4);
+    // Runs of `lanes` index entries: constant, linear (one step of the table's direction per
+    // entry) or neither. Both tables are monotone in t; their direction is their sign.
+    const int64_t len = p_.deberta_len;
+    auto classify = [&](const int32_t* idx, int& sign, std::vector<int8_t>& kind) {
+      sign = idx[len - 1] >= idx[0] ? 1 : -1;
+      kind.assign(static_cast<size_t>(len), kGather);
+      for (int64_t t = 0; t + lanes_ <= len; ++t) {
+        if (idx[t] == idx[t + lanes_ - 1]) {
+          kind[static_cast<size_t>(t)] = kConst;
+          continue;
+        }
+        bool lin = true;
+        for (int64_t x = 1; x < lanes_ && lin; ++x) lin = idx[t + x] == idx[t] + sign * x;
+        if (lin) kind[static_cast<size_t>(t)] = kLinear;
+      }
+    };
+    classify(p_.deberta_c2p, c2p_sign_, c2p_kind_);
+    classify(p_.deberta_p2c, p2c_sign_, p2c_kind_);
+    // The band of p2c rows inside linear runs (|delta| <= position_buckets / 2 for log buckets):
+    // stored a second time along diagonals, so that such runs are contiguous loads.
+    band_lo_ = deb_u0_ + deb_nrows_, band_hi_ = deb_u0_ - 1;
+    for (int64_t t = 0; t + lanes_ <= len; ++t) {
+      if (p2c_kind_[static_cast<size_t>(t)] != kLinear) continue;
+      const int64_t a = p_.deberta_p2c[t], z = p_.deberta_p2c[t + lanes_ - 1];
+      band_lo_ = std::min(band_lo_, std::min(a, z));
+      band_hi_ = std::max(band_hi_, std::max(a, z));
+    }
+    band_lo_ = std::max(band_lo_, deb_u0_);
+    band_hi_ = std::min(band_hi_, deb_u0_ + deb_nrows_ - 1);
+    band_w_ = std::max<int64_t>(0, band_hi_ - band_lo_ + 1);
+    diag_stride_ = RoundUp(band_w_, 16) + 16;
+    diag_rows_ = band_w_ > 0 ? p_.seq_k + band_w_ - 1 : 0;
+  }
+
+  // DeBERTa p2c tables of `slots` (batch row, head) pairs: kpq[u - u0][j] = scale k_j .
+  // pos_query[u, h] for the used rows, and the band rows again along diagonals (Diag).
+  void AllocateP2c(int64_t slots) {
+    p2c_slots_ = slots;
+    kpq_ = hwy::AllocateAligned<float>(static_cast<size_t>(slots * deb_nrows_ * seq_k_pad_));
+    if (band_w_ > 0) {
+      diag_ = hwy::AllocateAligned<float>(static_cast<size_t>(slots * diag_rows_ * diag_stride_));
+    }
+  }
+
+  // p2c products of key tile t (transposed keys kt) for head h into table slot `slot`.
+  void FillP2c(int64_t h, int64_t t, const float* kt, int64_t slot) const {
+    ScoresTile(pq_.get() + (h * deb_rows_ + deb_u0_) * dim_, dim_, kt, deb_nrows_,
+               kpq_.get() + slot * deb_nrows_ * seq_k_pad_ + t * kTileK, seq_k_pad_);
+  }
+
+  // Rows [e0, e1) of the diagonal copy of the band, once the slot's kpq table is complete.
+  //
+  // Entry (u, j) of the band lives in row e and column w with
+  //   direction -1 (the p2c row falls as the key position rises): e = (u - lo) + j, w = hi - u;
+  //   direction +1: e = (u - lo) - j + seq_k - 1, w = u - lo,
+  // so that the keys of one query row inside a linear run, (u, j), (u + dir, j + 1), ..., are
+  // consecutive floats of row e. Along a row, w -> w + 1 moves j by +1 and u by the direction,
+  // a fixed stride through kpq, so each vector of a row is one gather with constant offsets.
+  // Entries whose key lies outside [0, seq_k) are set to 0 (only masked cells read them).
+  void FillDiag(int64_t slot, int64_t e0, int64_t e1) const {
+    const DF d;
+    const DI di;
+    const int64_t n = lanes_;
+    const float* kpq = kpq_.get() + slot * deb_nrows_ * seq_k_pad_;
+    float* diag = diag_.get() + slot * diag_rows_ * diag_stride_;
+    const int64_t step = p2c_sign_ < 0 ? 1 - seq_k_pad_ : 1 + seq_k_pad_;
+    const auto offs = hn::Mul(hn::Iota(di, 0), hn::Set(di, static_cast<int32_t>(step)));
+    for (int64_t e = e0; e < e1; ++e) {
+      // Key and row of column 0: j = w + cj, u = u_at0 + dir * w.
+      const int64_t cj = p2c_sign_ < 0 ? e - (band_hi_ - band_lo_) : p_.seq_k - 1 - e;
+      const int64_t u_at0 = p2c_sign_ < 0 ? band_hi_ : band_lo_;
+      const int64_t wa = std::clamp<int64_t>(-cj, 0, band_w_);
+      const int64_t wz = std::clamp<int64_t>(p_.seq_k - cj, wa, band_w_);
+      float* row = diag + e * diag_stride_;
+      std::fill(row, row + wa, 0.0f);
+      int64_t w = wa;
+      for (; w + n <= wz; w += n) {
+        const float* src = kpq + (u_at0 + p2c_sign_ * w - deb_u0_) * seq_k_pad_ + w + cj;
+        hn::StoreU(hn::GatherIndex(d, src, offs), d, row + w);
+      }
+      for (; w < wz; ++w) row[w] = kpq[(u_at0 + p2c_sign_ * w - deb_u0_) * seq_k_pad_ + w + cj];
+      std::fill(row + wz, row + band_w_, 0.0f);
+    }
+  }
+
+  // Diagonal copies of `slots` tables starting at slot s0, split into blocks of rows.
+  void FillDiags(int64_t s0, int64_t slots, int threads) const {
+    if (band_w_ == 0) return;
+    constexpr int64_t kRowsPerTask = 256;
+    const int64_t blocks = (diag_rows_ + kRowsPerTask - 1) / kRowsPerTask;
+    parallel_for(slots * blocks, threads, [&](int64_t w) {
+      const int64_t e0 = (w % blocks) * kRowsPerTask;
+      FillDiag(s0 + w / blocks, e0, std::min(diag_rows_, e0 + kRowsPerTask));
     });
+  }
+
+  // Table slot of (batch row b, head h): per kv-head group while Run computes one group at a
+  // time, else per (b, h).
+  int64_t P2cSlot(int64_t b, int64_t h) const {
+    return p2c_slots_ == group_ ? h % group_ : b * p_.heads_q + h;
   }
 
   // Transformer-XL: r(t) = W_r R(t) for every distance of the table (a GEMM over the sinusoid
@@ -667,14 +785,15 @@ class Kernel {
       const int64_t tile1 = std::clamp<int64_t>(t_hi / kTileK, tile0, xl_tiles_ - 1);
       rt.xl_t0 = tile0 * kTileK;
       rt.xl_w = (tile1 - tile0 + 1) * kTileK;
-      Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>((alloc_rows + 1) * rt.xl_w));
+      rt.xl_ld = rt.xl_w + 16;
+      Scratch::Ensure(sc.extra, sc.extra_n, static_cast<size_t>((alloc_rows + 1) * rt.xl_ld));
       float* g = sc.extra.get();
-      std::fill(g + it.rows * rt.xl_w, g + (alloc_rows + 1) * rt.xl_w, 0.0f);
+      std::fill(g + it.rows * rt.xl_ld, g + (alloc_rows + 1) * rt.xl_ld, 0.0f);
       for (int64_t hh = 0; hh < it.nkv * group_; ++hh) {
         const int64_t h = it.hk * group_ + hh, row0 = HeadRow(it, hh);
         for (int64_t tt = tile0; tt <= tile1; ++tt) {
           ScoresTile(qv + row0 * dim_, dim_, r_t_.get() + (h * xl_tiles_ + tt) * dim_ * kTileK, nq4,
-                     g + row0 * rt.xl_w + (tt - tile0) * kTileK, rt.xl_w);
+                     g + row0 * rt.xl_ld + (tt - tile0) * kTileK, rt.xl_ld);
         }
       }
     }
@@ -793,6 +912,67 @@ class Kernel {
     }
   }
 
+  // DeBERTa's c2p + p2c terms of keys c .. c + lanes - 1 of the tile for row r: c2p from the
+  // row's projections at c2p[t], p2c from kpq[p2c[t]][j], t = dmax - delta = deb_off + kpos.
+  // With consecutive key positions a run of index entries that is constant is a broadcast (c2p)
+  // and a contiguous load (p2c); a linear run is a contiguous load (c2p, reversed when the
+  // table falls) and, inside the band, a contiguous load along a diagonal (p2c). Gathers remain
+  // for the log-bucket stretches, where the buckets change every few positions. Indices of
+  // masked cells may leave the stored rows: they are clamped (the mask replaces those scores).
+  HWY_INLINE hn::Vec<DF> DebertaTerms(int64_t r, int64_t j0, int64_t c, bool consec,
+                                      int32_t deb_off, const int32_t* kp, const float* kpq_bh,
+                                      const float* diag_bh, hn::Vec<DI> iota, const RowTables& rt,
+                                      const Scratch& sc) const {
+    const DF d;
+    const DI di;
+    const int64_t n = lanes_;
+    const float* prow = sc.extra.get() + r * rt.deb_w;
+    const int32_t u0 = static_cast<int32_t>(deb_u0_);
+    const int32_t u1 = static_cast<int32_t>(deb_u0_ + deb_nrows_ - 1);
+    const int64_t jc = j0 + c;
+    auto gather_p2c = [&](hn::Vec<DI> u) {
+      const auto row =
+          hn::Sub(hn::Min(hn::Max(u, hn::Set(di, u0)), hn::Set(di, u1)), hn::Set(di, u0));
+      const auto j = hn::Min(hn::Add(iota, hn::Set(di, static_cast<int32_t>(jc))),
+                             hn::Set(di, static_cast<int32_t>(p_.seq_k - 1)));
+      return hn::GatherIndex(
+          d, kpq_bh, hn::Add(hn::Mul(row, hn::Set(di, static_cast<int32_t>(seq_k_pad_))), j));
+    };
+    if (!consec) {
+      const auto tv = hn::Add(hn::Load(di, kp + c), hn::Set(di, deb_off));
+      const auto c2 = hn::GatherIndex(d, prow, hn::GatherIndex(di, p_.deberta_c2p, tv));
+      return hn::Add(c2, gather_p2c(hn::GatherIndex(di, p_.deberta_p2c, tv)));
+    }
+    const int64_t t0 = int64_t{deb_off} + kp[0] + c;
+    const int32_t* c2p = p_.deberta_c2p + t0;
+    const int32_t* p2c = p_.deberta_p2c + t0;
+    hn::Vec<DF> c2;
+    switch (c2p_kind_[static_cast<size_t>(t0)]) {
+      case kConst:
+        c2 = hn::Set(d, prow[c2p[0]]);
+        break;
+      case kLinear:
+        c2 = c2p_sign_ > 0 ? hn::LoadU(d, prow + c2p[0])
+                           : hn::Reverse(d, hn::LoadU(d, prow + c2p[n - 1]));
+        break;
+      default:
+        c2 = hn::GatherIndex(d, prow, hn::LoadU(di, c2p));
+    }
+    const int64_t ua = p2c[0], uz = p2c[n - 1];
+    const int8_t kind = p2c_kind_[static_cast<size_t>(t0)];
+    hn::Vec<DF> p2;
+    if (kind == kConst) {
+      p2 = hn::LoadU(d, kpq_bh + (std::clamp<int64_t>(ua, u0, u1) - u0) * seq_k_pad_ + jc);
+    } else if (kind == kLinear && std::min(ua, uz) >= band_lo_ && std::max(ua, uz) <= band_hi_) {
+      const int64_t e = p2c_sign_ < 0 ? ua - band_lo_ + jc : ua - band_lo_ - jc + p_.seq_k - 1;
+      const int64_t w = p2c_sign_ < 0 ? band_hi_ - ua : ua - band_lo_;
+      p2 = hn::LoadU(d, diag_bh + e * diag_stride_ + w);
+    } else {
+      p2 = gather_p2c(hn::LoadU(di, p2c));
+    }
+    return hn::Add(c2, p2);
+  }
+
   // Adds the scheme's terms to row r of the score tile, masks it, and folds it into the
   // running softmax: afterwards S[r][:] holds the probabilities (unnormalized, relative to the
   // new running maximum) and O[r], l[r] are rescaled.
@@ -813,14 +993,35 @@ class Kernel {
       bias_off = p_.bias_dmax[it.b] - qp;
     }
     int32_t deb_off = 0;
-    const float* kpq_bh = nullptr;
+    const float* kpq_bh = nullptr;  // row u0 of the (b, h) p2c table
+    const float* diag_bh = nullptr;
+    const float* deb_p2 = nullptr;  // set when the tile's terms are constant (deb_c2 + row)
+    float deb_c2 = 0.0f;
     if (p_.deberta_pos_key != nullptr) {
       deb_off = static_cast<int32_t>(p_.deberta_dmax[it.b] - qp);
-      kpq_bh = kpq_.get() + (it.b * p_.heads_q + h) * deb_rows_ * seq_k_pad_;
+      const int64_t slot = P2cSlot(it.b, h);
+      kpq_bh = kpq_.get() + slot * deb_nrows_ * seq_k_pad_;
+      if (band_w_ > 0) diag_bh = diag_.get() + slot * diag_rows_ * diag_stride_;
+      if (consec) {
+        // Both index tables constant over the whole tile (monotone: compare the ends), as for
+        // every distance past the buckets: a scalar c2p term and one p2c row for the tile.
+        const int64_t ta = int64_t{deb_off} + kp[0], tz = ta + kTileK - 1;
+        const int32_t* c2p = p_.deberta_c2p;
+        const int32_t* p2c = p_.deberta_p2c;
+        if (c2p[ta] == c2p[tz] && p2c[ta] == p2c[tz]) {
+          deb_c2 = sc.extra.get()[r * rt.deb_w + c2p[ta]];
+          deb_p2 = kpq_bh +
+                   (std::clamp<int64_t>(p2c[ta], deb_u0_, deb_u0_ + deb_nrows_ - 1) - deb_u0_) *
+                       seq_k_pad_ +
+                   j0;
+        }
+      }
     }
     auto vmax = hn::Set(d, kNegInf);
     auto nan = hn::Zero(d);
     const auto vq = hn::Set(di, qp);
+    // Lane offsets 0..n-1, built once per row (Iota may go through memory).
+    const auto lane_iota = hn::Iota(di, 0);
     for (int64_t c = 0; c < kTileK; c += n) {
       auto sv = hn::Mul(hn::Load(d, s + c), vscale);
       if (bias != nullptr) {
@@ -833,7 +1034,7 @@ class Kernel {
       }
       if (p_.xl_sin != nullptr) {
         // XL: scale * (q + v) . r(delta) from the item's band, (q + u) . k is already in sv.
-        const float* g = sc.extra.get() + r * rt.xl_w;
+        const float* g = sc.extra.get() + r * rt.xl_ld;
         const int64_t first = p_.xl_dmax - qp + kp[c] - rt.xl_t0;
         if (consec && first >= 0 && first + n <= rt.xl_w) {
           sv = hn::Add(sv, hn::LoadU(d, g + first));
@@ -867,33 +1068,11 @@ class Kernel {
           sv = hn::Add(sv, hn::Load(d, extra));
         }
       }
-      if (p_.deberta_pos_key != nullptr) {
-        // c2p: the row's projection at c2p[t]; p2c: kpq[b, h, p2c[t], j]; t = dmax - delta.
-        // Both index tables are monotone in t, so with consecutive key positions a vector whose
-        // end indices agree uses a single row: a broadcast (c2p) and a contiguous load (p2c).
-        // Gathers remain for the band of distances where the buckets still change.
-        const float* prow = sc.extra.get() + r * rt.deb_w;
-        const auto jv = hn::Min(hn::Iota(di, static_cast<int32_t>(j0 + c)),
-                                hn::Set(di, static_cast<int32_t>(p_.seq_k - 1)));
-        const auto lkp = hn::Set(di, static_cast<int32_t>(seq_k_pad_));
-        if (consec) {
-          const int64_t t0 = int64_t{deb_off} + kp[0] + c;
-          const int32_t* c2p = p_.deberta_c2p + t0;
-          const int32_t* p2c = p_.deberta_p2c + t0;
-          const auto c2 = c2p[0] == c2p[n - 1] ? hn::Set(d, prow[c2p[0]])
-                                               : hn::GatherIndex(d, prow, hn::LoadU(di, c2p));
-          const auto p2 =
-              p2c[0] == p2c[n - 1]
-                  ? hn::LoadU(d, kpq_bh + int64_t{p2c[0]} * seq_k_pad_ + j0 + c)
-                  : hn::GatherIndex(d, kpq_bh, hn::Add(hn::Mul(hn::LoadU(di, p2c), lkp), jv));
-          sv = hn::Add(sv, hn::Add(c2, p2));
-        } else {
-          const auto tv = hn::Add(hn::Load(di, kp + c), hn::Set(di, deb_off));
-          const auto u1 = hn::GatherIndex(di, p_.deberta_c2p, tv);
-          const auto u2 = hn::GatherIndex(di, p_.deberta_p2c, tv);
-          sv = hn::Add(sv, hn::Add(hn::GatherIndex(d, prow, u1),
-                                   hn::GatherIndex(d, kpq_bh, hn::Add(hn::Mul(u2, lkp), jv))));
-        }
+      if (deb_p2 != nullptr) {
+        sv = hn::Add(sv, hn::Add(hn::Set(d, deb_c2), hn::LoadU(d, deb_p2 + c)));
+      } else if (p_.deberta_pos_key != nullptr) {
+        sv = hn::Add(
+            sv, DebertaTerms(r, j0, c, consec, deb_off, kp, kpq_bh, diag_bh, lane_iota, rt, sc));
       }
       // Visible scores must be finite: NaN or an overflow to +-inf would otherwise turn into a
       // silent 0 (exp of NaN is 0 here) instead of an error.
@@ -924,7 +1103,7 @@ class Kernel {
       std::fill(s, s + kTileK, 0.0f);
       return;
     }
-    const float corr = std::exp(m - m_new);  // 0 when m was -inf
+    const float corr = m == m_new ? 1.0f : std::exp(m - m_new);  // 0 when m was -inf
     const auto vm = hn::Set(d, m_new);
     auto vsum = hn::Zero(d);
     for (int64_t c = 0; c < kTileK; c += n) {
@@ -1004,7 +1183,12 @@ class Kernel {
   std::vector<Scratch> scratch_;
   // DeBERTa and XL tables (see PrepareDeberta / PrepareXl).
   int64_t deb_tiles_ = 0, deb_rows_ = 0, seq_k_pad_ = 0, xl_tiles_ = 0;
-  hwy::AlignedFreeUniquePtr<float[]> pk_t_, kpq_, r_t_;
+  int64_t deb_u0_ = 0, deb_nrows_ = 0;  // stored p2c rows [u0, u0 + nrows)
+  int64_t band_lo_ = 0, band_hi_ = -1, band_w_ = 0, diag_stride_ = 0, diag_rows_ = 0;
+  int64_t p2c_slots_ = 0;
+  int c2p_sign_ = 1, p2c_sign_ = 1;
+  std::vector<int8_t> c2p_kind_, p2c_kind_;
+  hwy::AlignedFreeUniquePtr<float[]> pk_t_, pq_, kpq_, diag_, r_t_;
   std::vector<int32_t> tile_min_, tile_max_;
   std::vector<uint8_t> tile_consec_;
 };
