@@ -259,6 +259,30 @@ TEST(FusedAttention, DebertaWideSpans) {
   kernels::set_simd_target_for_test(0);
 }
 
+// Transformer-XL with a model dimension over the kernel's chunk of 128 (the projection of the
+// sinusoid accumulates over chunks) and head dims that are and are not multiples of 4.
+TEST(FusedAttention, XlWideModelDimension) {
+  uint64_t seed = 700;
+  for (const int64_t dim : {12, 10}) {
+    for (const int64_t d_model : {300, 256}) {
+      for (bool causal : {false, true}) {
+        std::mt19937_64 rng(++seed);
+        const Shape s{1, 40, 90, 3, 3, dim};
+        const auto uv = cases::randn_f(rng, 2 * s.heads_q * dim, 0.5);
+        const auto w = cases::randn_f(rng, s.heads_q * dim * d_model, 0.1);
+        const TransformerXL scheme{
+            View<const float, 2>::contiguous(uv.data(), {s.heads_q, dim}),
+            View<const float, 2>::contiguous(uv.data() + s.heads_q * dim, {s.heads_q, dim}),
+            View<const float, 2>::contiguous(w.data(), {s.heads_q * dim, d_model})};
+        const auto c = make_case(s, rng);
+        SCOPED_TRACE("D " + std::to_string(dim) + " d_model " + std::to_string(d_model) +
+                     (causal ? " causal" : ""));
+        check(c, scheme, {.causal = causal});
+      }
+    }
+  }
+}
+
 // Strided (non-contiguous) views: q as [B, H, L, D] storage, out with padding.
 TEST(FusedAttention, NonContiguousViews) {
   const Shape s{2, 9, 70, 4, 2, 16};

@@ -85,29 +85,45 @@ struct Item {
   int64_t rows_pad = 0;  // = rows = nkv * gstride (a multiple of 4)
 };
 
-// S[r][c] = sum_d Qp[r][d] * Kt[d][c] for r < rows_pad (multiple of 4), c < kTileK.
+// S[r][c] = sum_{k < dim} Qp[r][k] * Kt[k][c] for r < rows_pad (multiple of 4), c < kTileK; Qp
+// rows qs floats apart (0: dim), S rows ss apart; accumulate: S += instead of S =.
 HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const float* HWY_RESTRICT kt,
-                           int64_t rows_pad, float* HWY_RESTRICT s, int64_t ss = kTileK) {
+                           int64_t rows_pad, float* HWY_RESTRICT s, int64_t ss = kTileK,
+                           int64_t qs = 0, bool accumulate = false) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  if (qs == 0) qs = dim;
   // Column chunk: 4 vectors when registers allow (AVX-512: 32 registers), else 2.
   const int64_t cv = HWY_MAX_BYTES >= 64 ? 4 : 2;
   const int64_t chunk = cv * n;
   for (int64_t r = 0; r < rows_pad; r += 4) {
-    const float* q0 = qp + r * dim;
+    const float* q0 = qp + r * qs;
     for (int64_t c0 = 0; c0 < kTileK; c0 += chunk) {
       const int64_t nv = std::min<int64_t>(cv, (kTileK - c0) / n);
       auto a00 = hn::Zero(d), a01 = hn::Zero(d), a02 = hn::Zero(d), a03 = hn::Zero(d);
       auto a10 = hn::Zero(d), a11 = hn::Zero(d), a12 = hn::Zero(d), a13 = hn::Zero(d);
       auto a20 = hn::Zero(d), a21 = hn::Zero(d), a22 = hn::Zero(d), a23 = hn::Zero(d);
       auto a30 = hn::Zero(d), a31 = hn::Zero(d), a32 = hn::Zero(d), a33 = hn::Zero(d);
+      float* s0 = s + r * ss + c0;
+      if (accumulate) {
+        a00 = hn::LoadU(d, s0), a10 = hn::LoadU(d, s0 + ss);
+        a20 = hn::LoadU(d, s0 + 2 * ss), a30 = hn::LoadU(d, s0 + 3 * ss);
+        a01 = hn::LoadU(d, s0 + n), a11 = hn::LoadU(d, s0 + ss + n);
+        a21 = hn::LoadU(d, s0 + 2 * ss + n), a31 = hn::LoadU(d, s0 + 3 * ss + n);
+        if (nv == 4) {
+          a02 = hn::LoadU(d, s0 + 2 * n), a12 = hn::LoadU(d, s0 + ss + 2 * n);
+          a22 = hn::LoadU(d, s0 + 2 * ss + 2 * n), a32 = hn::LoadU(d, s0 + 3 * ss + 2 * n);
+          a03 = hn::LoadU(d, s0 + 3 * n), a13 = hn::LoadU(d, s0 + ss + 3 * n);
+          a23 = hn::LoadU(d, s0 + 2 * ss + 3 * n), a33 = hn::LoadU(d, s0 + 3 * ss + 3 * n);
+        }
+      }
       if (nv == 4) {
         for (int64_t k = 0; k < dim; ++k) {
           const float* kr = kt + k * kTileK + c0;
           const auto k0 = hn::Load(d, kr), k1 = hn::Load(d, kr + n), k2 = hn::Load(d, kr + 2 * n),
                      k3 = hn::Load(d, kr + 3 * n);
-          const auto b0 = hn::Set(d, q0[k]), b1 = hn::Set(d, q0[dim + k]),
-                     b2 = hn::Set(d, q0[2 * dim + k]), b3 = hn::Set(d, q0[3 * dim + k]);
+          const auto b0 = hn::Set(d, q0[k]), b1 = hn::Set(d, q0[qs + k]),
+                     b2 = hn::Set(d, q0[2 * qs + k]), b3 = hn::Set(d, q0[3 * qs + k]);
           a00 = hn::MulAdd(b0, k0, a00), a01 = hn::MulAdd(b0, k1, a01);
           a02 = hn::MulAdd(b0, k2, a02), a03 = hn::MulAdd(b0, k3, a03);
           a10 = hn::MulAdd(b1, k0, a10), a11 = hn::MulAdd(b1, k1, a11);
@@ -117,7 +133,6 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
           a30 = hn::MulAdd(b3, k0, a30), a31 = hn::MulAdd(b3, k1, a31);
           a32 = hn::MulAdd(b3, k2, a32), a33 = hn::MulAdd(b3, k3, a33);
         }
-        float* s0 = s + r * ss + c0;
         hn::StoreU(a00, d, s0), hn::StoreU(a01, d, s0 + n), hn::StoreU(a02, d, s0 + 2 * n);
         hn::StoreU(a03, d, s0 + 3 * n);
         hn::StoreU(a10, d, s0 + ss), hn::StoreU(a11, d, s0 + ss + n);
@@ -130,14 +145,13 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
         for (int64_t k = 0; k < dim; ++k) {
           const float* kr = kt + k * kTileK + c0;
           const auto k0 = hn::Load(d, kr), k1 = hn::Load(d, kr + n);
-          const auto b0 = hn::Set(d, q0[k]), b1 = hn::Set(d, q0[dim + k]),
-                     b2 = hn::Set(d, q0[2 * dim + k]), b3 = hn::Set(d, q0[3 * dim + k]);
+          const auto b0 = hn::Set(d, q0[k]), b1 = hn::Set(d, q0[qs + k]),
+                     b2 = hn::Set(d, q0[2 * qs + k]), b3 = hn::Set(d, q0[3 * qs + k]);
           a00 = hn::MulAdd(b0, k0, a00), a01 = hn::MulAdd(b0, k1, a01);
           a10 = hn::MulAdd(b1, k0, a10), a11 = hn::MulAdd(b1, k1, a11);
           a20 = hn::MulAdd(b2, k0, a20), a21 = hn::MulAdd(b2, k1, a21);
           a30 = hn::MulAdd(b3, k0, a30), a31 = hn::MulAdd(b3, k1, a31);
         }
-        float* s0 = s + r * ss + c0;
         hn::StoreU(a00, d, s0), hn::StoreU(a01, d, s0 + n);
         hn::StoreU(a10, d, s0 + ss), hn::StoreU(a11, d, s0 + ss + n);
         hn::StoreU(a20, d, s0 + 2 * ss), hn::StoreU(a21, d, s0 + 2 * ss + n);
@@ -643,33 +657,49 @@ class Kernel {
     return p2c_slots_ == group_ ? h % group_ : b * p_.heads_q + h;
   }
 
-  // Transformer-XL: r(t) = W_r R(t) for every distance of the table (a GEMM over the sinusoid
-  // rows), then r(t)^T tiles per head, scaled.
+  // Transformer-XL: the tiles r(t)^T per head, scaled, that the per-item products read:
+  //   r_t[h][t / kTileK][x][t % kTileK] = scale * (W_r R(t))[h * head_dim + x].
+  // Computed as W_r (rows: features) times the transposed sinusoid tiles, so each product
+  // writes its tile in place; the model dimension is split into chunks whose sinusoid block
+  // stays in L1 while every feature row of the head passes over it.
   void PrepareXl() {
-    const int64_t dm = p_.xl_dmodel, feats = p_.heads_q * dim_;
-    const int64_t rows = RoundUp(p_.xl_len, 4);
-    const int64_t ftiles = (feats + kTileK - 1) / kTileK, fpad = ftiles * kTileK;
-    auto sin_rows = hwy::AllocateAligned<float>(static_cast<size_t>(rows * dm));
-    std::fill(sin_rows.get(), sin_rows.get() + rows * dm, 0.0f);
-    std::memcpy(sin_rows.get(), p_.xl_sin, static_cast<size_t>(p_.xl_len * dm) * sizeof(float));
-    auto w_t = hwy::AllocateAligned<float>(static_cast<size_t>(ftiles * dm * kTileK));
-    TransposeTable(p_.xl_rnet, feats, dm, dm, 1.0f, w_t.get());
-    auto r = hwy::AllocateAligned<float>(static_cast<size_t>(rows * fpad));
+    const int64_t dm = p_.xl_dmodel;
     const int threads = resolve_threads(p_.num_threads);
-    const int64_t row_blocks = rows / 4;
-    parallel_for(ftiles * ((row_blocks + 15) / 16), threads, [&](int64_t w) {
-      const int64_t ft = w % ftiles, rb = w / ftiles;
-      const int64_t r0 = rb * 64, nr = std::min<int64_t>(64, rows - r0);
-      ScoresTile(sin_rows.get() + r0 * dm, dm, w_t.get() + ft * dm * kTileK, nr,
-                 r.get() + r0 * fpad + ft * kTileK, fpad);
-    });
     xl_tiles_ = (p_.xl_len + kTileK - 1) / kTileK;
-    r_t_ = hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * xl_tiles_ * dim_ * kTileK));
-    parallel_for(p_.heads_q, threads, [&](int64_t h) {
-      TransposeTable(r.get() + h * dim_, p_.xl_len, fpad, dim_, p_.scale,
-                     r_t_.get() + h * xl_tiles_ * dim_ * kTileK);
+    dim4_ = RoundUp(dim_, 4);
+    auto sin_t = hwy::AllocateAligned<float>(static_cast<size_t>(xl_tiles_ * dm * kTileK));
+    parallel_for(xl_tiles_, threads, [&](int64_t tt) {
+      const int64_t t0 = tt * kTileK, nt = std::min(kTileK, p_.xl_len - t0);
+      TransposeTable(p_.xl_sin + t0 * dm, nt, dm, dm, p_.scale, sin_t.get() + tt * dm * kTileK);
+    });
+    // W_r rows per head, padded to a multiple of 4 rows when head_dim is not.
+    const float* w = p_.xl_rnet;
+    int64_t w_head = dim_ * dm;
+    hwy::AlignedFreeUniquePtr<float[]> w_pad;
+    if (dim4_ != dim_) {
+      w_pad = hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * dim4_ * dm));
+      std::fill(w_pad.get(), w_pad.get() + p_.heads_q * dim4_ * dm, 0.0f);
+      for (int64_t h = 0; h < p_.heads_q; ++h) {
+        std::memcpy(w_pad.get() + h * dim4_ * dm, w + h * dim_ * dm,
+                    static_cast<size_t>(dim_ * dm) * sizeof(float));
+      }
+      w = w_pad.get();
+      w_head = dim4_ * dm;
+    }
+    r_t_ = hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * xl_tiles_ * XlBlock()));
+    constexpr int64_t kChunk = 128;  // model dimensions per pass: 128 x kTileK floats = 32 KiB
+    parallel_for(p_.heads_q * xl_tiles_, threads, [&](int64_t task) {
+      const int64_t h = task / xl_tiles_, tt = task % xl_tiles_;
+      float* out = r_t_.get() + task * XlBlock();
+      for (int64_t k0 = 0; k0 < dm; k0 += kChunk) {
+        ScoresTile(w + h * w_head + k0, std::min(kChunk, dm - k0),
+                   sin_t.get() + (tt * dm + k0) * kTileK, dim4_, out, kTileK, dm, k0 > 0);
+      }
     });
   }
+
+  // Floats per (head, distance tile) block of r_t_: head_dim rows (padded to 4) of kTileK.
+  int64_t XlBlock() const { return dim4_ * kTileK; }
 
  private:
   Scratch& Local() { return scratch_[static_cast<size_t>(thread_index()) % scratch_.size()]; }
@@ -792,7 +822,7 @@ class Kernel {
       for (int64_t hh = 0; hh < it.nkv * group_; ++hh) {
         const int64_t h = it.hk * group_ + hh, row0 = HeadRow(it, hh);
         for (int64_t tt = tile0; tt <= tile1; ++tt) {
-          ScoresTile(qv + row0 * dim_, dim_, r_t_.get() + (h * xl_tiles_ + tt) * dim_ * kTileK, nq4,
+          ScoresTile(qv + row0 * dim_, dim_, r_t_.get() + (h * xl_tiles_ + tt) * XlBlock(), nq4,
                      g + row0 * rt.xl_ld + (tt - tile0) * kTileK, rt.xl_ld);
         }
       }
@@ -1182,7 +1212,7 @@ class Kernel {
   bool use_dot_ = false, wide_ = false;
   std::vector<Scratch> scratch_;
   // DeBERTa and XL tables (see PrepareDeberta / PrepareXl).
-  int64_t deb_tiles_ = 0, deb_rows_ = 0, seq_k_pad_ = 0, xl_tiles_ = 0;
+  int64_t deb_tiles_ = 0, deb_rows_ = 0, seq_k_pad_ = 0, xl_tiles_ = 0, dim4_ = 0;
   int64_t deb_u0_ = 0, deb_nrows_ = 0;  // stored p2c rows [u0, u0 + nrows)
   int64_t band_lo_ = 0, band_hi_ = -1, band_w_ = 0, diag_stride_ = 0, diag_rows_ = 0;
   int64_t p2c_slots_ = 0;
