@@ -147,9 +147,9 @@ TEST(FusedAttention, DecodeSplitPath) {
   const Shape s{1, 1, 5000, 8, 2, 32};
   std::mt19937_64 rng(9);
   const auto c = make_case(s, rng);
-  for (const auto& name : {"none", "alibi", "t5"}) {
+  for (const auto& name : cases::kSchemes) {
     SCOPED_TRACE(name);
-    const auto box = cases::make_scheme(name, s.heads_q, s.dim, rng);
+    const auto box = cases::make_scheme(name, s.heads_q, s.dim, rng, 3);
     check(c, box->scheme, {.causal = true});
     check(c, box->scheme, {.causal = false});
   }

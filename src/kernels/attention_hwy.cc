@@ -401,6 +401,7 @@ class Kernel {
           TransposeTile(b, hk, t * kTileK, kt_all.get() + t * dim_ * kTileK);
         });
         if (p_.deberta_pos_key != nullptr) {
+          slot_base_ = g * group_;  // = b * heads_q + hk * group
           parallel_for(group_ * ntiles_, threads, [&](int64_t w) {
             const int64_t h = hk * group_ + w / ntiles_, t = w % ntiles_;
             FillP2c(h, t, kt_all.get() + t * dim_ * kTileK, P2cSlot(b, h));
@@ -409,19 +410,30 @@ class Kernel {
         }
         RunItems(g * nqb_, nqb_, threads, kt_all.get());
       }
-    } else {
-      if (p_.deberta_pos_key != nullptr) {
-        AllocateP2c(p_.batch * p_.heads_q);
-        parallel_for(p_.batch * p_.heads_q * ntiles_, threads, [&](int64_t w) {
-          const int64_t t = w % ntiles_, bh = w / ntiles_;
+    } else if (p_.deberta_pos_key != nullptr) {
+      // DeBERTa with few query blocks per group: the p2c tables of a wave of work units (enough
+      // items to keep every thread busy), then the wave's items; the tables' memory is bounded
+      // by the thread count, not by batch x heads.
+      const int64_t unit_heads = (wide_ ? p_.heads_kv : 1) * group_;
+      const int64_t per_unit = nqb_ * splits_;
+      const int64_t wave =
+          std::min(units, std::max<int64_t>(1, (4 * threads + per_unit - 1) / per_unit));
+      AllocateP2c(wave * unit_heads);
+      for (int64_t u = 0; u < units; u += wave) {
+        const int64_t nu = std::min(wave, units - u);
+        slot_base_ = u * unit_heads;  // heads b * heads_q + h in unit order
+        parallel_for(nu * unit_heads * ntiles_, threads, [&](int64_t w) {
+          const int64_t t = w % ntiles_, bh = slot_base_ + w / ntiles_;
           const int64_t b = bh / p_.heads_q, h = bh % p_.heads_q;
           Scratch& sc = Local();
           Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
           TransposeTile(b, h / group_, t * kTileK, sc.kt.get());
           FillP2c(h, t, sc.kt.get(), P2cSlot(b, h));
         });
-        FillDiags(0, p_.batch * p_.heads_q, threads);
+        FillDiags(0, nu * unit_heads, threads);
+        RunItems(u * nqb_, nu * nqb_, threads, nullptr);
       }
+    } else {
       RunItems(0, units * nqb_, threads, nullptr);
     }
   }
@@ -443,6 +455,9 @@ class Kernel {
     std::vector<float> part_o(static_cast<size_t>(count * splits * rows_max * dpad_));
     std::vector<float> part_m(static_cast<size_t>(count * splits * rows_max));
     std::vector<float> part_l(part_m.size());
+    // Shaw's value term: the per-bucket weights are partial sums too.
+    const int64_t nw = p_.shaw_rel_v != nullptr ? 2 * p_.shaw_k + 1 : 0;
+    std::vector<float> part_w(part_m.size() * static_cast<size_t>(nw));
     parallel_for(count * splits, threads, [&](int64_t ws) {
       const int64_t w = ws / splits, sp = ws % splits;
       Scratch& sc = Local();
@@ -456,12 +471,17 @@ class Kernel {
         part_l[base + static_cast<size_t>(r)] = sc.l[static_cast<size_t>(r)];
         std::memcpy(&part_o[(base + static_cast<size_t>(r)) * static_cast<size_t>(dpad_)],
                     sc.o.get() + r * dpad_, static_cast<size_t>(dpad_) * sizeof(float));
+        if (nw > 0) {
+          std::memcpy(&part_w[(base + static_cast<size_t>(r)) * static_cast<size_t>(nw)],
+                      sc.wsum.data() + r * nw, static_cast<size_t>(nw) * sizeof(float));
+        }
       }
     });
     parallel_for(count, threads, [&](int64_t w) {
       Scratch& sc = Local();
       const Item it = MakeItem(w0 + w);
       InitAccumulators(it, sc);
+      sc.wsum.assign(static_cast<size_t>(it.rows * nw), 0.0f);
       for (int64_t r = 0; r < it.rows; ++r) {
         if (!Valid(it, r)) continue;
         float mx = kNegInf;
@@ -479,6 +499,8 @@ class Kernel {
           l += part_l[at] * f;
           const float* po = &part_o[at * static_cast<size_t>(dpad_)];
           for (int64_t x = 0; x < dpad_; ++x) o[x] += po[x] * f;
+          const float* pw = part_w.data() + at * static_cast<size_t>(nw);
+          for (int64_t u = 0; u < nw; ++u) sc.wsum[static_cast<size_t>(r * nw + u)] += pw[u] * f;
         }
         sc.l[static_cast<size_t>(r)] = l;
       }
@@ -651,11 +673,9 @@ class Kernel {
     });
   }
 
-  // Table slot of (batch row b, head h): per kv-head group while Run computes one group at a
-  // time, else per (b, h).
-  int64_t P2cSlot(int64_t b, int64_t h) const {
-    return p2c_slots_ == group_ ? h % group_ : b * p_.heads_q + h;
-  }
+  // Table slot of (batch row b, head h): the tables hold the heads b * heads_q + h in
+  // [slot_base_, slot_base_ + p2c_slots_) (one group, or one wave of work units, at a time).
+  int64_t P2cSlot(int64_t b, int64_t h) const { return b * p_.heads_q + h - slot_base_; }
 
   // Transformer-XL: the tiles r(t)^T per head, scaled, that the per-item products read:
   //   r_t[h][t / kTileK][x][t % kTileK] = scale * (W_r R(t))[h * head_dim + x].
@@ -1215,7 +1235,7 @@ class Kernel {
   int64_t deb_tiles_ = 0, deb_rows_ = 0, seq_k_pad_ = 0, xl_tiles_ = 0, dim4_ = 0;
   int64_t deb_u0_ = 0, deb_nrows_ = 0;  // stored p2c rows [u0, u0 + nrows)
   int64_t band_lo_ = 0, band_hi_ = -1, band_w_ = 0, diag_stride_ = 0, diag_rows_ = 0;
-  int64_t p2c_slots_ = 0;
+  int64_t p2c_slots_ = 0, slot_base_ = 0;  // tables held: heads [base, base + slots)
   int c2p_sign_ = 1, p2c_sign_ = 1;
   std::vector<int8_t> c2p_kind_, p2c_kind_;
   hwy::AlignedFreeUniquePtr<float[]> pk_t_, pq_, kpq_, diag_, r_t_;
