@@ -158,16 +158,18 @@ TEST(FusedAttention, DecodeSplitPath) {
 // Bit-identical for 1, 2 and 3 threads, on the prefill and the split path.
 TEST(FusedAttention, ThreadCountDoesNotChangeResults) {
   for (const Shape s : {Shape{2, 70, 90, 4, 2, 16}, Shape{1, 1, 4200, 4, 1, 16}}) {
-    std::mt19937_64 rng(11);
-    const auto c = make_case(s, rng);
-    const auto box = cases::make_scheme("t5", s.heads_q, s.dim, rng);
-    std::vector<float> first;
-    for (int threads : {1, 2, 3}) {
-      const auto out = run(&attention, c, box->scheme, {.causal = true, .num_threads = threads});
-      if (first.empty()) {
-        first = out;
-      } else {
-        EXPECT_EQ(out, first) << threads << " threads, " << str(s);
+    for (const auto& name : cases::kSchemes) {
+      std::mt19937_64 rng(11);
+      const auto c = make_case(s, rng);
+      const auto box = cases::make_scheme(name, s.heads_q, s.dim, rng, 3);
+      std::vector<float> first;
+      for (int threads : {1, 2, 3}) {
+        const auto out = run(&attention, c, box->scheme, {.causal = true, .num_threads = threads});
+        if (first.empty()) {
+          first = out;
+        } else {
+          EXPECT_EQ(out, first) << name << ", " << threads << " threads, " << str(s);
+        }
       }
     }
   }
