@@ -397,17 +397,16 @@ class Kernel {
       if (p_.deberta_pos_key != nullptr) AllocateP2c(group_);
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t b = g / p_.heads_kv, hk = g % p_.heads_kv;
+        const bool deberta = p_.deberta_pos_key != nullptr;
+        if (deberta) slot_base_ = g * group_;  // = b * heads_q + hk * group
         parallel_for(ntiles_, threads, [&](int64_t t) {
-          TransposeTile(b, hk, t * kTileK, kt_all.get() + t * dim_ * kTileK);
+          float* kt = kt_all.get() + t * dim_ * kTileK;
+          TransposeTile(b, hk, t * kTileK, kt);
+          for (int64_t h = hk * group_; deberta && h < (hk + 1) * group_; ++h) {
+            FillP2c(h, t, kt, P2cSlot(b, h));
+          }
         });
-        if (p_.deberta_pos_key != nullptr) {
-          slot_base_ = g * group_;  // = b * heads_q + hk * group
-          parallel_for(group_ * ntiles_, threads, [&](int64_t w) {
-            const int64_t h = hk * group_ + w / ntiles_, t = w % ntiles_;
-            FillP2c(h, t, kt_all.get() + t * dim_ * kTileK, P2cSlot(b, h));
-          });
-          FillDiags(0, group_, threads);
-        }
+        if (deberta) FillDiags(0, group_, threads);
         RunItems(g * nqb_, nqb_, threads, kt_all.get());
       }
     } else if (p_.deberta_pos_key != nullptr) {
@@ -1005,8 +1004,17 @@ class Kernel {
         c2 = c2p_sign_ > 0 ? hn::LoadU(d, prow + c2p[0])
                            : hn::Reverse(d, hn::LoadU(d, prow + c2p[n - 1]));
         break;
-      default:
-        c2 = hn::GatherIndex(d, prow, hn::LoadU(di, c2p));
+      default: {
+        // Log buckets: the run's rows lie within one vector's reach of its lowest (monotone
+        // table): one load and a lane permutation instead of a gather.
+        const int32_t lo = std::min(c2p[0], c2p[n - 1]), hi = std::max(c2p[0], c2p[n - 1]);
+        if (hi - lo < n) {
+          const auto lanes = hn::Sub(hn::LoadU(di, c2p), hn::Set(di, lo));
+          c2 = hn::TableLookupLanes(hn::LoadU(d, prow + lo), hn::IndicesFromVec(d, lanes));
+        } else {
+          c2 = hn::GatherIndex(d, prow, hn::LoadU(di, c2p));
+        }
+      }
     }
     const int64_t ua = p2c[0], uz = p2c[n - 1];
     const int8_t kind = p2c_kind_[static_cast<size_t>(t0)];
