@@ -37,6 +37,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
 #include "hwy/aligned_allocator.h"
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -199,10 +200,24 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const float
 // Decoding, all kv heads at once: S[g gstride + r][c] = q_{g, r} . k_{c, g} with the key loop
 // outside the head loop, so that each key's heads (adjacent in a [seq, heads, dim] layout) are
 // read as one contiguous run. gstride is a multiple of 4; columns >= nk get 0.
+// Prefetches the rows of key c + kAhead (all nkv heads) when it is among the `avail` keys from
+// `base`: each key's heads are one page-sized run, which the hardware prefetcher, confined to a
+// page, would otherwise only pick up after its first misses.
+constexpr int64_t kAhead = 4;
+HWY_INLINE void PrefetchKey(const float* base, int64_t c, int64_t avail, int64_t stride,
+                            int64_t hstride, int64_t nkv, int64_t dim) {
+  if (c + kAhead >= avail) return;
+  const float* row = base + (c + kAhead) * stride;
+  for (int64_t g = 0; g < nkv; ++g) {
+    for (int64_t x = 0; x < dim; x += 16) hwy::Prefetch(row + g * hstride + x);
+  }
+}
+
 HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t gstride,
                               int64_t nkv, const float* k, int64_t kstride, int64_t hstride,
-                              int64_t nk, float* HWY_RESTRICT s) {
+                              int64_t nk, float* HWY_RESTRICT s, int64_t avail) {
   for (int64_t c = 0; c < nk; ++c) {
+    PrefetchKey(k, c, avail, kstride, hstride, nkv, dim);
     for (int64_t g = 0; g < nkv; ++g) {
       DotScores(qp + g * gstride * dim, dim, k + c * kstride + g * hstride, kstride, 1, gstride,
                 s + g * gstride * kTileK + c, /*zero_tail=*/false);
@@ -217,19 +232,36 @@ HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t
 // P[g gstride + r][c] * v_{c, g}. O and P stay in L1; V is read key by key across heads.
 HWY_INLINE void AccumulateWide(const float* HWY_RESTRICT pm, int64_t nk, const float* v,
                                int64_t vstride, int64_t hstride, int64_t nkv, int64_t gstride,
-                               int64_t dim, int64_t dpad, float* HWY_RESTRICT o) {
+                               int64_t dim, int64_t dpad, float* HWY_RESTRICT o, int64_t avail) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = dim / n * n;
+  const int64_t d4 = dim / (4 * n) * (4 * n);
   for (int64_t c = 0; c < nk; ++c) {
+    PrefetchKey(v, c, avail, vstride, hstride, nkv, dim);
     for (int64_t g = 0; g < nkv; ++g) {
       const float* vr = v + c * vstride + g * hstride;
+      // Each run of 4 vectors of the value row is loaded once for all the head's rows.
+      for (int64_t x = 0; x < d4; x += 4 * n) {
+        const auto v0 = hn::LoadU(d, vr + x), v1 = hn::LoadU(d, vr + x + n),
+                   v2 = hn::LoadU(d, vr + x + 2 * n), v3 = hn::LoadU(d, vr + x + 3 * n);
+        for (int64_t r = g * gstride; r < (g + 1) * gstride; ++r) {
+          const float pr = pm[r * kTileK + c];
+          if (pr == 0.0f) continue;
+          const auto bp = hn::Set(d, pr);
+          float* orow = o + r * dpad + x;
+          hn::Store(hn::MulAdd(bp, v0, hn::Load(d, orow)), d, orow);
+          hn::Store(hn::MulAdd(bp, v1, hn::Load(d, orow + n)), d, orow + n);
+          hn::Store(hn::MulAdd(bp, v2, hn::Load(d, orow + 2 * n)), d, orow + 2 * n);
+          hn::Store(hn::MulAdd(bp, v3, hn::Load(d, orow + 3 * n)), d, orow + 3 * n);
+        }
+      }
       for (int64_t r = g * gstride; r < (g + 1) * gstride; ++r) {
         const float pr = pm[r * kTileK + c];
         if (pr == 0.0f) continue;
         const auto bp = hn::Set(d, pr);
         float* orow = o + r * dpad;
-        for (int64_t x = 0; x < dv; x += n) {
+        for (int64_t x = d4; x < dv; x += n) {
           hn::Store(hn::MulAdd(bp, hn::LoadU(d, vr + x), hn::Load(d, orow + x)), d, orow + x);
         }
         for (int64_t x = dv; x < dim; ++x) orow[x] += pr * vr[x];
@@ -929,7 +961,7 @@ class Kernel {
       if (dot) {
         DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
                       p_.k + it.b * p_.k_stride[0] + it.hk * p_.k_stride[2] + j0 * p_.k_stride[1],
-                      p_.k_stride[1], p_.k_stride[2], nk, sc.s.get());
+                      p_.k_stride[1], p_.k_stride[2], nk, sc.s.get(), j_end - j0);
       } else {
         ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get());
       }
@@ -939,7 +971,7 @@ class Kernel {
       }
       if (dot) {
         AccumulateWide(sc.s.get(), nk, vbase + j0 * p_.v_stride[1], p_.v_stride[1], p_.v_stride[2],
-                       it.nkv, it.gstride, dim_, dpad_, sc.o.get());
+                       it.nkv, it.gstride, dim_, dpad_, sc.o.get(), j_end - j0);
         continue;
       }
       for (int64_t g2 = 0; g2 < it.nkv; ++g2) {
