@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <unordered_map>
 
 #include "common.h"
@@ -378,7 +379,8 @@ void score_row(const Problem<T>& pr, const Prepared<T>& p, int64_t b, int64_t h,
 }
 
 template <class T>
-void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out) {
+void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out,
+         const View<T, 3>* lse = nullptr) {
   const Dims& d = pr.d;
   std::vector<T> s(static_cast<std::size_t>(d.seq_k));
   std::vector<T> acc(static_cast<std::size_t>(d.head_dim));
@@ -405,6 +407,7 @@ void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out) {
                  ") sees no key under the mask; allow_fully_masked gives 0 for such rows");
           }
           for (int64_t c = 0; c < d.head_dim; ++c) o[c * out.stride[3]] = T(0);
+          if (lse) (*lse)(b, h, i) = -std::numeric_limits<T>::infinity();
           continue;
         }
         T sum = 0;
@@ -412,6 +415,7 @@ void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out) {
           x = x == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(x - mx);
           sum += x;
         }
+        if (lse) (*lse)(b, h, i) = mx + std::log(sum);
         std::fill(acc.begin(), acc.end(), T(0));
         for (int64_t j = 0; j < d.seq_k; ++j) {
           const T a = s[static_cast<std::size_t>(j)];
@@ -436,6 +440,247 @@ void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out) {
       }
     }
   }
+}
+
+// ---- backward -------------------------------------------------------------------------------
+
+template <class T, std::size_t R>
+void require_grad(const View<T, R>& g, const std::array<int64_t, R>& want,
+                  const std::string& name) {
+  detail::require_data(g, name);
+  if (g.shape != want) {
+    fail<ShapeError>(name + " has shape " + shape_str(g.shape) + ", expected " + shape_str(want));
+  }
+  if (g.data == nullptr && g.numel() > 0) fail<ShapeError>(name + " is missing");
+}
+
+// Validates the backward's extra inputs and the gradient views against the problem and scheme;
+// zeroes every gradient that will be written.
+template <class T>
+void check_backward_args(const Problem<T>& pr, const PositionScheme& scheme,
+                         const View<const T, 4>& out, const View<const T, 3>& lse,
+                         const View<const T, 4>& dout, const AttentionGradsOf<T>& g) {
+  const Dims& d = pr.d;
+  const std::string w = "attention_backward: ";
+  require_grad(out, pr.q.shape, w + "out");
+  require_grad(dout, pr.q.shape, w + "dout");
+  require_grad(lse, {d.batch, d.heads_q, d.seq_q}, w + "lse [batch, heads_q, seq_q]");
+  require_grad(g.dq, pr.q.shape, w + "dq");
+  require_grad(g.dk, pr.k.shape, w + "dk");
+  require_grad(g.dv, pr.v.shape, w + "dv");
+  detail::require_all_finite(out, w + "out");
+  detail::require_all_finite(dout, w + "dout");
+  for (int64_t b = 0; b < d.batch; ++b)
+    for (int64_t h = 0; h < d.heads_q; ++h)
+      for (int64_t i = 0; i < d.seq_q; ++i) {
+        const T x = lse(b, h, i);
+        if (std::isnan(x) || x == std::numeric_limits<T>::infinity()) {
+          fail(w + "lse: " + detail::num(static_cast<double>(x)) + " at [" + std::to_string(b) +
+               ", " + std::to_string(h) + ", " + std::to_string(i) +
+               "] (finite, or -inf for a row with no visible key)");
+        }
+      }
+  const int kind = static_cast<int>(scheme.index());
+  const std::string sn = scheme_name(scheme);
+  auto param = [&](const auto& gv, bool belongs, const auto& want, const std::string& name) {
+    if (gv.data == nullptr) return;
+    if (!belongs) fail(w + name + " is not a parameter of scheme " + sn);
+    require_grad(gv, want, w + name);
+  };
+  param(g.drelative_attention_bias, kind == 3,
+        kind == 3 ? std::get<T5Bias>(scheme).table.shape : std::array<int64_t, 2>{},
+        "drelative_attention_bias");
+  param(g.dslopes, kind == 2, std::array<int64_t, 1>{d.heads_q}, "dslopes [heads_q]");
+  if (kind == 4) {
+    const auto& sh = std::get<Shaw>(scheme);
+    param(g.drel_k, true, sh.rel_k.shape, "drel_k");
+    if (g.drel_v.data != nullptr && sh.rel_v.data == nullptr) {
+      fail(w + "drel_v given but the scheme has no rel_v");
+    }
+    param(g.drel_v, true, sh.rel_v.shape, "drel_v");
+  } else {
+    param(g.drel_k, false, std::array<int64_t, 3>{}, "drel_k");
+    param(g.drel_v, false, std::array<int64_t, 3>{}, "drel_v");
+  }
+  const auto* xl = std::get_if<TransformerXL>(&scheme);
+  param(g.dr_w_bias, xl != nullptr, xl ? xl->r_w_bias.shape : std::array<int64_t, 2>{},
+        "dr_w_bias");
+  param(g.dr_r_bias, xl != nullptr, xl ? xl->r_r_bias.shape : std::array<int64_t, 2>{},
+        "dr_r_bias");
+  param(g.dr_net, xl != nullptr, xl ? xl->r_net.shape : std::array<int64_t, 2>{}, "dr_net");
+  const auto* db = std::get_if<DeBERTa>(&scheme);
+  param(g.dpos_key, db != nullptr, db ? db->pos_key.shape : std::array<int64_t, 3>{}, "dpos_key");
+  param(g.dpos_query, db != nullptr, db ? db->pos_query.shape : std::array<int64_t, 3>{},
+        "dpos_query");
+  auto zero = [](const auto& v) {
+    if (v.data != nullptr) detail::fill_view(v, T(0));
+  };
+  zero(g.dq), zero(g.dk), zero(g.dv), zero(g.drelative_attention_bias), zero(g.dslopes);
+  zero(g.drel_k), zero(g.drel_v), zero(g.dr_w_bias), zero(g.dr_r_bias), zero(g.dr_net);
+  zero(g.dpos_key), zero(g.dpos_query);
+}
+
+// The materialized backward, one score row at a time (T = double: the oracle; T = float: the
+// simple float32 path). For row i of head h: P_j = exp(s_ij - lse_i) on visible keys,
+// dP_j = dout_i . (v_j + rel_v[idx]), D_i = dout_i . out_i, dS_j = P_j (dP_j - D_i); each
+// score term then passes dS on (SPEC §0 score order, docs/attention.md "Backward").
+template <class T>
+void run_backward(const Problem<T>& pr, const Prepared<T>& p, const View<const T, 4>& out,
+                  const View<const T, 3>& lse, const View<const T, 4>& dout,
+                  const AttentionGradsOf<T>& g, const PositionScheme& scheme) {
+  const Dims& d = pr.d;
+  const int64_t dim = d.head_dim;
+  const auto ud = [](int64_t x) { return static_cast<std::size_t>(x); };
+  const T scale = static_cast<T>(p.scale);
+  const bool rope = p.kind == 1;
+  // RoPE: gradients with respect to the rotated q and k first, rotated back at the end.
+  std::vector<T> dq_rot, dk_rot;
+  View<T, 4> dq = g.dq, dk = g.dk;
+  if (rope) {
+    dq_rot.assign(ud(pr.q.numel()), T(0));
+    dk_rot.assign(ud(pr.k.numel()), T(0));
+    dq = View<T, 4>::contiguous(dq_rot.data(), pr.q.shape);
+    dk = View<T, 4>::contiguous(dk_rot.data(), pr.k.shape);
+  }
+  // Transformer-XL: dr(delta) [heads_q * head_dim] per distance, projected onto r_net at the end.
+  std::map<int64_t, std::vector<T>> xl_dr;
+  std::vector<T> s(ud(d.seq_k)), prob(ud(d.seq_k)), qrow(ud(dim)), dq_acc(ud(dim));
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t h = 0; h < d.heads_q; ++h) {
+      const int64_t hk = h / d.group;
+      for (int64_t i = 0; i < d.seq_q; ++i) {
+        const T l = lse(b, h, i);
+        if (l == -std::numeric_limits<T>::infinity()) continue;  // no visible key
+        score_row(pr, p, b, h, i, s.data());
+        const int64_t pq = pr.qp.at(b, i);
+        for (int64_t c = 0; c < dim; ++c) {
+          qrow[ud(c)] =
+              rope ? p.q_rot[ud(((b * d.seq_q + i) * d.heads_q + h) * dim + c)] : pr.q(b, i, h, c);
+        }
+        T dsum = 0;  // D_i
+        for (int64_t c = 0; c < dim; ++c) dsum += dout(b, i, h, c) * out(b, i, h, c);
+        std::fill(dq_acc.begin(), dq_acc.end(), T(0));
+        for (int64_t j = 0; j < d.seq_k; ++j) {
+          const int64_t pk = pr.kp.at(b, j);
+          if (!visible<T>(pr.opt, pq, pk)) continue;
+          const T pj = std::exp(s[ud(j)] - l);
+          if (pj == T(0)) continue;
+          const int64_t rel = pk - pq;
+          auto kval = [&](int64_t c) {
+            return rope ? p.k_rot[ud(((b * d.seq_k + j) * d.heads_kv + hk) * dim + c)]
+                        : pr.k(b, j, hk, c);
+          };
+          // dP and the value-side gradients.
+          T dp = 0;
+          for (int64_t c = 0; c < dim; ++c) {
+            dp += dout(b, i, h, c) * pr.v(b, j, hk, c);
+            g.dv(b, j, hk, c) += pj * dout(b, i, h, c);
+          }
+          int64_t shaw_idx = 0;
+          if (p.kind == 4) shaw_idx = shaw_index(rel, p.shaw_k);
+          if (p.kind == 4 && p.rel_v.data != nullptr) {
+            const int64_t th = p.rel_v.shape[1] == 1 ? 0 : h;
+            for (int64_t c = 0; c < dim; ++c) {
+              dp += dout(b, i, h, c) * static_cast<T>(p.rel_v(shaw_idx, th, c));
+              if (g.drel_v.data) g.drel_v(shaw_idx, th, c) += pj * dout(b, i, h, c);
+            }
+          }
+          const T ds = pj * (dp - dsum);
+          const T sds = scale * ds;
+          // The content term q . k (XL: (q + u) . k).
+          for (int64_t c = 0; c < dim; ++c) {
+            const T kc = kval(c);
+            T qc = qrow[ud(c)];
+            if (p.kind == 5) qc += static_cast<T>(p.xl_u(h, c));
+            dq_acc[ud(c)] += sds * kc;
+            dk(b, j, hk, c) += sds * qc;
+          }
+          switch (p.kind) {
+            case 2:  // alibi: bias -m |pq - pk|
+              if (g.dslopes.data) {
+                g.dslopes(h) -= ds * static_cast<T>(rel < 0 ? -rel : rel);
+              }
+              break;
+            case 3:  // t5: bias table[bucket, h]
+              if (g.drelative_attention_bias.data) {
+                g.drelative_attention_bias(t5_bucket(rel, p.t5), h) += ds;
+              }
+              break;
+            case 4: {  // shaw: q . rel_k[idx]
+              const int64_t th = p.rel_k.shape[1] == 1 ? 0 : h;
+              for (int64_t c = 0; c < dim; ++c) {
+                dq_acc[ud(c)] += sds * static_cast<T>(p.rel_k(shaw_idx, th, c));
+                if (g.drel_k.data) g.drel_k(shaw_idx, th, c) += sds * qrow[ud(c)];
+              }
+              break;
+            }
+            case 5: {  // xl: u . k (above) + (q + v) . r(delta)
+              const T* r = p.xl_r.at(pq - pk).data() + h * dim;
+              auto& dr = xl_dr[pq - pk];
+              if (dr.empty()) dr.assign(ud(d.heads_q * dim), T(0));
+              for (int64_t c = 0; c < dim; ++c) {
+                dq_acc[ud(c)] += sds * r[c];
+                if (g.dr_w_bias.data) g.dr_w_bias(h, c) += sds * kval(c);
+                if (g.dr_r_bias.data) g.dr_r_bias(h, c) += sds * r[c];
+                dr[ud(h * dim + c)] += sds * (qrow[ud(c)] + static_cast<T>(p.xl_v(h, c)));
+              }
+              break;
+            }
+            case 6: {  // deberta: q . pos_key[c2p] + k . pos_query[p2c]
+              const int64_t c2p = deberta_c2p_index(pq, pk, p.deberta);
+              const int64_t p2c = deberta_p2c_index(pq, pk, p.deberta);
+              for (int64_t c = 0; c < dim; ++c) {
+                dq_acc[ud(c)] += sds * static_cast<T>(p.pos_key(c2p, h, c));
+                dk(b, j, hk, c) += sds * static_cast<T>(p.pos_query(p2c, h, c));
+                if (g.dpos_key.data) g.dpos_key(c2p, h, c) += sds * qrow[ud(c)];
+                if (g.dpos_query.data) g.dpos_query(p2c, h, c) += sds * kval(c);
+              }
+              break;
+            }
+            default:
+              break;
+          }
+        }
+        for (int64_t c = 0; c < dim; ++c) dq(b, i, h, c) += dq_acc[ud(c)];
+      }
+    }
+  }
+  if (p.kind == 5 && g.dr_net.data) {
+    // r(delta) = W_r R(delta): dW_r[o][m] = sum_delta dr(delta)[o] R(delta)[m].
+    const int64_t dm = p.xl_rnet.shape[1];
+    for (const auto& [delta, dr] : xl_dr) {
+      const auto rr = xl_sinusoid(delta, dm, p.xl_base);
+      for (int64_t o = 0; o < d.heads_q * dim; ++o) {
+        const T x = dr[ud(o)];
+        if (x == T(0)) continue;
+        for (int64_t m = 0; m < dm; ++m) g.dr_net(o, m) += x * static_cast<T>(rr[ud(m)]);
+      }
+    }
+  }
+  if (rope) {
+    const auto& r = std::get<Rope>(scheme);
+    if constexpr (std::is_same_v<T, double>) {
+      ref::apply_rope(r.freqs, r.style, View<const T, 4>(dq), g.dq, &pr.qp, Direction::kInverse);
+      ref::apply_rope(r.freqs, r.style, View<const T, 4>(dk), g.dk, &pr.kp, Direction::kInverse);
+    } else {
+      apply_rope(r.freqs, r.style, View<const T, 4>(dq), g.dq, &pr.qp, Direction::kInverse,
+                 pr.opt.num_threads);
+      apply_rope(r.freqs, r.style, View<const T, 4>(dk), g.dk, &pr.kp, Direction::kInverse,
+                 pr.opt.num_threads);
+    }
+  }
+}
+
+template <class T>
+void backward_materialized(View<const T, 4> q, View<const T, 4> k, View<const T, 4> v,
+                           View<const T, 4> out, View<const T, 3> lse, View<const T, 4> dout,
+                           const PositionScheme& scheme, const AttentionOptions& options,
+                           const AttentionGradsOf<T>& grads, const Positions* query_positions,
+                           const Positions* key_positions) {
+  auto pr = make_problem<T>(q, k, v, q.shape, options, query_positions, key_positions);
+  check_backward_args(pr, scheme, out, lse, dout, grads);
+  const auto p = prepare<T>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
+  run_backward<T>(pr, p, out, lse, dout, grads, scheme);
 }
 
 bool all_finite(const View<float, 4>& x) {
@@ -483,7 +728,7 @@ void check_fully_masked(const Problem<float>& pr) {
 // Fills kernels::FusedAttentionParams (positions as int32 offsets, per-scheme tables) and runs
 // the fused kernel. Returns false when the call is outside the kernel's domain.
 bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4> out,
-               int* nan_score) {
+               int* nan_score, const View<float, 3>* lse) {
   const Dims& d = pr.d;
   if (!pr.q.last_dim_contiguous() || !pr.k.last_dim_contiguous() || !pr.v.last_dim_contiguous() ||
       !out.last_dim_contiguous()) {
@@ -696,29 +941,36 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
     fp.xl_v = xl_v.data();
   }
   fp.nan_score = nan_score;
+  if (lse) {
+    fp.lse = lse->data;
+    fp.lse_stride = {lse->stride[0], lse->stride[1], lse->stride[2]};
+  }
   kernels::fused_attention(fp);
   return true;
 }
 
-}  // namespace
-
-void attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
-               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
-               const Positions* query_positions, const Positions* key_positions) {
+void attention_impl(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+                    const PositionScheme& scheme, const AttentionOptions& options,
+                    View<float, 4> out, const View<float, 3>* lse, const Positions* query_positions,
+                    const Positions* key_positions) {
   detail::require_data(out, "attention: out");
   // Inputs are not scanned for NaN/Inf up front (on a decode step that pass would read the whole
   // KV cache a second time); a non-finite output is traced back to its input below instead.
   auto pr = make_problem<float>(q, k, v, out.shape, options, query_positions, key_positions,
                                 /*check_finite=*/false);
+  if (lse) {
+    require_grad(*lse, {pr.d.batch, pr.d.heads_q, pr.d.seq_q},
+                 std::string("attention: lse [batch, heads_q, seq_q]"));
+  }
   const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
                                 /*build_xl_table=*/false);
   check_fully_masked(pr);
   int nan_score = 0;
-  if (!run_fused(pr, p, out, &nan_score)) {
+  if (!run_fused(pr, p, out, &nan_score, lse)) {
     // Outside the fused kernel's domain (positions too sparse for int32 distance tables, a
     // non-contiguous last dimension): the simple path.
     const auto pn = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
-    run<float>(pr, pn, out);
+    run<float>(pr, pn, out, lse);
   }
   if (nan_score != 0 || !all_finite(out)) {
     require_finite_inputs(q, k, v);
@@ -726,6 +978,79 @@ void attention(View<const float, 4> q, View<const float, 4> k, View<const float,
         "attention: the output is not finite although q, k and v are: the scores overflow "
         "float32 (inputs or scale too large)");
   }
+}
+
+}  // namespace
+
+void attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
+               const Positions* query_positions, const Positions* key_positions) {
+  attention_impl(q, k, v, scheme, options, out, nullptr, query_positions, key_positions);
+}
+
+void attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
+               View<float, 3> lse, const Positions* query_positions,
+               const Positions* key_positions) {
+  attention_impl(q, k, v, scheme, options, out, &lse, query_positions, key_positions);
+}
+
+void attention_merge(View<const float, 4> out_a, View<const float, 3> lse_a,
+                     View<const float, 4> out_b, View<const float, 3> lse_b, View<float, 4> out,
+                     View<float, 3> lse) {
+  const std::string w = "attention_merge: ";
+  detail::require_data(out_a, w + "out_a");
+  const auto& sh = out_a.shape;
+  require_grad(out_b, sh, w + "out_b");
+  require_grad(out, sh, w + "out");
+  const std::array<int64_t, 3> ls{sh[0], sh[2], sh[1]};
+  require_grad(lse_a, ls, w + "lse_a [batch, heads_q, seq_q]");
+  require_grad(lse_b, ls, w + "lse_b [batch, heads_q, seq_q]");
+  require_grad(lse, ls, w + "lse [batch, heads_q, seq_q]");
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < sh[0]; ++b)
+    for (int64_t i = 0; i < sh[1]; ++i)
+      for (int64_t h = 0; h < sh[2]; ++h) {
+        const float la = lse_a(b, h, i), lb = lse_b(b, h, i);
+        if (std::isnan(la) || std::isnan(lb) || la == -kNegInf || lb == -kNegInf) {
+          fail(w + "lse is NaN or +inf at [" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+               std::to_string(i) + "]");
+        }
+        const float m = std::max(la, lb);
+        if (m == kNegInf) {
+          for (int64_t c = 0; c < sh[3]; ++c) out(b, i, h, c) = 0.0f;
+          lse(b, h, i) = kNegInf;
+          continue;
+        }
+        const double wa = la == kNegInf ? 0.0 : std::exp(static_cast<double>(la) - m);
+        const double wb = lb == kNegInf ? 0.0 : std::exp(static_cast<double>(lb) - m);
+        const double inv = 1.0 / (wa + wb);
+        for (int64_t c = 0; c < sh[3]; ++c) {
+          out(b, i, h, c) = static_cast<float>((wa * static_cast<double>(out_a(b, i, h, c)) +
+                                                wb * static_cast<double>(out_b(b, i, h, c))) *
+                                               inv);
+        }
+        lse(b, h, i) = static_cast<float>(m + std::log(wa + wb));
+      }
+}
+
+void attention_backward(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+                        View<const float, 4> out, View<const float, 3> lse,
+                        View<const float, 4> dout, const PositionScheme& scheme,
+                        const AttentionOptions& options, const AttentionGrads& grads,
+                        const Positions* query_positions, const Positions* key_positions) {
+  backward_materialized<float>(q, k, v, out, lse, dout, scheme, options, grads, query_positions,
+                               key_positions);
+}
+
+void attention_backward_naive(View<const float, 4> q, View<const float, 4> k,
+                              View<const float, 4> v, View<const float, 4> out,
+                              View<const float, 3> lse, View<const float, 4> dout,
+                              const PositionScheme& scheme, const AttentionOptions& options,
+                              const AttentionGrads& grads, const Positions* query_positions,
+                              const Positions* key_positions) {
+  backward_materialized<float>(q, k, v, out, lse, dout, scheme, options, grads, query_positions,
+                               key_positions);
 }
 
 void attention_naive(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
@@ -747,6 +1072,27 @@ void attention(View<const double, 4> q, View<const double, 4> k, View<const doub
   auto pr = make_problem<double>(q, k, v, out.shape, options, query_positions, key_positions);
   const auto p = prepare<double>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
   run<double>(pr, p, out);
+}
+
+void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<double, 4> out,
+               View<double, 3> lse, const Positions* query_positions,
+               const Positions* key_positions) {
+  detail::require_data(out, "ref::attention: out");
+  auto pr = make_problem<double>(q, k, v, out.shape, options, query_positions, key_positions);
+  require_grad(lse, {pr.d.batch, pr.d.heads_q, pr.d.seq_q},
+               std::string("ref::attention: lse [batch, heads_q, seq_q]"));
+  const auto p = prepare<double>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
+  run<double>(pr, p, out, &lse);
+}
+
+void attention_backward(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+                        View<const double, 4> out, View<const double, 3> lse,
+                        View<const double, 4> dout, const PositionScheme& scheme,
+                        const AttentionOptions& options, const AttentionGradsOf<double>& grads,
+                        const Positions* query_positions, const Positions* key_positions) {
+  backward_materialized<double>(q, k, v, out, lse, dout, scheme, options, grads, query_positions,
+                                key_positions);
 }
 
 std::vector<double> attention_scores(View<const double, 4> q, View<const double, 4> k,

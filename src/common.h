@@ -42,6 +42,24 @@ void require_data(const View<T, R>& v, const std::string& name) {
   if (v.data == nullptr && v.numel() > 0) fail<ShapeError>(name + ": null data pointer");
 }
 
+// Sets every element of a (strided) view to `value`.
+template <class T, std::size_t R>
+void fill_view(const View<T, R>& v, T value) {
+  if (v.numel() == 0) return;
+  static_assert(R >= 1);
+  std::array<int64_t, R> idx{};
+  const int64_t inner = v.shape[R - 1], outer = v.numel() / inner;
+  for (int64_t o = 0; o < outer; ++o) {
+    int64_t off = 0;
+    for (std::size_t d = 0; d + 1 < R; ++d) off += idx[d] * v.stride[d];
+    for (int64_t i = 0; i < inner; ++i) v.data[off + i * v.stride[R - 1]] = value;
+    for (std::size_t d = R - 1; d-- > 0;) {
+      if (++idx[d] < v.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
 // Every element finite (NaN/Inf in an input is an error, not a silent NaN output). The inner
 // loop runs over the last dimension with a plain stride so the scan costs ~1 cycle per element.
 template <class T, std::size_t R>

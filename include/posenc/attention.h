@@ -82,6 +82,72 @@ void attention_naive(View<const float, 4> q, View<const float, 4> k, View<const 
                      View<float, 4> out, const Positions* query_positions = nullptr,
                      const Positions* key_positions = nullptr);
 
+// The forward with the per-row log-sum-exp: lse [batch, heads_q, seq_q] (any strides) receives
+// the natural log of each row's softmax denominator, row maximum included:
+// lse = log(sum_j exp(s_ij)) over the visible keys; -inf for a row with no visible key (when
+// allowed). What the backward needs, and what merges partial attentions over disjoint key sets
+// exactly (attention_merge).
+void attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
+               View<float, 3> lse, const Positions* query_positions = nullptr,
+               const Positions* key_positions = nullptr);
+
+// Merges two partial attentions over disjoint key sets (positions kept global) into the attention
+// over their union: out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / (exp(lse_a - m) +
+// exp(lse_b - m)), lse = m + log(...), m = max(lse_a, lse_b). out_a/out_b [batch, seq_q, heads_q,
+// head_dim], lse_a/lse_b [batch, heads_q, seq_q]; out and lse may alias the `a` inputs. A side
+// whose lse is -inf (no visible key) contributes nothing; both -inf give out = 0, lse = -inf.
+void attention_merge(View<const float, 4> out_a, View<const float, 3> lse_a,
+                     View<const float, 4> out_b, View<const float, 3> lse_b, View<float, 4> out,
+                     View<float, 3> lse);
+
+// Gradients of attention, written (not accumulated) into the views given. dq, dk, dv have the
+// shapes of q, k, v and are required. The gradient of each learned parameter of the scheme,
+// named as SPEC §9 names the parameter with a leading `d`, is computed when its view has data
+// and must then have the parameter's shape:
+//   T5      drelative_attention_bias [num_buckets, heads_q]
+//   ALiBi   dslopes [heads_q]  (the slopes as a parameter; with or without Alibi::slopes given)
+//   Shaw    drel_k, drel_v     like rel_k, rel_v ([2K+1, 1 or heads_q, head_dim])
+//   XL      dr_w_bias, dr_r_bias [heads_q, head_dim], dr_net [heads_q * head_dim, d_model]
+//   DeBERTa dpos_key, dpos_query [2K, heads_q, head_dim]  (for the p2c form in force)
+// RoPE has no learned parameter: dq and dk are with respect to the unrotated q and k. A
+// parameter gradient the scheme does not have is an error (a view for it that has data).
+template <class T>
+struct AttentionGradsOf {
+  View<T, 4> dq, dk, dv;
+  View<T, 2> drelative_attention_bias;
+  View<T, 1> dslopes;
+  View<T, 3> drel_k, drel_v;
+  View<T, 2> dr_w_bias, dr_r_bias, dr_net;
+  View<T, 3> dpos_key, dpos_query;
+};
+using AttentionGrads = AttentionGradsOf<float>;
+
+// Backward of attention() (FlashAttention-2's recomputation): given q, k, v, the forward's out
+// and lse, and dout = dLoss/dout [batch, seq_q, heads_q, head_dim], writes dq, dk, dv and the
+// scheme's parameter gradients. The scheme, options and positions must be the forward's. Scores
+// are rebuilt tile by tile from q, k and lse, never as a [seq_q, seq_k] matrix; table gradients
+// are reduced in a fixed order, so results are bit-identical for any options.num_threads.
+// Memory: the gradients plus O(threads x tile) plus the scheme's O(L) or O(L x K) tables. Rows
+// with lse = -inf (no visible key) contribute nothing. Throws ShapeError / ValueError naming the
+// argument. Gradients must not overlap the inputs or each other.
+void attention_backward(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+                        View<const float, 4> out, View<const float, 3> lse,
+                        View<const float, 4> dout, const PositionScheme& scheme,
+                        const AttentionOptions& options, const AttentionGrads& grads,
+                        const Positions* query_positions = nullptr,
+                        const Positions* key_positions = nullptr);
+
+// The simple float32 backward: materialized score rows, float accumulation, single thread. The
+// yardstick of the fused backward's tolerance.
+void attention_backward_naive(View<const float, 4> q, View<const float, 4> k,
+                              View<const float, 4> v, View<const float, 4> out,
+                              View<const float, 3> lse, View<const float, 4> dout,
+                              const PositionScheme& scheme, const AttentionOptions& options,
+                              const AttentionGrads& grads,
+                              const Positions* query_positions = nullptr,
+                              const Positions* key_positions = nullptr);
+
 namespace ref {
 // The float64 oracle: materialized scores, straight from SPEC. Same contract and validation;
 // scheme tables are float32 (exactly promoted).
@@ -89,6 +155,22 @@ void attention(View<const double, 4> q, View<const double, 4> k, View<const doub
                const PositionScheme& scheme, const AttentionOptions& options, View<double, 4> out,
                const Positions* query_positions = nullptr,
                const Positions* key_positions = nullptr);
+
+// The oracle with the per-row log-sum-exp lse [batch, heads_q, seq_q] (float64).
+void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<double, 4> out,
+               View<double, 3> lse, const Positions* query_positions = nullptr,
+               const Positions* key_positions = nullptr);
+
+// The float64 backward, materialized and written from the formulas (docs/attention.md): for
+// P = exp(s - lse), dP_ij = dout_i . (v_j + rel_v[idx_ij]), D_i = dout_i . out_i,
+// dS = P (dP - D); then each scheme's term passes dS to its inputs and tables.
+void attention_backward(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+                        View<const double, 4> out, View<const double, 3> lse,
+                        View<const double, 4> dout, const PositionScheme& scheme,
+                        const AttentionOptions& options, const AttentionGradsOf<double>& grads,
+                        const Positions* query_positions = nullptr,
+                        const Positions* key_positions = nullptr);
 
 // Scores of one (batch row, query head) before masking and softmax, [seq_q, seq_k] row-major,
 // including scale and every positional term. For property checks and plots.

@@ -1237,6 +1237,10 @@ class Kernel {
       float* dst = p_.out + it.b * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
       const float l = sc.l[static_cast<size_t>(r)];
       const float* o = sc.o.get() + r * dpad_;
+      if (p_.lse != nullptr) {
+        p_.lse[it.b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]] =
+            l == 0.0f ? kNegInf : sc.m[static_cast<size_t>(r)] + std::log(l);
+      }
       if (l == 0.0f) {
         std::fill(dst, dst + dim_, 0.0f);
         continue;

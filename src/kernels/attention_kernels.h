@@ -76,6 +76,11 @@ struct FusedAttentionParams {
 
   int num_threads = 0;
 
+  // Optional: the per-row log-sum-exp, lse[b * s0 + h * s1 + i * s2] = m + log(l) (-inf for a
+  // row with no visible key).
+  float* lse = nullptr;
+  std::array<int64_t, 3> lse_stride{};
+
   // Set to 1 (by any thread) when a visible score is not finite; the API then finds and reports
   // the offending input. Such scores would otherwise vanish: exp(NaN) is 0 in the kernel.
   int* nan_score = nullptr;
