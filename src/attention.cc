@@ -727,27 +727,26 @@ void check_fully_masked(const Problem<float>& pr) {
 
 // Fills kernels::FusedAttentionParams (positions as int32 offsets, per-scheme tables) and runs
 // the fused kernel. Returns false when the call is outside the kernel's domain.
-bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4> out,
-               int* nan_score, const View<float, 3>* lse) {
+// The kernels' view of a problem: positions as int32 offsets from a per-row base, the
+// per-scheme tables (bias by distance, dense Shaw / DeBERTa tables, XL's sinusoid rows) in `t`.
+// Shared by the fused forward and backward. Returns false when the call is outside the kernels'
+// domain (positions too sparse for int32 distance tables).
+struct FusedTables {
+  std::vector<int32_t> qpos, kpos, dmax, c2p, p2c;
+  std::vector<float> bias, rel_k, rel_v, pos_key, pos_query, xl_sin, xl_rnet, xl_u, xl_v;
+};
+
+bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, FusedTables& tab,
+                       kernels::FusedAttentionParams& fp) {
   const Dims& d = pr.d;
-  if (!pr.q.last_dim_contiguous() || !pr.k.last_dim_contiguous() || !pr.v.last_dim_contiguous() ||
-      !out.last_dim_contiguous()) {
-    return false;
-  }
-  if (d.batch == 0 || d.seq_q == 0) return true;
-  if (d.seq_k == 0) {  // every row fully masked (and allowed)
-    for (int64_t b = 0; b < d.batch; ++b)
-      for (int64_t i = 0; i < d.seq_q; ++i)
-        for (int64_t h = 0; h < d.heads_q; ++h)
-          for (int64_t c = 0; c < d.head_dim; ++c) out(b, i, h, c) = 0.0f;
-    return true;
-  }
   constexpr int64_t kPad = 64;  // the kernel's key tile: tables are padded by one tile
-  kernels::FusedAttentionParams fp;
   // Positions relative to a per-row base; distance range per row.
-  std::vector<int32_t> qpos(static_cast<std::size_t>(d.batch * d.seq_q));
-  std::vector<int32_t> kpos(static_cast<std::size_t>(d.batch * d.seq_k));
-  std::vector<int32_t> dmax(static_cast<std::size_t>(d.batch));
+  auto& qpos = tab.qpos;
+  auto& kpos = tab.kpos;
+  auto& dmax = tab.dmax;
+  qpos.assign(static_cast<std::size_t>(d.batch * d.seq_q), 0);
+  kpos.assign(static_cast<std::size_t>(d.batch * d.seq_k), 0);
+  dmax.assign(static_cast<std::size_t>(d.batch), 0);
   int64_t range = 0, gdmin = std::numeric_limits<int64_t>::max(),
           gdmax = std::numeric_limits<int64_t>::min();
   for (int64_t b = 0; b < d.batch; ++b) {
@@ -788,8 +787,6 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
   }
   fp.v = pr.v.data;
   fp.v_stride = {pr.v.stride[0], pr.v.stride[1], pr.v.stride[2]};
-  fp.out = out.data;
-  fp.out_stride = {out.stride[0], out.stride[1], out.stride[2]};
   fp.batch = d.batch;
   fp.seq_q = d.seq_q;
   fp.seq_k = d.seq_k;
@@ -805,7 +802,7 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
   const int threads = kernels::resolve_threads(pr.opt.num_threads);
 
   // ALiBi and T5: bias by distance per (batch row, head), index dmax - delta.
-  std::vector<float> bias;
+  auto& bias = tab.bias;
   if (p.kind == 2 || p.kind == 3) {
     const int64_t len = range + kPad;
     bias.assign(static_cast<std::size_t>(d.batch * d.heads_q * len), 0.0f);
@@ -829,13 +826,14 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
   }
 
   // Shaw: contiguous tables.
-  std::vector<float> rel_k, rel_v;
-  auto dense3 = [](const View<const float, 3>& t) {
-    std::vector<float> o(static_cast<std::size_t>(t.numel()));
+  auto& rel_k = tab.rel_k;
+  auto& rel_v = tab.rel_v;
+  auto dense3 = [](const View<const float, 3>& x) {
+    std::vector<float> o(static_cast<std::size_t>(x.numel()));
     std::size_t at = 0;
-    for (int64_t a = 0; a < t.shape[0]; ++a)
-      for (int64_t b = 0; b < t.shape[1]; ++b)
-        for (int64_t c = 0; c < t.shape[2]; ++c) o[at++] = t(a, b, c);
+    for (int64_t a = 0; a < x.shape[0]; ++a)
+      for (int64_t b = 0; b < x.shape[1]; ++b)
+        for (int64_t c = 0; c < x.shape[2]; ++c) o[at++] = x(a, b, c);
     return o;
   };
   if (p.kind == 4) {
@@ -851,8 +849,10 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
   }
 
   // DeBERTa: row indices by distance, pos_key dense, p2c values k_j . pos_query[r, h].
-  std::vector<float> pos_key, pos_query;
-  std::vector<int32_t> c2p, p2c;
+  auto& pos_key = tab.pos_key;
+  auto& pos_query = tab.pos_query;
+  auto& c2p = tab.c2p;
+  auto& p2c = tab.p2c;
   if (p.kind == 6) {
     const int64_t span2 = 2 * p.deberta.span();
     const int64_t len = range + kPad;
@@ -882,7 +882,10 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
 
   // Transformer-XL: the sinusoid rows R(delta) for the distances a mask can leave visible (the
   // kernel projects them with r_net), u and v dense.
-  std::vector<float> xl_sin, xl_rnet, xl_u, xl_v;
+  auto& xl_sin = tab.xl_sin;
+  auto& xl_rnet = tab.xl_rnet;
+  auto& xl_u = tab.xl_u;
+  auto& xl_v = tab.xl_v;
   if (p.kind == 5) {
     int64_t dlo = gdmin, dhi = gdmax;
     if (pr.opt.causal) dlo = std::max<int64_t>(dlo, 0);
@@ -940,6 +943,29 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
     fp.xl_u = xl_u.data();
     fp.xl_v = xl_v.data();
   }
+  return true;
+}
+
+bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4> out,
+               int* nan_score, const View<float, 3>* lse) {
+  const Dims& d = pr.d;
+  if (!pr.q.last_dim_contiguous() || !pr.k.last_dim_contiguous() || !pr.v.last_dim_contiguous() ||
+      !out.last_dim_contiguous()) {
+    return false;
+  }
+  if (d.batch == 0 || d.seq_q == 0) return true;
+  if (d.seq_k == 0) {  // every row fully masked (and allowed)
+    for (int64_t b = 0; b < d.batch; ++b)
+      for (int64_t i = 0; i < d.seq_q; ++i)
+        for (int64_t h = 0; h < d.heads_q; ++h)
+          for (int64_t c = 0; c < d.head_dim; ++c) out(b, i, h, c) = 0.0f;
+    return true;
+  }
+  kernels::FusedAttentionParams fp;
+  FusedTables tables;
+  if (!fill_fused_params(pr, p, tables, fp)) return false;
+  fp.out = out.data;
+  fp.out_stride = {out.stride[0], out.stride[1], out.stride[2]};
   fp.nan_score = nan_score;
   if (lse) {
     fp.lse = lse->data;
