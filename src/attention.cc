@@ -975,6 +975,138 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
   return true;
 }
 
+// Copies a dense row-major float buffer into a strided gradient view of the same shape.
+template <std::size_t R>
+void copy_dense(const std::vector<float>& src, const View<float, R>& dst) {
+  if (dst.data == nullptr) return;
+  std::array<int64_t, R> idx{};
+  for (int64_t n = 0; n < dst.numel(); ++n) {
+    int64_t off = 0;
+    for (std::size_t d = 0; d < R; ++d) off += idx[d] * dst.stride[d];
+    dst.data[off] = src[static_cast<std::size_t>(n)];
+    for (std::size_t d = R; d-- > 0;) {
+      if (++idx[d] < dst.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+// The fused backward (kernels::fused_attention_backward). Returns false outside its domain (the
+// forward's, plus unit-stride last dimensions of every gradient).
+bool run_fused_backward(const Problem<float>& pr, const Prepared<float>& p,
+                        const View<const float, 4>& out, const View<const float, 3>& lse,
+                        const View<const float, 4>& dout, const AttentionGrads& g,
+                        const PositionScheme& scheme) {
+  const Dims& d = pr.d;
+  if (!pr.q.last_dim_contiguous() || !pr.k.last_dim_contiguous() || !pr.v.last_dim_contiguous() ||
+      !out.last_dim_contiguous() || !dout.last_dim_contiguous() || !g.dq.last_dim_contiguous() ||
+      !g.dk.last_dim_contiguous() || !g.dv.last_dim_contiguous()) {
+    return false;
+  }
+  if (d.batch == 0 || d.seq_q == 0 || d.seq_k == 0) return true;  // gradients are zero
+  kernels::FusedBackwardParams bp;
+  FusedTables tab;
+  if (!fill_fused_params(pr, p, tab, bp.fwd)) return false;
+  const auto ud = [](int64_t x) { return static_cast<std::size_t>(x); };
+  bp.fwd.out = const_cast<float*>(out.data);
+  bp.fwd.out_stride = {out.stride[0], out.stride[1], out.stride[2]};
+  bp.fwd.lse = const_cast<float*>(lse.data);
+  bp.fwd.lse_stride = {lse.stride[0], lse.stride[1], lse.stride[2]};
+  bp.dout = dout.data;
+  bp.dout_stride = {dout.stride[0], dout.stride[1], dout.stride[2]};
+  // RoPE: gradients with respect to the rotated q and k, rotated back below.
+  std::vector<float> dq_rot, dk_rot;
+  View<float, 4> dq = g.dq, dk = g.dk;
+  if (p.kind == 1) {
+    dq_rot.resize(ud(pr.q.numel()));
+    dk_rot.resize(ud(pr.k.numel()));
+    dq = View<float, 4>::contiguous(dq_rot.data(), pr.q.shape);
+    dk = View<float, 4>::contiguous(dk_rot.data(), pr.k.shape);
+  }
+  bp.dq = dq.data;
+  bp.dq_stride = {dq.stride[0], dq.stride[1], dq.stride[2]};
+  bp.dk = dk.data;
+  bp.dk_stride = {dk.stride[0], dk.stride[1], dk.stride[2]};
+  bp.dv = g.dv.data;
+  bp.dv_stride = {g.dv.stride[0], g.dv.stride[1], g.dv.stride[2]};
+  std::vector<float> dbias, drel_k, drel_v, dpos_key, dpos_query, du, dvb, drnet;
+  const bool want_bias = (p.kind == 2 && g.dslopes.data != nullptr) ||
+                         (p.kind == 3 && g.drelative_attention_bias.data != nullptr);
+  if (want_bias) {
+    dbias.resize(ud(d.batch * bp.fwd.bias_batch_stride));
+    bp.dbias = dbias.data();
+  }
+  if (p.kind == 4) {
+    drel_k.resize(ud(p.rel_k.numel()));
+    bp.shaw_drel_k = drel_k.data();
+    if (g.drel_v.data != nullptr) {
+      drel_v.resize(ud(p.rel_v.numel()));
+      bp.shaw_drel_v = drel_v.data();
+    }
+  }
+  if (p.kind == 6) {
+    dpos_key.resize(ud(p.pos_key.numel()));
+    dpos_query.resize(ud(p.pos_query.numel()));
+    bp.deberta_dpos_key = dpos_key.data();
+    bp.deberta_dpos_query = dpos_query.data();
+  }
+  if (p.kind == 5) {
+    du.resize(ud(d.heads_q * d.head_dim));
+    dvb.resize(du.size());
+    bp.xl_du = du.data();
+    bp.xl_dv = dvb.data();
+    if (g.dr_net.data != nullptr) {
+      drnet.resize(ud(p.xl_rnet.numel()));
+      bp.xl_drnet = drnet.data();
+    }
+  }
+  kernels::fused_attention_backward(bp);
+  if (want_bias) {
+    // Sum the per-distance gradients into T5 buckets or ALiBi slopes, in a fixed order.
+    const int64_t len = bp.fwd.bias_len;
+    for (int64_t h = 0; h < d.heads_q; ++h) {
+      std::vector<double> acc(p.kind == 3 ? ud(p.t5.num_buckets) : 1, 0.0);
+      for (int64_t b = 0; b < d.batch; ++b) {
+        const float* row = dbias.data() + b * bp.fwd.bias_batch_stride + h * len;
+        const int64_t dmax = bp.fwd.bias_dmax[b];
+        for (int64_t t = 0; t < len; ++t) {
+          if (row[t] == 0.0f) continue;
+          const int64_t delta = dmax - t;
+          if (p.kind == 3) {
+            acc[ud(t5_bucket(-delta, p.t5))] += row[t];
+          } else {
+            acc[0] -= static_cast<double>(row[t]) * static_cast<double>(delta < 0 ? -delta : delta);
+          }
+        }
+      }
+      if (p.kind == 3) {
+        for (int64_t u = 0; u < p.t5.num_buckets; ++u) {
+          g.drelative_attention_bias(u, h) = static_cast<float>(acc[ud(u)]);
+        }
+      } else {
+        g.dslopes(h) = static_cast<float>(acc[0]);
+      }
+    }
+  }
+  copy_dense(drel_k, g.drel_k);
+  copy_dense(drel_v, g.drel_v);
+  copy_dense(dpos_key, g.dpos_key);
+  copy_dense(dpos_query, g.dpos_query);
+  if (p.kind == 5) {
+    copy_dense(du, g.dr_w_bias);
+    copy_dense(dvb, g.dr_r_bias);
+    copy_dense(drnet, g.dr_net);
+  }
+  if (p.kind == 1) {
+    const auto& r = std::get<Rope>(scheme);
+    apply_rope(r.freqs, r.style, View<const float, 4>(dq), g.dq, &pr.qp, Direction::kInverse,
+               pr.opt.num_threads);
+    apply_rope(r.freqs, r.style, View<const float, 4>(dk), g.dk, &pr.kp, Direction::kInverse,
+               pr.opt.num_threads);
+  }
+  return true;
+}
+
 void attention_impl(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
                     const PositionScheme& scheme, const AttentionOptions& options,
                     View<float, 4> out, const View<float, 3>* lse, const Positions* query_positions,
@@ -1065,8 +1197,15 @@ void attention_backward(View<const float, 4> q, View<const float, 4> k, View<con
                         View<const float, 4> dout, const PositionScheme& scheme,
                         const AttentionOptions& options, const AttentionGrads& grads,
                         const Positions* query_positions, const Positions* key_positions) {
-  backward_materialized<float>(q, k, v, out, lse, dout, scheme, options, grads, query_positions,
-                               key_positions);
+  auto pr = make_problem<float>(q, k, v, q.shape, options, query_positions, key_positions);
+  check_backward_args(pr, scheme, out, lse, dout, grads);
+  const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
+                                /*build_xl_table=*/false);
+  if (!run_fused_backward(pr, p, out, lse, dout, grads, scheme)) {
+    // Outside the fused kernel's domain: the simple path.
+    const auto pn = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
+    run_backward<float>(pr, pn, out, lse, dout, grads, scheme);
+  }
 }
 
 void attention_backward_naive(View<const float, 4> q, View<const float, 4> k,

@@ -86,6 +86,40 @@ struct FusedAttentionParams {
   int* nan_score = nullptr;
 };
 
+// The backward's parameters: the forward's (inputs, positions, scheme tables; out and lse as the
+// forward wrote them) plus dout and the gradients. Every gradient is overwritten.
+struct FusedBackwardParams {
+  FusedAttentionParams fwd;  // fwd.out: the forward's output; fwd.lse: its log-sum-exp
+  const float* dout = nullptr;
+  std::array<int64_t, 3> dout_stride{};
+  // dq like q, dk and dv like k and v (strides for batch, seq, head; last dimension contiguous).
+  // With RoPE, dq and dk are with respect to the rotated q and k (the API rotates them back).
+  float* dq = nullptr;
+  std::array<int64_t, 3> dq_stride{};
+  float* dk = nullptr;
+  std::array<int64_t, 3> dk_stride{};
+  float* dv = nullptr;
+  std::array<int64_t, 3> dv_stride{};
+  // ALiBi, T5: sum of dS per (batch row, query head, distance), laid out as fwd.bias.
+  float* dbias = nullptr;
+  // Shaw: drel_k, drel_v dense like fwd.shaw_rel_k / shaw_rel_v (drel_v null: not wanted).
+  float* shaw_drel_k = nullptr;
+  float* shaw_drel_v = nullptr;
+  // DeBERTa: dense [2K, heads_q, head_dim].
+  float* deberta_dpos_key = nullptr;
+  float* deberta_dpos_query = nullptr;
+  // Transformer-XL: dr_w_bias, dr_r_bias [heads_q, head_dim] and dr_net [heads_q * head_dim,
+  // d_model], dense.
+  float* xl_du = nullptr;
+  float* xl_dv = nullptr;
+  float* xl_drnet = nullptr;
+};
+
+// FlashAttention-2's backward with recomputation: scores rebuilt tile by tile from q, k and lse.
+// One work item per (batch row, kv head), run by one thread; table gradients are summed per item
+// and reduced in item order, so results do not depend on the thread count.
+void fused_attention_backward(const FusedBackwardParams& p);
+
 // Flash-attention forward: tiles of queries x keys with a running max and sum, float32
 // accumulation, never materializing seq_q x seq_k. Rows with no visible key get 0 (the API has
 // already rejected them unless allowed).

@@ -1,0 +1,584 @@
+// src/kernels/attention_backward_hwy.cc - fused (flash-style) attention backward, every scheme.
+//
+// For a row i with forward output O_i and log-sum-exp lse_i (Dao 2023, "FlashAttention-2",
+// Algorithm 2, recomputation):
+//   P_ij  = exp(s_ij - lse_i)                      s_ij rebuilt from q, k and the scheme's terms
+//   dP_ij = dO_i . (v_j + rel_v[idx_ij])           (Shaw's value term when present)
+//   D_i   = dO_i . O_i,   dS_ij = P_ij (dP_ij - D_i)
+//   dV_j += P_ij dO_i,    dQ_i += scale dS_ij k_j,   dK_j += scale dS_ij q_i
+// and each positional term passes dS on to its own inputs and tables:
+//   bias(delta) (ALiBi, T5)   dbias[delta] += dS              (per batch row, head, distance)
+//   Shaw q . rel_k[idx]        dQ_i += scale dS rel_k[idx],    drel_k[idx] += scale dS q_i,
+//                              drel_v[idx] += P dO_i
+//   DeBERTa q . pk[c2p]        dQ_i += scale dS pk[c2p],       dpos_key[c2p] += scale dS q_i
+//           k . pq[p2c]        dK_j += scale dS pq[p2c],       dpos_query[p2c] += scale dS k_j
+//   XL (q + u) . k             dK_j += scale dS (q_i + u),     du += scale dS k_j
+//      (q + v) . r(delta)      dQ_i += scale dS r(delta),      dv += scale dS r(delta),
+//                              dr(delta) += scale dS (q_i + v), dr_net = dr^T R
+// Per-row terms (Shaw's and DeBERTa's c2p buckets) are summed per query row over the keys and
+// applied once per query block, as the forward's per-row projections are.
+//
+// Work: one item per (batch row, kv head), run by one thread: its query blocks (the group's
+// query heads x up to 64 / group positions) visit the key tiles, so dQ of a block is complete
+// when the block ends and dK, dV of the kv head are owned by the item. Table gradients are
+// summed per item and reduced in item order: results are bit-identical for any thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/attention_kernels.h"
+#include "kernels/parallel.h"
+#include "kernels/simd.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/attention_backward_hwy.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// Must come after foreach_target.h.
+#include "hwy/aligned_allocator.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+#include "kernels/attention-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace posenc::kernels {
+namespace HWY_NAMESPACE {
+
+// y[0, n) += a * x[0, n).
+HWY_INLINE void Axpy(float a, const float* HWY_RESTRICT x, float* HWY_RESTRICT y, int64_t n) {
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const auto va = hn::Set(d, a);
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    hn::StoreU(hn::MulAdd(va, hn::LoadU(d, x + i), hn::LoadU(d, y + i)), d, y + i);
+  }
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+class BackwardKernel {
+ public:
+  explicit BackwardKernel(const FusedBackwardParams& p) : b_(p), p_(p.fwd) {
+    const DF d;
+    lanes_ = static_cast<int64_t>(hn::Lanes(d));
+    dim_ = p_.head_dim;
+    dpad_ = RoundUp(dim_, lanes_);
+    group_ = p_.heads_q / p_.heads_kv;
+    nq_ = std::max<int64_t>(1, kTileK / group_);
+    rp_max_ = RoundUp(group_ * nq_, 4);
+    ntiles_ = (p_.seq_k + kTileK - 1) / kTileK;
+    tile_min_.resize(static_cast<size_t>(p_.batch * ntiles_));
+    tile_max_.resize(tile_min_.size());
+    for (int64_t bb = 0; bb < p_.batch; ++bb) {
+      const int32_t* kp = p_.kpos + bb * p_.seq_k;
+      for (int64_t t = 0; t < ntiles_; ++t) {
+        const int64_t j0 = t * kTileK, j1 = std::min(p_.seq_k, j0 + kTileK);
+        int32_t lo = kp[j0], hi = kp[j0];
+        for (int64_t j = j0 + 1; j < j1; ++j) lo = std::min(lo, kp[j]), hi = std::max(hi, kp[j]);
+        tile_min_[static_cast<size_t>(bb * ntiles_ + t)] = lo;
+        tile_max_[static_cast<size_t>(bb * ntiles_ + t)] = hi;
+      }
+    }
+    shaw_ = p_.shaw_rel_k != nullptr;
+    nrel_ = shaw_ ? 2 * p_.shaw_k + 1 : 0;
+    deberta_ = p_.deberta_pos_key != nullptr;
+    span2_ = deberta_ ? 2 * p_.deberta_span : 0;
+    xl_ = p_.xl_sin != nullptr;
+    hd_ = p_.heads_q * dim_;
+    hdp_ = RoundUp(hd_, kTileK);
+    // Per-item partial table gradients, in floats.
+    if (shaw_) {
+      shaw_k_heads_ = p_.shaw_rel_k_heads == 1 ? 1 : group_;
+      part_relk_ = 0;
+      part_size_ = shaw_k_heads_ * nrel_ * dim_;
+      if (b_.shaw_drel_v != nullptr) {
+        shaw_v_heads_ = p_.shaw_rel_v_heads == 1 ? 1 : group_;
+        part_relv_ = part_size_;
+        part_size_ += shaw_v_heads_ * nrel_ * dim_;
+      }
+    } else if (deberta_) {
+      part_size_ = 2 * group_ * span2_ * dim_;  // dpos_key, then dpos_query
+    } else if (xl_) {
+      part_size_ = 2 * group_ * dim_ + p_.xl_len * group_ * dim_;  // du, dv, then dr(t)
+    }
+  }
+
+  void Run() {
+    const int threads = resolve_threads(p_.num_threads);
+    scratch_ = std::vector<Scratch>(static_cast<size_t>(threads));
+    if (xl_) ProjectXl(threads);
+    const int64_t items = p_.batch * p_.heads_kv;
+    // Items per wave: bounded partial-gradient memory (about 16 MB), from the shape alone.
+    constexpr int64_t kPartBudget = int64_t{4} << 20;
+    const int64_t wave =
+        part_size_ == 0 ? items : std::clamp<int64_t>(kPartBudget / part_size_, 1, items);
+    std::vector<float> part(static_cast<size_t>(std::min(wave, items) * part_size_));
+    ZeroTables();
+    for (int64_t w0 = 0; w0 < items; w0 += wave) {
+      const int64_t nw = std::min(wave, items - w0);
+      std::fill(part.begin(), part.end(), 0.0f);
+      parallel_for(nw, threads,
+                   [&](int64_t w) { RunItem(w0 + w, Local(), part.data() + w * part_size_); });
+      for (int64_t w = 0; w < nw; ++w) Reduce(w0 + w, part.data() + w * part_size_);
+    }
+    if (xl_) ProjectXlGradient(threads);
+  }
+
+ private:
+  // A DeBERTa p2c cell's contribution to dK, applied after the tile's products.
+  struct PqCell {
+    int64_t c, u, h;
+    float sds;
+  };
+
+  struct Scratch {
+    hwy::AlignedFreeUniquePtr<float[]> buf;
+    size_t n = 0;
+    float* Get(size_t want) {
+      if (n < want) {
+        buf = hwy::AllocateAligned<float>(want);
+        n = want;
+      }
+      return buf.get();
+    }
+  };
+
+  Scratch& Local() { return scratch_[static_cast<size_t>(thread_index())]; }
+
+  bool Visible(int32_t pq, int32_t pk) const {
+    if (p_.causal && pk > pq) return false;
+    if (p_.window > 0 && std::abs(int64_t{pq} - pk) >= p_.window) return false;
+    return true;
+  }
+
+  void ZeroTables() {
+    auto zero = [](float* x, int64_t n) {
+      if (x != nullptr) std::fill(x, x + n, 0.0f);
+    };
+    if (b_.dbias != nullptr) zero(b_.dbias, p_.batch * p_.bias_batch_stride);
+    if (shaw_) {
+      zero(b_.shaw_drel_k, nrel_ * p_.shaw_rel_k_heads * dim_);
+      zero(b_.shaw_drel_v, nrel_ * p_.shaw_rel_v_heads * dim_);
+    }
+    if (deberta_) {
+      zero(b_.deberta_dpos_key, span2_ * hd_);
+      zero(b_.deberta_dpos_query, span2_ * hd_);
+    }
+    if (xl_) {
+      zero(b_.xl_du, hd_);
+      zero(b_.xl_dv, hd_);
+      xl_dr_.assign(static_cast<size_t>(p_.xl_len * hd_), 0.0f);
+    }
+  }
+
+  // Adds item w's partial table gradients into the outputs (called in item order).
+  void Reduce(int64_t w, const float* part) {
+    const int64_t hk = w % p_.heads_kv;
+    auto add = [](const float* src, float* dst, int64_t n) {
+      for (int64_t x = 0; x < n; ++x) dst[x] += src[x];
+    };
+    if (shaw_) {
+      for (int64_t g = 0; g < shaw_k_heads_; ++g) {
+        const int64_t th = p_.shaw_rel_k_heads == 1 ? 0 : hk * group_ + g;
+        for (int64_t u = 0; u < nrel_; ++u) {
+          add(part + (g * nrel_ + u) * dim_, b_.shaw_drel_k + (u * p_.shaw_rel_k_heads + th) * dim_,
+              dim_);
+        }
+      }
+      if (b_.shaw_drel_v != nullptr) {
+        for (int64_t g = 0; g < shaw_v_heads_; ++g) {
+          const int64_t th = p_.shaw_rel_v_heads == 1 ? 0 : hk * group_ + g;
+          for (int64_t u = 0; u < nrel_; ++u) {
+            add(part + part_relv_ + (g * nrel_ + u) * dim_,
+                b_.shaw_drel_v + (u * p_.shaw_rel_v_heads + th) * dim_, dim_);
+          }
+        }
+      }
+    } else if (deberta_) {
+      const int64_t half = group_ * span2_ * dim_;
+      for (int64_t g = 0; g < group_; ++g) {
+        const int64_t h = hk * group_ + g;
+        for (int64_t u = 0; u < span2_; ++u) {
+          add(part + (g * span2_ + u) * dim_, b_.deberta_dpos_key + (u * p_.heads_q + h) * dim_,
+              dim_);
+          add(part + half + (g * span2_ + u) * dim_,
+              b_.deberta_dpos_query + (u * p_.heads_q + h) * dim_, dim_);
+        }
+      }
+    } else if (xl_) {
+      const int64_t gd = group_ * dim_;
+      add(part, b_.xl_du + hk * gd, gd);
+      add(part + gd, b_.xl_dv + hk * gd, gd);
+      for (int64_t t = 0; t < p_.xl_len; ++t) {
+        add(part + 2 * gd + t * gd, xl_dr_.data() + t * hd_ + hk * gd, gd);
+      }
+    }
+  }
+
+  // XL: r(t) = W_r R(t) for every distance row t, [xl_len, hdp] (ScoresTile: sinusoid rows x
+  // tiles of W_r^T).
+  void ProjectXl(int threads) {
+    const int64_t dm = p_.xl_dmodel, len = p_.xl_len;
+    const int64_t otiles = hdp_ / kTileK;
+    rnet_t_ = hwy::AllocateAligned<float>(static_cast<size_t>(otiles * dm * kTileK));
+    std::fill(rnet_t_.get(), rnet_t_.get() + otiles * dm * kTileK, 0.0f);
+    for (int64_t o = 0; o < hd_; ++o)
+      for (int64_t m = 0; m < dm; ++m)
+        rnet_t_[static_cast<size_t>((o / kTileK) * dm * kTileK + m * kTileK + o % kTileK)] =
+            p_.xl_rnet[o * dm + m];
+    const int64_t lenp = RoundUp(len, 4);
+    sin_pad_ = hwy::AllocateAligned<float>(static_cast<size_t>(lenp * dm));
+    std::memcpy(sin_pad_.get(), p_.xl_sin, static_cast<size_t>(len * dm) * sizeof(float));
+    std::fill(sin_pad_.get() + len * dm, sin_pad_.get() + lenp * dm, 0.0f);
+    r_ = hwy::AllocateAligned<float>(static_cast<size_t>(lenp * hdp_));
+    const int64_t blocks = (lenp + kTileK - 1) / kTileK;
+    parallel_for(blocks * otiles, threads, [&](int64_t w) {
+      const int64_t t0 = (w / otiles) * kTileK, ot = w % otiles;
+      const int64_t rows = std::min(kTileK, lenp - t0);
+      ScoresTile(sin_pad_.get() + t0 * dm, dm, rnet_t_.get() + ot * dm * kTileK, rows,
+                 r_.get() + t0 * hdp_ + ot * kTileK, hdp_);
+    });
+  }
+
+  // XL: dr_net[o][m] = sum_t dr(t)[o] R(t)[m] (ScoresTile: dr^T rows x tiles of R).
+  void ProjectXlGradient(int threads) {
+    if (b_.xl_drnet == nullptr) return;
+    const int64_t dm = p_.xl_dmodel, len = p_.xl_len;
+    const int64_t mtiles = (dm + kTileK - 1) / kTileK, dmp = mtiles * kTileK;
+    auto sin_t = hwy::AllocateAligned<float>(static_cast<size_t>(mtiles * len * kTileK));
+    std::fill(sin_t.get(), sin_t.get() + mtiles * len * kTileK, 0.0f);
+    for (int64_t t = 0; t < len; ++t)
+      for (int64_t m = 0; m < dm; ++m)
+        sin_t[static_cast<size_t>((m / kTileK) * len * kTileK + t * kTileK + m % kTileK)] =
+            p_.xl_sin[t * dm + m];
+    const int64_t hd4 = RoundUp(hd_, 4);
+    auto dr_t = hwy::AllocateAligned<float>(static_cast<size_t>(hd4 * len));
+    std::fill(dr_t.get(), dr_t.get() + hd4 * len, 0.0f);
+    for (int64_t t = 0; t < len; ++t)
+      for (int64_t o = 0; o < hd_; ++o)
+        dr_t[static_cast<size_t>(o * len + t)] = xl_dr_[static_cast<size_t>(t * hd_ + o)];
+    auto out = hwy::AllocateAligned<float>(static_cast<size_t>(hd4 * dmp));
+    const int64_t blocks = (hd4 + kTileK - 1) / kTileK;
+    parallel_for(blocks * mtiles, threads, [&](int64_t w) {
+      const int64_t o0 = (w / mtiles) * kTileK, mt = w % mtiles;
+      const int64_t rows = std::min(kTileK, hd4 - o0);
+      ScoresTile(dr_t.get() + o0 * len, len, sin_t.get() + mt * len * kTileK, rows,
+                 out.get() + o0 * dmp + mt * kTileK, dmp);
+    });
+    for (int64_t o = 0; o < hd_; ++o)
+      std::memcpy(b_.xl_drnet + o * dm, out.get() + o * dmp, static_cast<size_t>(dm) * 4);
+  }
+
+  // One (batch row, kv head): every query block against every key tile it can see.
+  void RunItem(int64_t w, Scratch& sc, float* part) {
+    const DF d;
+    const int64_t bb = w / p_.heads_kv, hk = w % p_.heads_kv;
+    const int64_t rpm = rp_max_, dp = dpad_, kt = kTileK;
+    // Scratch layout (floats).
+    const size_t n_rows = static_cast<size_t>(rpm * dp);
+    const size_t n_tile = static_cast<size_t>(rpm * kt);
+    const size_t n_ktile = static_cast<size_t>(kt * dp);
+    const size_t n_rel = static_cast<size_t>(rpm * std::max(nrel_, span2_));
+    const size_t total = 5 * n_rows + 4 * n_tile + 3 * n_ktile +
+                         2 * static_cast<size_t>(dim_ * kt) + 4 * n_rel +
+                         2 * static_cast<size_t>(rpm);
+    float* base = sc.Get(total);
+    std::fill(base, base + total, 0.0f);
+    float* qb = base;               // q (XL: q + u) rows, dpad wide
+    float* qx = qb + n_rows;        // XL: q + v
+    float* dob = qx + n_rows;       // dout rows
+    float* dqb = dob + n_rows;      // dQ of the block
+    float* dqr = dqb + n_rows;      // XL: dQ's r(delta) part
+    float* s = dqr + n_rows;        // scores, then P [rpm x kt]
+    float* dps = s + n_tile;        // dP, then scale * dS
+    float* pt = dps + n_tile;       // P^T [kt x rpm]
+    float* dst = pt + n_tile;       // scale * dS^T
+    float* kp = dst + n_tile;       // key rows [kt x dpad]
+    float* dkt = kp + n_ktile;      // dK tile
+    float* dvt = dkt + n_ktile;     // dV tile
+    float* ktr = dvt + n_ktile;     // K^T [dim x kt]
+    float* vtr = ktr + dim_ * kt;   // V^T
+    float* rel1 = vtr + dim_ * kt;  // Shaw: scale q . rel_k; DeBERTa: scale q . pos_key
+    float* rel2 = rel1 + n_rel;     // Shaw: dout . rel_v
+    float* w1 = rel2 + n_rel;       // Shaw / DeBERTa c2p: sum of scale dS per bucket
+    float* w2 = w1 + n_rel;         // Shaw: sum of P per bucket
+    float* dsum = w2 + n_rel;
+    float* lse = dsum + rpm;
+    std::vector<int32_t> qpos(static_cast<size_t>(rpm));
+    std::vector<int64_t> head(static_cast<size_t>(rpm));
+    std::vector<PqCell> pq_cells;
+
+    const float scale = p_.scale;
+    const int32_t* kposb = p_.kpos + bb * p_.seq_k;
+    // dK, dV of this (batch row, kv head) accumulate tile by tile: start from zero.
+    for (int64_t j = 0; j < p_.seq_k; ++j) {
+      std::fill(b_.dk + bb * b_.dk_stride[0] + j * b_.dk_stride[1] + hk * b_.dk_stride[2],
+                b_.dk + bb * b_.dk_stride[0] + j * b_.dk_stride[1] + hk * b_.dk_stride[2] + dim_,
+                0.0f);
+      std::fill(b_.dv + bb * b_.dv_stride[0] + j * b_.dv_stride[1] + hk * b_.dv_stride[2],
+                b_.dv + bb * b_.dv_stride[0] + j * b_.dv_stride[1] + hk * b_.dv_stride[2] + dim_,
+                0.0f);
+    }
+    const int64_t nrow_tab = shaw_ ? nrel_ : span2_;
+    for (int64_t i0 = 0; i0 < p_.seq_q; i0 += nq_) {
+      const int64_t nq = std::min(nq_, p_.seq_q - i0);
+      const int64_t rows = group_ * nq, rp = RoundUp(rows, 4);
+      int32_t qmin = std::numeric_limits<int32_t>::max(),
+              qmax = std::numeric_limits<int32_t>::min();
+      std::fill(base, base + 5 * n_rows, 0.0f);
+      for (int64_t r = 0; r < rp; ++r) {
+        lse[r] = -std::numeric_limits<float>::infinity();
+        dsum[r] = 0.0f;
+        if (r >= rows) continue;
+        const int64_t g = r / nq, i = i0 + r % nq, h = hk * group_ + g;
+        head[static_cast<size_t>(r)] = h;
+        qpos[static_cast<size_t>(r)] = p_.qpos[bb * p_.seq_q + i];
+        qmin = std::min(qmin, qpos[static_cast<size_t>(r)]);
+        qmax = std::max(qmax, qpos[static_cast<size_t>(r)]);
+        const float* qr = p_.q + bb * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
+        const float* orow =
+            p_.out + bb * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
+        const float* dor =
+            b_.dout + bb * b_.dout_stride[0] + i * b_.dout_stride[1] + h * b_.dout_stride[2];
+        std::memcpy(qb + r * dp, qr, static_cast<size_t>(dim_) * sizeof(float));
+        std::memcpy(dob + r * dp, dor, static_cast<size_t>(dim_) * sizeof(float));
+        if (xl_) {
+          for (int64_t x = 0; x < dim_; ++x) {
+            qb[r * dp + x] = qr[x] + p_.xl_u[h * dim_ + x];
+            qx[r * dp + x] = qr[x] + p_.xl_v[h * dim_ + x];
+          }
+        }
+        dsum[r] = Dot(dor, orow, dim_);
+        lse[r] = p_.lse[bb * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]];
+      }
+      // Per-row tables and bucket sums.
+      if (shaw_ || deberta_) {
+        std::fill(w1, w1 + rp * nrow_tab, 0.0f);
+        std::fill(w2, w2 + rp * nrow_tab, 0.0f);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t h = head[static_cast<size_t>(r)];
+          for (int64_t u = 0; u < nrow_tab; ++u) {
+            if (shaw_) {
+              const int64_t th = p_.shaw_rel_k_heads == 1 ? 0 : h;
+              rel1[r * nrow_tab + u] =
+                  scale *
+                  Dot(qb + r * dp, p_.shaw_rel_k + (u * p_.shaw_rel_k_heads + th) * dim_, dim_);
+              if (p_.shaw_rel_v != nullptr) {
+                const int64_t tv = p_.shaw_rel_v_heads == 1 ? 0 : h;
+                rel2[r * nrow_tab + u] =
+                    Dot(dob + r * dp, p_.shaw_rel_v + (u * p_.shaw_rel_v_heads + tv) * dim_, dim_);
+              }
+            } else {
+              rel1[r * nrow_tab + u] =
+                  scale * Dot(qb + r * dp, p_.deberta_pos_key + (u * p_.heads_q + h) * dim_, dim_);
+            }
+          }
+        }
+      }
+      for (int64_t t = 0; t < ntiles_; ++t) {
+        const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
+        const int32_t tmin = tile_min_[static_cast<size_t>(bb * ntiles_ + t)];
+        const int32_t tmax = tile_max_[static_cast<size_t>(bb * ntiles_ + t)];
+        if (p_.causal && tmin > qmax) continue;
+        if (p_.window > 0 &&
+            (int64_t{tmin} - qmax >= p_.window || int64_t{qmin} - tmax >= p_.window))
+          continue;
+        // Key rows (padded), K^T and V^T.
+        std::fill(kp, kp + n_ktile, 0.0f);
+        const float* kbase = p_.k + bb * p_.k_stride[0] + hk * p_.k_stride[2];
+        const float* vbase = p_.v + bb * p_.v_stride[0] + hk * p_.v_stride[2];
+        for (int64_t c = 0; c < nk; ++c) {
+          const float* kr = kbase + (j0 + c) * p_.k_stride[1];
+          const float* vr = vbase + (j0 + c) * p_.v_stride[1];
+          std::memcpy(kp + c * dp, kr, static_cast<size_t>(dim_) * sizeof(float));
+          for (int64_t x = 0; x < dim_; ++x) {
+            ktr[x * kt + c] = kr[x];
+            vtr[x * kt + c] = vr[x];
+          }
+        }
+        for (int64_t x = 0; x < dim_; ++x) {
+          std::fill(ktr + x * kt + nk, ktr + (x + 1) * kt, 0.0f);
+          std::fill(vtr + x * kt + nk, vtr + (x + 1) * kt, 0.0f);
+        }
+        ScoresTile(qb, dim_, ktr, rp, s, kt, dp);
+        ScoresTile(dob, dim_, vtr, rp, dps, kt, dp);
+        // Scores with the scheme's terms, masks, P and dS.
+        for (int64_t r = 0; r < rp; ++r) {
+          float* srow = s + r * kt;
+          float* drow = dps + r * kt;
+          if (lse[r] == -std::numeric_limits<float>::infinity()) {
+            std::fill(srow, srow + kt, 0.0f);
+            std::fill(drow, drow + kt, 0.0f);
+            continue;
+          }
+          const int64_t h = head[static_cast<size_t>(r)];
+          const int32_t pq = qpos[static_cast<size_t>(r)];
+          for (int64_t c = 0; c < kt; ++c) {
+            if (c >= nk || !Visible(pq, kposb[j0 + c])) {
+              srow[c] = -std::numeric_limits<float>::infinity();
+              continue;
+            }
+            const int32_t pk = kposb[j0 + c];
+            const int64_t delta = int64_t{pq} - pk;
+            float x = srow[c] * scale;
+            if (p_.bias != nullptr) {
+              x +=
+                  p_.bias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)];
+            } else if (shaw_) {
+              const int64_t u = std::clamp<int64_t>(-delta, -p_.shaw_k, p_.shaw_k) + p_.shaw_k;
+              x += rel1[r * nrow_tab + u];
+              if (p_.shaw_rel_v != nullptr) drow[c] += rel2[r * nrow_tab + u];
+            } else if (deberta_) {
+              const int64_t at = p_.deberta_dmax[bb] - delta;
+              x += rel1[r * nrow_tab + p_.deberta_c2p[at]];
+              x += scale * Dot(kp + c * dp,
+                               p_.deberta_pos_query + (p_.deberta_p2c[at] * p_.heads_q + h) * dim_,
+                               dim_);
+            } else if (xl_) {
+              x +=
+                  scale * Dot(qx + r * dp, r_.get() + (p_.xl_dmax - delta) * hdp_ + h * dim_, dim_);
+            }
+            srow[c] = x;
+          }
+          const auto vl = hn::Set(d, lse[r]), vd = hn::Set(d, dsum[r]);
+          for (int64_t c = 0; c < kt; c += lanes_) {
+            const auto pv = hn::Exp(d, hn::Sub(hn::Load(d, srow + c), vl));  // exp(-inf) = 0
+            hn::Store(pv, d, srow + c);
+            hn::Store(hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd)), d, drow + c);
+          }
+          // Per-cell gradients of the scheme's terms (dS unscaled for biases, scaled below).
+          for (int64_t c = 0; c < nk; ++c) {
+            const float ds = drow[c];
+            const float pr = srow[c];
+            if (ds == 0.0f && pr == 0.0f) continue;
+            const int32_t pk = kposb[j0 + c];
+            const int64_t delta = int64_t{pq} - pk;
+            const float sds = scale * ds;
+            if (b_.dbias != nullptr) {
+              b_.dbias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)] +=
+                  ds;
+            } else if (shaw_) {
+              const int64_t u = std::clamp<int64_t>(-delta, -p_.shaw_k, p_.shaw_k) + p_.shaw_k;
+              w1[r * nrow_tab + u] += sds;
+              w2[r * nrow_tab + u] += pr;
+            } else if (deberta_) {
+              const int64_t at = p_.deberta_dmax[bb] - delta;
+              w1[r * nrow_tab + p_.deberta_c2p[at]] += sds;
+              const int64_t u = p_.deberta_p2c[at];
+              const int64_t g = h - hk * group_;
+              // dK_j += scale dS pos_query[p2c] goes into the tile's dK after the products
+              // below; dpos_query[p2c] += scale dS k_j now.
+              pq_cells.push_back({c, u, h, sds});
+              Axpy(sds, kp + c * dp, part + group_ * span2_ * dim_ + (g * span2_ + u) * dim_, dim_);
+            } else if (xl_) {
+              const int64_t tt = p_.xl_dmax - delta;
+              const int64_t g = h - hk * group_;
+              Axpy(sds, r_.get() + tt * hdp_ + h * dim_, dqr + r * dp, dim_);
+              Axpy(sds, qx + r * dp, part + 2 * group_ * dim_ + (tt * group_ + g) * dim_, dim_);
+            }
+          }
+          // scale * dS from here on.
+          const auto vs = hn::Set(d, scale);
+          for (int64_t c = 0; c < kt; c += lanes_) {
+            hn::Store(hn::Mul(hn::Load(d, drow + c), vs), d, drow + c);
+          }
+        }
+        // P^T and (scale dS)^T for the key-side products.
+        for (int64_t r = 0; r < rp; ++r)
+          for (int64_t c = 0; c < kt; ++c) {
+            pt[c * rp + r] = s[r * kt + c];
+            dst[c * rp + r] = dps[r * kt + c];
+          }
+        std::fill(dkt, dkt + n_ktile, 0.0f);
+        std::fill(dvt, dvt + n_ktile, 0.0f);
+        AccumulateTile(pt, rp, dob, dp, dp, kt, dvt, rp);  // dV += P^T dO
+        AccumulateTile(dst, rp, qb, dp, dp, kt, dkt, rp);  // dK += scale dS^T Q
+        AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);      // dQ += scale dS K
+        for (const auto& cell : pq_cells) {  // DeBERTa p2c: dK += scale dS pos_query[p2c]
+          Axpy(cell.sds, p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_,
+               dkt + cell.c * dp, dim_);
+        }
+        pq_cells.clear();
+        for (int64_t c = 0; c < nk; ++c) {
+          float* dkr =
+              b_.dk + bb * b_.dk_stride[0] + (j0 + c) * b_.dk_stride[1] + hk * b_.dk_stride[2];
+          float* dvr =
+              b_.dv + bb * b_.dv_stride[0] + (j0 + c) * b_.dv_stride[1] + hk * b_.dv_stride[2];
+          for (int64_t x = 0; x < dim_; ++x) {
+            dkr[x] += dkt[c * dp + x];
+            dvr[x] += dvt[c * dp + x];
+          }
+        }
+      }
+      // Per-row terms, once per block.
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = head[static_cast<size_t>(r)], g = h - hk * group_;
+        float* dq_r = dqb + r * dp;
+        if (shaw_) {
+          const int64_t tk = p_.shaw_rel_k_heads == 1 ? 0 : h;
+          const int64_t gk = p_.shaw_rel_k_heads == 1 ? 0 : g;
+          for (int64_t u = 0; u < nrel_; ++u) {
+            const float wk = w1[r * nrow_tab + u];
+            if (wk != 0.0f) {
+              Axpy(wk, p_.shaw_rel_k + (u * p_.shaw_rel_k_heads + tk) * dim_, dq_r, dim_);
+              Axpy(wk, qb + r * dp, part + part_relk_ + (gk * nrel_ + u) * dim_, dim_);
+            }
+            const float wv = w2[r * nrow_tab + u];
+            if (wv != 0.0f && b_.shaw_drel_v != nullptr) {
+              const int64_t gv = p_.shaw_rel_v_heads == 1 ? 0 : g;
+              Axpy(wv, dob + r * dp, part + part_relv_ + (gv * nrel_ + u) * dim_, dim_);
+            }
+          }
+        } else if (deberta_) {
+          for (int64_t u = 0; u < span2_; ++u) {
+            const float wc = w1[r * nrow_tab + u];
+            if (wc == 0.0f) continue;
+            Axpy(wc, p_.deberta_pos_key + (u * p_.heads_q + h) * dim_, dq_r, dim_);
+            Axpy(wc, qb + r * dp, part + (g * span2_ + u) * dim_, dim_);
+          }
+        } else if (xl_) {
+          Axpy(1.0f, dq_r, part + g * dim_, dim_);                          // du: the k part
+          Axpy(1.0f, dqr + r * dp, part + group_ * dim_ + g * dim_, dim_);  // dv: the r part
+          Axpy(1.0f, dqr + r * dp, dq_r, dim_);
+        }
+        const int64_t i = i0 + r % nq;
+        std::memcpy(b_.dq + bb * b_.dq_stride[0] + i * b_.dq_stride[1] + h * b_.dq_stride[2], dq_r,
+                    static_cast<size_t>(dim_) * sizeof(float));
+      }
+    }
+  }
+
+  const FusedBackwardParams& b_;
+  const FusedAttentionParams& p_;
+  int64_t lanes_ = 0, dim_ = 0, dpad_ = 0, group_ = 1, nq_ = 1, rp_max_ = 4, ntiles_ = 0;
+  std::vector<int32_t> tile_min_, tile_max_;
+  bool shaw_ = false, deberta_ = false, xl_ = false;
+  int64_t nrel_ = 0, span2_ = 0, hd_ = 0, hdp_ = 0;
+  int64_t shaw_k_heads_ = 1, shaw_v_heads_ = 1, part_relk_ = 0, part_relv_ = 0, part_size_ = 0;
+  std::vector<Scratch> scratch_;
+  std::vector<float> xl_dr_;
+  hwy::AlignedFreeUniquePtr<float[]> rnet_t_, sin_pad_, r_;
+};
+
+void FusedAttentionBackward(const FusedBackwardParams& p) {
+  BackwardKernel k(p);
+  k.Run();
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace posenc::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace posenc::kernels {
+
+HWY_EXPORT(FusedAttentionBackward);
+
+void fused_attention_backward(const FusedBackwardParams& p) {
+  simd_target_name();  // applies POSENC_SIMD_TARGET before the first dispatch
+  HWY_DYNAMIC_DISPATCH(FusedAttentionBackward)(p);
+}
+
+}  // namespace posenc::kernels
+#endif  // HWY_ONCE
