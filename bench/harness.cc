@@ -498,10 +498,18 @@ const std::vector<std::string>& scheme_names() {
   return names;
 }
 
+View<const float, 4> dout_view(const float* dout, const AttentionShape& s) {
+  return View<const float, 4>::contiguous(dout, {s.batch, s.seq_q, s.heads_q, s.head_dim});
+}
+
 struct AttentionWorkload::Storage {
   Buffer q, k, v, out;
   std::vector<float> table_a, table_b, table_c;
   PositionScheme scheme;
+  // Backward: lse, dout, the gradients (allocated on first use).
+  Buffer lse, dout, dq, dk, dv;
+  std::vector<float> grad_a, grad_b, grad_c;
+  AttentionGrads grads;
 };
 
 AttentionWorkload::AttentionWorkload(const AttentionShape& shape, const std::string& scheme,
@@ -605,6 +613,61 @@ void AttentionWorkload::run(int threads) {
   attention(q(), k(), v(), scheme(), opt, out());
 }
 
+void AttentionWorkload::run_backward(int threads) {
+  Storage& st = *storage_;
+  const AttentionShape& s = shape_;
+  AttentionOptions opt;
+  opt.causal = s.causal;
+  opt.num_threads = resolve_threads(threads);
+  const int64_t nq = s.batch * s.seq_q * s.heads_q * s.head_dim;
+  const int64_t nkv = s.batch * s.seq_k * s.heads_kv * s.head_dim;
+  if (st.dq.size() == 0) {
+    st.lse = Buffer(s.batch * s.heads_q * s.seq_q);
+    st.dout = Buffer(nq);
+    st.dq = Buffer(nq);
+    st.dk = Buffer(nkv);
+    st.dv = Buffer(nkv);
+    Rng(7).fill(st.dout.data(), nq);
+    attention(q(), k(), v(), scheme(), opt, out(),
+              View<float, 3>::contiguous(st.lse.data(), {s.batch, s.heads_q, s.seq_q}));
+    AttentionGrads& g = st.grads;
+    g.dq = view4<float>(st.dq.data(), s.batch, s.seq_q, s.heads_q, s.head_dim);
+    g.dk = view4<float>(st.dk.data(), s.batch, s.seq_k, s.heads_kv, s.head_dim);
+    g.dv = view4<float>(st.dv.data(), s.batch, s.seq_k, s.heads_kv, s.head_dim);
+    auto like = [](std::vector<float>& buf, const auto& table) {
+      buf.assign(static_cast<std::size_t>(table.numel()), 0.0f);
+      using V = std::remove_cv_t<std::remove_reference_t<decltype(table)>>;
+      return View<float, V{}.shape.size()>::contiguous(buf.data(), table.shape);
+    };
+    if (const auto* t = std::get_if<T5Bias>(&st.scheme)) {
+      g.drelative_attention_bias = like(st.grad_a, t->table);
+    } else if (std::holds_alternative<Alibi>(st.scheme)) {
+      st.grad_a.assign(static_cast<std::size_t>(s.heads_q), 0.0f);
+      g.dslopes = View<float, 1>::contiguous(st.grad_a.data(), {s.heads_q});
+    } else if (const auto* sh = std::get_if<Shaw>(&st.scheme)) {
+      g.drel_k = like(st.grad_a, sh->rel_k);
+      g.drel_v = like(st.grad_b, sh->rel_v);
+    } else if (const auto* x = std::get_if<TransformerXL>(&st.scheme)) {
+      g.dr_w_bias = like(st.grad_a, x->r_w_bias);
+      g.dr_r_bias = like(st.grad_b, x->r_r_bias);
+      g.dr_net = like(st.grad_c, x->r_net);
+    } else if (const auto* db = std::get_if<DeBERTa>(&st.scheme)) {
+      g.dpos_key = like(st.grad_a, db->pos_key);
+      g.dpos_query = like(st.grad_b, db->pos_query);
+    }
+  }
+  const auto lse = View<const float, 3>::contiguous(st.lse.data(), {s.batch, s.heads_q, s.seq_q});
+  attention_backward(q(), k(), v(), out(), lse, dout_view(st.dout.data(), s), scheme(), opt,
+                     st.grads);
+}
+
+double AttentionWorkload::backward_bytes() const {
+  const AttentionShape& s = shape_;
+  const double nq = static_cast<double>(s.batch * s.seq_q * s.heads_q * s.head_dim);
+  const double nkv = static_cast<double>(s.batch * s.seq_k * s.heads_kv * s.head_dim);
+  return 4.0 * (4 * nq + 4 * nkv + static_cast<double>(s.batch * s.heads_q * s.seq_q));
+}
+
 void AttentionWorkload::run_naive(int threads) {
   naive_attention(q(), k(), v(), shape_.causal,
                   1.0 / std::sqrt(static_cast<double>(shape_.head_dim)), out(), threads);
@@ -635,6 +698,33 @@ Result bench_attention(const std::string& scheme, const AttentionShape& shape, i
   r.timing = pt.b;
   r.extra.emplace_back("vs_none", pt.ratio);
   r.extra.emplace_back("none_median_s", pt.a.median_s);
+  return r;
+}
+
+Result bench_attention_backward(const std::string& scheme, const AttentionShape& shape, int threads,
+                                const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  AttentionWorkload w(shape, scheme);
+  Result r;
+  r.name = "attention_backward_" + attention_name(scheme, shape).substr(sizeof("attention_") - 1);
+  r.threads = threads;
+  r.flops = 2.5 * attention_flops(shape);
+  r.baselines = {"sgemm"};
+  w.run_backward(threads);  // forward, dout, buffers
+  // Backward over forward of the same scheme, in alternation.
+  const PairTiming fwd =
+      measure_pair([&] { w.run(threads); }, [&] { w.run_backward(threads); }, options);
+  r.timing = fwd.b;
+  r.extra.emplace_back("vs_forward", fwd.ratio);
+  r.extra.emplace_back("forward_median_s", fwd.a.median_s);
+  if (scheme != "none") {
+    AttentionWorkload none(shape, "none");
+    none.run_backward(threads);
+    const PairTiming pt = measure_pair([&] { none.run_backward(threads); },
+                                       [&] { w.run_backward(threads); }, options);
+    r.extra.emplace_back("vs_none", pt.ratio);
+    r.extra.emplace_back("none_median_s", pt.a.median_s);
+  }
   return r;
 }
 
@@ -700,6 +790,44 @@ Result bench_peak_memory_attention(const AttentionShape& shape, int threads) {
                                               static_cast<double>(shape.heads_q) *
                                               static_cast<double>(shape.seq_q) *
                                               static_cast<double>(shape.seq_k) / kMiB);
+  return r;
+}
+
+Result bench_peak_memory_attention_backward(const AttentionShape& shape, int threads) {
+  threads = resolve_threads(threads);
+  constexpr double kMiB = 1 << 20;
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
+  const int64_t base_kib = status_kib("VmRSS");
+  if (base_kib < 0 || !reset_peak_rss() || status_kib("VmHWM") < 0) {
+    throw Error("bench: cannot reset the peak resident set (/proc/self/clear_refs)");
+  }
+  Result r;
+  r.name = "peak_memory_attention_backward_" +
+           attention_name("none", shape).substr(sizeof("attention_") - 1);
+  r.threads = threads;
+  r.flops = 2.5 * attention_flops(shape);
+  r.baselines = {"sgemm"};
+  AttentionWorkload w(shape, "none");
+  // The first call runs the forward and allocates every buffer; the second is measured.
+  w.run_backward(threads);
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
+  const int64_t before_call_kib = status_kib("VmRSS");
+  reset_peak_rss();
+  TimingOptions once;
+  once.warmup = 0;
+  once.min_reps = 1;
+  once.max_reps = 1;
+  once.min_total_s = 0;
+  r.timing = measure([&] { w.run_backward(threads); }, once);
+  const int64_t peak_kib = status_kib("VmHWM");
+  r.extra.emplace_back("peak_mb", static_cast<double>(peak_kib - base_kib) * 1024 / kMiB);
+  r.extra.emplace_back("inputs_outputs_mb", w.backward_bytes() / kMiB);
+  r.extra.emplace_back("workspace_mb",
+                       static_cast<double>(peak_kib - before_call_kib) * 1024 / kMiB);
   return r;
 }
 
@@ -772,6 +900,13 @@ std::vector<Entry> suite(const SuiteOptions& options) {
                  [=] { return bench_decode(decode, threads, timing); }});
   all.push_back({"peak_memory_" + attention_name("none", peak),
                  [=] { return bench_peak_memory_attention(peak, threads); }});
+  for (const char* scheme : {"none", "rope", "alibi", "t5", "shaw", "deberta", "xl"}) {
+    const std::string s = scheme;
+    all.push_back({"attention_backward_" + attention_name(s, attn).substr(10),
+                   [=] { return bench_attention_backward(s, attn, threads, timing); }});
+  }
+  all.push_back({"peak_memory_attention_backward_" + attention_name("none", peak).substr(10),
+                 [=] { return bench_peak_memory_attention_backward(peak, threads); }});
 
   if (options.filter.empty()) return all;
   std::vector<Entry> kept;

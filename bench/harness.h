@@ -168,6 +168,12 @@ class AttentionWorkload {
   // naive_attention into out() (positional terms ignored: for scheme "none").
   void run_naive(int threads);
 
+  // The backward: the first call runs the forward once (out and lse) and draws dout; every call
+  // runs posenc::attention_backward into dq, dk, dv and every parameter gradient of the scheme.
+  void run_backward(int threads);
+  // Bytes of q, k, v, out, lse, dout and every gradient.
+  double backward_bytes() const;
+
  private:
   struct Storage;
   AttentionShape shape_;
@@ -181,6 +187,13 @@ std::string attention_name(const std::string& scheme, const AttentionShape& shap
 // posenc::attention with `scheme` (flops: attention_flops; baseline sgemm).
 Result bench_attention(const std::string& scheme, const AttentionShape& shape, int threads,
                        const TimingOptions& options);
+// posenc::attention_backward with `scheme`: "attention_backward_<scheme>_...", flops 2.5 x
+// attention_flops (FlashAttention-2's count: five products instead of two), baseline sgemm.
+// Extra fields: vs_forward (backward time / forward time, timed in alternation), and for
+// schemes other than none vs_none (backward time / backward time of no positions, in
+// alternation) and none_median_s.
+Result bench_attention_backward(const std::string& scheme, const AttentionShape& shape, int threads,
+                                const TimingOptions& options);
 // naive_attention, named "attention_naive_..." (flops: attention_flops; baseline sgemm).
 Result bench_naive_attention(const AttentionShape& shape, int threads,
                              const TimingOptions& options);
@@ -197,6 +210,11 @@ Result bench_decode(const AttentionShape& shape, int threads, const TimingOption
 // One timed call (median_s = min_s), flops as bench_attention. Throws posenc::Error when the
 // kernel offers no way to reset the peak (no /proc/self/clear_refs).
 Result bench_peak_memory_attention(const AttentionShape& shape, int threads);
+
+// Peak memory of one posenc::attention_backward call, scheme none:
+// "peak_memory_attention_backward_none_...", fields as bench_peak_memory_attention
+// (inputs_outputs_mb: q, k, v, out, lse, dout, dq, dk, dv).
+Result bench_peak_memory_attention_backward(const AttentionShape& shape, int threads);
 
 // RoPE in place on x [1, seq, heads, head_dim], half style (NeoX), base 1e4, positions offset 0:
 // "rope_neox_<seq>x<heads>x<head_dim>", bytes 2 x size (read + write), baseline copy_bandwidth.
@@ -219,7 +237,8 @@ struct Entry {
 };
 
 // The entries in order, baselines first (copy_bandwidth, read_bandwidth, sgemm, rope,
-// attention per scheme, naive attention, decode, peak memory). Full sizes: 256 MiB buffers,
+// attention per scheme, naive attention, decode, peak memory, backward per scheme, backward
+// peak memory). Full sizes: 256 MiB buffers,
 // sgemm 4096, rope [1, 4096, 32, 128], attention [1, 4096, 8, 128] causal, decode q [1, 1, 32,
 // 128] k, v [1, 32768, 8, 128], peak memory at 32768 tokens. Quick: 64 MiB, sgemm 1024, rope
 // [1, 1024, 32, 128], attention at 512 tokens, decode at 4096, peak memory at 2048 (the names

@@ -49,6 +49,7 @@ Command add_t5_buckets_command(CLI::App& parent);
 Command add_deberta_buckets_command(CLI::App& parent);
 Command add_learned_command(CLI::App& parent);
 Command add_attention_command(CLI::App& parent);
+Command add_attention_grad_command(CLI::App& parent);
 Command add_check_command(CLI::App& parent);
 Command add_bench_command(CLI::App& parent);
 Command add_demo_command(CLI::App& parent);

@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
         pc::add_deberta_buckets_command(app),
         pc::add_learned_command(app),
         pc::add_attention_command(app),
+        pc::add_attention_grad_command(app),
         pc::add_check_command(app),
         pc::add_bench_command(app),
         pc::add_describe_command(app),

@@ -45,6 +45,8 @@ HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
 namespace HWY_NAMESPACE {
 
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 // y[0, n) += a * x[0, n).
 HWY_INLINE void Axpy(float a, const float* HWY_RESTRICT x, float* HWY_RESTRICT y, int64_t n) {
   const DF d;
@@ -85,6 +87,8 @@ class BackwardKernel {
     deberta_ = p_.deberta_pos_key != nullptr;
     span2_ = deberta_ ? 2 * p_.deberta_span : 0;
     xl_ = p_.xl_sin != nullptr;
+    has_terms_ = p_.bias != nullptr || shaw_ || deberta_ || xl_;
+    cell_grads_ = b_.dbias != nullptr || shaw_ || deberta_ || xl_;
     hd_ = p_.heads_q * dim_;
     hdp_ = RoundUp(hd_, kTileK);
     // Per-item partial table gradients, in floats.
@@ -145,12 +149,6 @@ class BackwardKernel {
   };
 
   Scratch& Local() { return scratch_[static_cast<size_t>(thread_index())]; }
-
-  bool Visible(int32_t pq, int32_t pk) const {
-    if (p_.causal && pk > pq) return false;
-    if (p_.window > 0 && std::abs(int64_t{pq} - pk) >= p_.window) return false;
-    return true;
-  }
 
   void ZeroTables() {
     auto zero = [](float* x, int64_t n) {
@@ -308,6 +306,11 @@ class BackwardKernel {
     std::vector<int32_t> qpos(static_cast<size_t>(rpm));
     std::vector<int64_t> head(static_cast<size_t>(rpm));
     std::vector<PqCell> pq_cells;
+    auto kpt_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+    int32_t* kpt = kpt_buf.get();
+    std::fill(kpt, kpt + kTileK, 0);
+    const DI di_w;
+    const auto vwin = hn::Set(di_w, static_cast<int32_t>(std::min<int64_t>(p_.window, 1 << 30)));
 
     const float scale = p_.scale;
     const int32_t* kposb = p_.kpos + bb * p_.seq_k;
@@ -392,6 +395,7 @@ class BackwardKernel {
           const float* kr = kbase + (j0 + c) * p_.k_stride[1];
           const float* vr = vbase + (j0 + c) * p_.v_stride[1];
           std::memcpy(kp + c * dp, kr, static_cast<size_t>(dim_) * sizeof(float));
+          kpt[c] = kposb[j0 + c];
           for (int64_t x = 0; x < dim_; ++x) {
             ktr[x * kt + c] = kr[x];
             vtr[x * kt + c] = vr[x];
@@ -414,14 +418,28 @@ class BackwardKernel {
           }
           const int64_t h = head[static_cast<size_t>(r)];
           const int32_t pq = qpos[static_cast<size_t>(r)];
-          for (int64_t c = 0; c < kt; ++c) {
-            if (c >= nk || !Visible(pq, kposb[j0 + c])) {
-              srow[c] = -std::numeric_limits<float>::infinity();
-              continue;
+          // Scale and mask, vectorized over the tile's keys (kpt: their positions).
+          {
+            const DI di;
+            const auto vpq = hn::Set(di, pq);
+            const auto vs = hn::Set(d, scale), vninf = hn::Set(d, kNegInf);
+            for (int64_t c = 0; c < kt; c += lanes_) {
+              const auto kpv = hn::Load(di, kpt + c);
+              auto vis = hn::Not(hn::Gt(kpv, vpq));  // causal: pos_k <= pos_q
+              if (!p_.causal) vis = hn::Eq(kpv, kpv);
+              if (p_.window > 0) {
+                vis = hn::And(vis, hn::Lt(hn::Abs(hn::Sub(vpq, kpv)), vwin));
+              }
+              const auto x = hn::Mul(hn::Load(d, srow + c), vs);
+              hn::Store(hn::IfThenElse(hn::RebindMask(d, vis), x, vninf), d, srow + c);
             }
+            for (int64_t c = nk; c < kt; ++c) srow[c] = kNegInf;
+          }
+          for (int64_t c = 0; has_terms_ && c < nk; ++c) {
+            if (srow[c] == kNegInf) continue;
             const int32_t pk = kposb[j0 + c];
             const int64_t delta = int64_t{pq} - pk;
-            float x = srow[c] * scale;
+            float x = srow[c];
             if (p_.bias != nullptr) {
               x +=
                   p_.bias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)];
@@ -448,7 +466,7 @@ class BackwardKernel {
             hn::Store(hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd)), d, drow + c);
           }
           // Per-cell gradients of the scheme's terms (dS unscaled for biases, scaled below).
-          for (int64_t c = 0; c < nk; ++c) {
+          for (int64_t c = 0; cell_grads_ && c < nk; ++c) {
             const float ds = drow[c];
             const float pr = srow[c];
             if (ds == 0.0f && pr == 0.0f) continue;
@@ -554,6 +572,8 @@ class BackwardKernel {
   int64_t lanes_ = 0, dim_ = 0, dpad_ = 0, group_ = 1, nq_ = 1, rp_max_ = 4, ntiles_ = 0;
   std::vector<int32_t> tile_min_, tile_max_;
   bool shaw_ = false, deberta_ = false, xl_ = false;
+  bool has_terms_ = false;   // a positional term per score cell
+  bool cell_grads_ = false;  // a gradient per score cell besides dq, dk, dv
   int64_t nrel_ = 0, span2_ = 0, hd_ = 0, hdp_ = 0;
   int64_t shaw_k_heads_ = 1, shaw_v_heads_ = 1, part_relk_ = 0, part_relv_ = 0, part_size_ = 0;
   std::vector<Scratch> scratch_;

@@ -1,0 +1,94 @@
+// cli/attention_common.h - what `posenc attention` and `posenc attention-grad` share: the flags,
+// reading q, k, v and positions, and building the posenc::PositionScheme from flags, a model
+// --config and a .safetensors --params file (tensor names of SPEC §9).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "posenc/attention.h"
+#include "posenc/config.h"
+#include "posenc/io.h"
+
+namespace CLI {
+class App;
+}  // namespace CLI
+
+namespace posenc::cli {
+
+// The flags of `posenc attention` (and of every command that runs attention).
+struct AttentionArgs {
+  std::string q, k, v, out;
+  std::string scheme;
+  std::string config;  // HF config.json: scheme settings and dims from the model
+  bool causal = false;
+  std::optional<double> scale;
+  std::string params;
+  // rope (base also serves xl)
+  double base = 1e4;
+  int64_t rotary_dim = 0;
+  std::string style = "half";
+  std::string angles = "accurate";
+  std::optional<int64_t> seq_len;
+  // alibi
+  double max_bias = 8.0;
+  // t5
+  std::optional<int64_t> num_buckets;
+  int64_t max_distance = 128;
+  // deberta
+  int64_t position_buckets = 0;
+  int64_t max_relative_positions = 512;
+  std::string deberta_p2c = "spec";
+  bool deberta_float64_log = false;
+  // positions and options
+  std::string positions_q, positions_k;
+  std::optional<int64_t> window;
+  bool allow_fully_masked = false;
+  bool reference = false;
+  std::string out_dtype = "float32";  // empty: no default (the command decides)
+  int threads = 0;
+};
+
+// Help texts of the flags whose meaning differs between the commands.
+struct AttentionFlagHelp {
+  std::string out;        // --out
+  std::string reference;  // --reference
+  std::string out_dtype;  // --out-dtype
+};
+
+// Registers the attention flags on `app`, in `posenc attention`'s order, bound to `a` (which must
+// outlive `app`'s parsing). --out-dtype shows `a.out_dtype` as its default unless it is empty.
+void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHelp& help);
+
+// The scheme and the parameter arrays its views point into (deque: stable addresses). Not
+// movable in practice: the scheme's views point into `arrays`.
+struct SchemeHolder {
+  SafetensorsFile file;  // the --params file (empty without one)
+  std::deque<FloatArray> arrays;
+  PositionScheme scheme;
+};
+
+// Everything an attention command computes from: the inputs read and checked, the scheme built.
+struct AttentionInputs {
+  AttentionArgs args;  // the flags resolved: scheme and its settings from --config filled in
+  std::optional<ModelConfig> model;
+  Tensor q_file, k_file, v_file;  // as read (the float64 reference uses their precision)
+  FloatArray q, k, v;             // float32, finite
+  std::optional<Positions> pos_q, pos_k;
+  SchemeHolder holder;
+  AttentionOptions options;
+
+  const Positions* query_positions() const { return pos_q ? &*pos_q : nullptr; }
+  const Positions* key_positions() const { return pos_k ? &*pos_k : nullptr; }
+};
+
+// Resolves --config, checks the flags, reads q, k, v and the positions, checks their shapes and
+// builds the scheme and the options (posenc::Error on any usage or input problem). `app` is the
+// command's parsed CLI11 app (to see which flags were given). `in` is filled in place.
+void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, AttentionInputs& in);
+
+}  // namespace posenc::cli
