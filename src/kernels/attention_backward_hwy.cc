@@ -306,6 +306,11 @@ class BackwardKernel {
     std::vector<int32_t> qpos(static_cast<size_t>(rpm));
     std::vector<int64_t> head(static_cast<size_t>(rpm));
     std::vector<PqCell> pq_cells;
+    // DeBERTa p2c per (key of the tile, head of the group): last bucket and product, and the
+    // open run of equal buckets in pq_cells.
+    std::vector<int32_t> p2c_u(static_cast<size_t>(deberta_ ? kTileK * group_ : 0), -1);
+    std::vector<float> p2c_val(p2c_u.size());
+    std::vector<int32_t> p2c_run(p2c_u.size(), -1);
     auto kpt_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
     int32_t* kpt = kpt_buf.get();
     std::fill(kpt, kpt + kTileK, 0);
@@ -407,6 +412,10 @@ class BackwardKernel {
         }
         ScoresTile(qb, dim_, ktr, rp, s, kt, dp);
         ScoresTile(dob, dim_, vtr, rp, dps, kt, dp);
+        if (deberta_) {
+          std::fill(p2c_u.begin(), p2c_u.end(), -1);
+          std::fill(p2c_run.begin(), p2c_run.end(), -1);
+        }
         // Scores with the scheme's terms, masks, P and dS.
         for (int64_t r = 0; r < rp; ++r) {
           float* srow = s + r * kt;
@@ -450,9 +459,17 @@ class BackwardKernel {
             } else if (deberta_) {
               const int64_t at = p_.deberta_dmax[bb] - delta;
               x += rel1[r * nrow_tab + p_.deberta_c2p[at]];
-              x += scale * Dot(kp + c * dp,
-                               p_.deberta_pos_query + (p_.deberta_p2c[at] * p_.heads_q + h) * dim_,
-                               dim_);
+              // k_c . pos_query[u, h]: consecutive rows of a column often share u (clipped or
+              // log-bucketed distances), so the last product per (key, head) is kept.
+              const int32_t u = p_.deberta_p2c[at];
+              const size_t key = static_cast<size_t>(c * group_ + (h - hk * group_));
+              if (p2c_u[key] != u) {
+                p2c_u[key] = u;
+                p2c_val[key] =
+                    scale *
+                    Dot(kp + c * dp, p_.deberta_pos_query + (u * p_.heads_q + h) * dim_, dim_);
+              }
+              x += p2c_val[key];
             } else if (xl_) {
               x +=
                   scale * Dot(qx + r * dp, r_.get() + (p_.xl_dmax - delta) * hdp_ + h * dim_, dim_);
@@ -483,12 +500,17 @@ class BackwardKernel {
             } else if (deberta_) {
               const int64_t at = p_.deberta_dmax[bb] - delta;
               w1[r * nrow_tab + p_.deberta_c2p[at]] += sds;
+              // dK_j += scale dS pos_query[p2c] and dpos_query[p2c] += scale dS k_j: summed
+              // over runs of equal u per (key, head) first, applied after the tile's products.
               const int64_t u = p_.deberta_p2c[at];
-              const int64_t g = h - hk * group_;
-              // dK_j += scale dS pos_query[p2c] goes into the tile's dK after the products
-              // below; dpos_query[p2c] += scale dS k_j now.
-              pq_cells.push_back({c, u, h, sds});
-              Axpy(sds, kp + c * dp, part + group_ * span2_ * dim_ + (g * span2_ + u) * dim_, dim_);
+              const size_t key = static_cast<size_t>(c * group_ + (h - hk * group_));
+              int32_t& run = p2c_run[key];
+              if (run >= 0 && pq_cells[static_cast<size_t>(run)].u == u) {
+                pq_cells[static_cast<size_t>(run)].sds += sds;
+              } else {
+                run = static_cast<int32_t>(pq_cells.size());
+                pq_cells.push_back({c, u, h, sds});
+              }
             } else if (xl_) {
               const int64_t tt = p_.xl_dmax - delta;
               const int64_t g = h - hk * group_;
@@ -513,9 +535,12 @@ class BackwardKernel {
         AccumulateTile(pt, rp, dob, dp, dp, kt, dvt, rp);  // dV += P^T dO
         AccumulateTile(dst, rp, qb, dp, dp, kt, dkt, rp);  // dK += scale dS^T Q
         AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);      // dQ += scale dS K
-        for (const auto& cell : pq_cells) {  // DeBERTa p2c: dK += scale dS pos_query[p2c]
+        for (const auto& cell : pq_cells) {                // DeBERTa p2c
+          const int64_t g = cell.h - hk * group_;
           Axpy(cell.sds, p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_,
                dkt + cell.c * dp, dim_);
+          Axpy(cell.sds, kp + cell.c * dp,
+               part + group_ * span2_ * dim_ + (g * span2_ + cell.u) * dim_, dim_);
         }
         pq_cells.clear();
         for (int64_t c = 0; c < nk; ++c) {
