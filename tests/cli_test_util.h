@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -99,5 +100,22 @@ class CliFixture : public ::testing::Test {
 
   fs::path dir_;
 };
+
+// n uniform floats in [lo, hi) from a seeded generator (test inputs).
+inline std::vector<float> random_floats(std::size_t n, uint32_t seed, float lo = -1.0f,
+                                        float hi = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// Number of elements of a shape.
+inline std::size_t count(const std::vector<int64_t>& shape) {
+  std::size_t n = 1;
+  for (int64_t s : shape) n *= static_cast<std::size_t>(s);
+  return n;
+}
 
 }  // namespace posenc::cli_test

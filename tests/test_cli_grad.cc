@@ -31,23 +31,11 @@ namespace fs = std::filesystem;
 namespace posenc {
 namespace {
 
+using cli_test::count;
 using cli_test::quote;
+using cli_test::random_floats;
 using cli_test::read_text;
 using cli_test::RunResult;
-
-std::vector<float> random_floats(std::size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-std::size_t count(const std::vector<int64_t>& shape) {
-  std::size_t n = 1;
-  for (int64_t s : shape) n *= static_cast<std::size_t>(s);
-  return n;
-}
 
 template <std::size_t R>
 std::array<int64_t, R> dims(const std::vector<int64_t>& shape) {
