@@ -756,8 +756,12 @@ Result bench_decode(const AttentionShape& shape, int threads, const TimingOption
   return r;
 }
 
-Result bench_peak_memory_attention(const AttentionShape& shape, int threads) {
-  threads = resolve_threads(threads);
+// Peak memory of one call of `call` after `setup` (which allocates the workload's buffers):
+// peak_mb over the state before setup, workspace_mb over the state before the call,
+// inputs_outputs_mb from `inputs_outputs_bytes` (asked after setup).
+Result measure_peak_memory(Result r, const std::function<void()>& setup,
+                           const std::function<void()>& call,
+                           const std::function<double()>& inputs_outputs_bytes) {
   constexpr double kMiB = 1 << 20;
 #ifdef __GLIBC__
   // Start from a trimmed heap so freed memory malloc still holds cannot hide an allocation.
@@ -767,12 +771,10 @@ Result bench_peak_memory_attention(const AttentionShape& shape, int threads) {
   if (base_kib < 0 || !reset_peak_rss() || status_kib("VmHWM") < 0) {
     throw Error("bench: cannot reset the peak resident set (/proc/self/clear_refs)");
   }
-  Result r;
-  r.name = "peak_memory_" + attention_name("none", shape);
-  r.threads = threads;
-  r.flops = attention_flops(shape);
-  r.baselines = {"sgemm"};
-  AttentionWorkload w(shape, "none");
+  setup();
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
   const int64_t before_call_kib = status_kib("VmRSS");
   reset_peak_rss();
   TimingOptions once;
@@ -780,54 +782,51 @@ Result bench_peak_memory_attention(const AttentionShape& shape, int threads) {
   once.min_reps = 1;
   once.max_reps = 1;
   once.min_total_s = 0;
-  r.timing = measure([&] { w.run(threads); }, once);
+  r.timing = measure(call, once);
   const int64_t peak_kib = status_kib("VmHWM");
   r.extra.emplace_back("peak_mb", static_cast<double>(peak_kib - base_kib) * 1024 / kMiB);
-  r.extra.emplace_back("inputs_outputs_mb", w.input_output_bytes() / kMiB);
+  r.extra.emplace_back("inputs_outputs_mb", inputs_outputs_bytes() / kMiB);
   r.extra.emplace_back("workspace_mb",
                        static_cast<double>(peak_kib - before_call_kib) * 1024 / kMiB);
+  return r;
+}
+
+Result bench_peak_memory_attention(const AttentionShape& shape, int threads) {
+  threads = resolve_threads(threads);
+  Result r;
+  r.name = "peak_memory_" + attention_name("none", shape);
+  r.threads = threads;
+  r.flops = attention_flops(shape);
+  r.baselines = {"sgemm"};
+  std::unique_ptr<AttentionWorkload> w;
+  r = measure_peak_memory(
+      r, [&] { w = std::make_unique<AttentionWorkload>(shape, "none"); }, [&] { w->run(threads); },
+      [&] { return w->input_output_bytes(); });
   r.extra.emplace_back("naive_scores_mb", 4.0 * static_cast<double>(shape.batch) *
                                               static_cast<double>(shape.heads_q) *
                                               static_cast<double>(shape.seq_q) *
-                                              static_cast<double>(shape.seq_k) / kMiB);
+                                              static_cast<double>(shape.seq_k) / (1 << 20));
   return r;
 }
 
 Result bench_peak_memory_attention_backward(const AttentionShape& shape, int threads) {
   threads = resolve_threads(threads);
-  constexpr double kMiB = 1 << 20;
-#ifdef __GLIBC__
-  malloc_trim(0);
-#endif
-  const int64_t base_kib = status_kib("VmRSS");
-  if (base_kib < 0 || !reset_peak_rss() || status_kib("VmHWM") < 0) {
-    throw Error("bench: cannot reset the peak resident set (/proc/self/clear_refs)");
-  }
   Result r;
   r.name = "peak_memory_attention_backward_" +
            attention_name("none", shape).substr(sizeof("attention_") - 1);
   r.threads = threads;
   r.flops = 2.5 * attention_flops(shape);
   r.baselines = {"sgemm"};
-  AttentionWorkload w(shape, "none");
-  // The first call runs the forward and allocates every buffer; the second is measured.
-  w.run_backward(threads);
-#ifdef __GLIBC__
-  malloc_trim(0);
-#endif
-  const int64_t before_call_kib = status_kib("VmRSS");
-  reset_peak_rss();
-  TimingOptions once;
-  once.warmup = 0;
-  once.min_reps = 1;
-  once.max_reps = 1;
-  once.min_total_s = 0;
-  r.timing = measure([&] { w.run_backward(threads); }, once);
-  const int64_t peak_kib = status_kib("VmHWM");
-  r.extra.emplace_back("peak_mb", static_cast<double>(peak_kib - base_kib) * 1024 / kMiB);
-  r.extra.emplace_back("inputs_outputs_mb", w.backward_bytes() / kMiB);
-  r.extra.emplace_back("workspace_mb",
-                       static_cast<double>(peak_kib - before_call_kib) * 1024 / kMiB);
+  std::unique_ptr<AttentionWorkload> w;
+  // Setup runs the forward and allocates every buffer (first backward call); the second call
+  // is measured.
+  r = measure_peak_memory(
+      r,
+      [&] {
+        w = std::make_unique<AttentionWorkload>(shape, "none");
+        w->run_backward(threads);
+      },
+      [&] { w->run_backward(threads); }, [&] { return w->backward_bytes(); });
   return r;
 }
 
