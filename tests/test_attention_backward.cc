@@ -31,6 +31,7 @@
 
 #include "attention_cases.h"
 #include "hwy/targets.h"
+#include "kernels/attention_kernels.h"
 #include "kernels/simd.h"
 #include "posenc/posenc.h"
 #include "test_util.h"
@@ -996,6 +997,30 @@ TEST(AttentionBackward, Float32EveryCompiledSimdTarget) {
 }
 
 // Bit-identical gradients for 1, 2 and 3 threads (prefill and a decode-like shape).
+// The backward forms an item's key operands once when they fit a per-thread budget, tile by tile
+// otherwise (long sequences): the second path on small shapes, by a zero budget.
+TEST(AttentionBackward, TileByTileKeyOperands) {
+  struct Budget {
+    Budget() { kernels::set_backward_item_budget_for_test(0); }
+    ~Budget() { kernels::set_backward_item_budget_for_test(-1); }
+  } budget;
+  uint64_t stream = 9000;
+  for (const Shape& s :
+       {Shape{2, 33, 77, 4, 2, 24}, Shape{1, 65, 130, 8, 1, 12}, Shape{1, 17, 17, 2, 2, 16}}) {
+    for (const auto& name : cases::kSchemes) {
+      for (bool causal : {false, true}) {
+        Rng rng(posenc_test::test_seed(), ++stream);
+        SCOPED_TRACE("stream " + std::to_string(stream) + " " + posenc_test::seed_trace());
+        const auto box =
+            cases::make_scheme(name, s.heads_q, s.dim, rng.engine(), static_cast<int>(stream % 4));
+        AttentionOptions opt{.causal = causal};
+        if (causal) opt.window = 40;
+        check_backward(s, box->scheme, opt, rng);
+      }
+    }
+  }
+}
+
 TEST(AttentionBackward, ThreadCountDoesNotChangeGradients) {
   uint64_t stream = 8000;
   for (const Shape s : {Shape{2, 70, 90, 4, 2, 16}, Shape{1, 3, 300, 8, 1, 16}}) {

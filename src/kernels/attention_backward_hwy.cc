@@ -111,6 +111,7 @@ class BackwardKernel {
   void Run() {
     const int threads = resolve_threads(p_.num_threads);
     scratch_ = std::vector<Scratch>(static_cast<size_t>(threads));
+    cache_ = std::vector<Scratch>(static_cast<size_t>(threads));
     if (xl_) ProjectXl(threads);
     const int64_t items = p_.batch * p_.heads_kv;
     // Items per wave: bounded partial-gradient memory (about 16 MB), from the shape alone.
@@ -149,6 +150,34 @@ class BackwardKernel {
   };
 
   Scratch& Local() { return scratch_[static_cast<size_t>(thread_index())]; }
+  Scratch& LocalCache() { return cache_[static_cast<size_t>(thread_index())]; }
+
+  // Key rows kp [nk x dpad] (zero padded), K^T and V^T [dim x kTileK] of keys [j0, j0 + nk) of one
+  // (batch row, kv head); columns past nk stay as they are (zero-filled by the caller).
+  void TileOperands(const float* kbase, const float* vbase, int64_t j0, int64_t nk, float* kp,
+                    float* ktr, float* vtr) const {
+    for (int64_t c = 0; c < nk; ++c) {
+      const float* kr = kbase + (j0 + c) * p_.k_stride[1];
+      const float* vr = vbase + (j0 + c) * p_.v_stride[1];
+      std::memcpy(kp + c * dpad_, kr, static_cast<size_t>(dim_) * sizeof(float));
+      for (int64_t x = 0; x < dim_; ++x) {
+        ktr[x * kTileK + c] = kr[x];
+        vtr[x * kTileK + c] = vr[x];
+      }
+    }
+    for (int64_t x = 0; x < dim_; ++x) {
+      std::fill(ktr + x * kTileK + nk, ktr + (x + 1) * kTileK, 0.0f);
+      std::fill(vtr + x * kTileK + nk, vtr + (x + 1) * kTileK, 0.0f);
+    }
+  }
+
+  static float* OutRow(float* base, const std::array<int64_t, 3>& st, int64_t b, int64_t j,
+                       int64_t h) {
+    return base + b * st[0] + j * st[1] + h * st[2];
+  }
+  static void AddRow(const float* src, float* dst, int64_t n) {
+    for (int64_t x = 0; x < n; ++x) dst[x] += src[x];
+  }
 
   void ZeroTables() {
     auto zero = [](float* x, int64_t n) {
@@ -283,24 +312,24 @@ class BackwardKernel {
                          2 * static_cast<size_t>(rpm);
     float* base = sc.Get(total);
     std::fill(base, base + total, 0.0f);
-    float* qb = base;               // q (XL: q + u) rows, dpad wide
-    float* qx = qb + n_rows;        // XL: q + v
-    float* dob = qx + n_rows;       // dout rows
-    float* dqb = dob + n_rows;      // dQ of the block
-    float* dqr = dqb + n_rows;      // XL: dQ's r(delta) part
-    float* s = dqr + n_rows;        // scores, then P [rpm x kt]
-    float* dps = s + n_tile;        // dP, then scale * dS
-    float* pt = dps + n_tile;       // P^T [kt x rpm]
-    float* dst = pt + n_tile;       // scale * dS^T
-    float* kp = dst + n_tile;       // key rows [kt x dpad]
-    float* dkt = kp + n_ktile;      // dK tile
-    float* dvt = dkt + n_ktile;     // dV tile
-    float* ktr = dvt + n_ktile;     // K^T [dim x kt]
-    float* vtr = ktr + dim_ * kt;   // V^T
-    float* rel1 = vtr + dim_ * kt;  // Shaw: scale q . rel_k; DeBERTa: scale q . pos_key
-    float* rel2 = rel1 + n_rel;     // Shaw: dout . rel_v
-    float* w1 = rel2 + n_rel;       // Shaw / DeBERTa c2p: sum of scale dS per bucket
-    float* w2 = w1 + n_rel;         // Shaw: sum of P per bucket
+    float* qb = base;                  // q (XL: q + u) rows, dpad wide
+    float* qx = qb + n_rows;           // XL: q + v
+    float* dob = qx + n_rows;          // dout rows
+    float* dqb = dob + n_rows;         // dQ of the block
+    float* dqr = dqb + n_rows;         // XL: dQ's r(delta) part
+    float* s = dqr + n_rows;           // scores, then P [rpm x kt]
+    float* dps = s + n_tile;           // dP, then scale * dS
+    float* pt = dps + n_tile;          // P^T [kt x rpm]
+    float* dst = pt + n_tile;          // scale * dS^T
+    float* kp_s = dst + n_tile;        // key rows [kt x dpad]
+    float* dkt_s = kp_s + n_ktile;     // dK tile
+    float* dvt_s = dkt_s + n_ktile;    // dV tile
+    float* ktr_s = dvt_s + n_ktile;    // K^T [dim x kt]
+    float* vtr_s = ktr_s + dim_ * kt;  // V^T
+    float* rel1 = vtr_s + dim_ * kt;   // Shaw: scale q . rel_k; DeBERTa: scale q . pos_key
+    float* rel2 = rel1 + n_rel;        // Shaw: dout . rel_v
+    float* w1 = rel2 + n_rel;          // Shaw / DeBERTa c2p: sum of scale dS per bucket
+    float* w2 = w1 + n_rel;            // Shaw: sum of P per bucket
     float* dsum = w2 + n_rel;
     float* lse = dsum + rpm;
     std::vector<int32_t> qpos(static_cast<size_t>(rpm));
@@ -319,8 +348,30 @@ class BackwardKernel {
 
     const float scale = p_.scale;
     const int32_t* kposb = p_.kpos + bb * p_.seq_k;
-    // dK, dV of this (batch row, kv head) accumulate tile by tile: start from zero.
-    for (int64_t j = 0; j < p_.seq_k; ++j) {
+    const float* kbase = p_.k + bb * p_.k_stride[0] + hk * p_.k_stride[2];
+    const float* vbase = p_.v + bb * p_.v_stride[0] + hk * p_.v_stride[2];
+    // When they fit the per-thread budget, the item's key rows, K^T and V^T tiles are formed once
+    // and dK, dV accumulate in item buffers written out at the end; otherwise every (query block,
+    // key tile) step forms its tiles and adds its dK, dV into the outputs.
+    const int64_t n_all = ntiles_ * kt * dp;
+    const bool cached = 5 * n_all * static_cast<int64_t>(sizeof(float)) <= backward_item_budget();
+    float *kp_all = nullptr, *kt_all = nullptr, *vt_all = nullptr, *dk_all = nullptr,
+          *dv_all = nullptr;
+    if (cached) {
+      kp_all = LocalCache().Get(static_cast<size_t>(5 * n_all));
+      kt_all = kp_all + n_all;
+      vt_all = kt_all + n_all;
+      dk_all = vt_all + n_all;
+      dv_all = dk_all + n_all;
+      std::fill(kp_all, kp_all + 5 * n_all, 0.0f);
+      for (int64_t t = 0; t < ntiles_; ++t) {
+        const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
+        TileOperands(kbase, vbase, j0, nk, kp_all + j0 * dp, kt_all + t * dim_ * kt,
+                     vt_all + t * dim_ * kt);
+      }
+    }
+    // Without the item buffers dK, dV accumulate tile by tile in the outputs: start from zero.
+    for (int64_t j = 0; !cached && j < p_.seq_k; ++j) {
       std::fill(b_.dk + bb * b_.dk_stride[0] + j * b_.dk_stride[1] + hk * b_.dk_stride[2],
                 b_.dk + bb * b_.dk_stride[0] + j * b_.dk_stride[1] + hk * b_.dk_stride[2] + dim_,
                 0.0f);
@@ -392,23 +443,19 @@ class BackwardKernel {
         if (p_.window > 0 &&
             (int64_t{tmin} - qmax >= p_.window || int64_t{qmin} - tmax >= p_.window))
           continue;
-        // Key rows (padded), K^T and V^T.
-        std::fill(kp, kp + n_ktile, 0.0f);
-        const float* kbase = p_.k + bb * p_.k_stride[0] + hk * p_.k_stride[2];
-        const float* vbase = p_.v + bb * p_.v_stride[0] + hk * p_.v_stride[2];
-        for (int64_t c = 0; c < nk; ++c) {
-          const float* kr = kbase + (j0 + c) * p_.k_stride[1];
-          const float* vr = vbase + (j0 + c) * p_.v_stride[1];
-          std::memcpy(kp + c * dp, kr, static_cast<size_t>(dim_) * sizeof(float));
-          kpt[c] = kposb[j0 + c];
-          for (int64_t x = 0; x < dim_; ++x) {
-            ktr[x * kt + c] = kr[x];
-            vtr[x * kt + c] = vr[x];
-          }
-        }
-        for (int64_t x = 0; x < dim_; ++x) {
-          std::fill(ktr + x * kt + nk, ktr + (x + 1) * kt, 0.0f);
-          std::fill(vtr + x * kt + nk, vtr + (x + 1) * kt, 0.0f);
+        for (int64_t c = 0; c < nk; ++c) kpt[c] = kposb[j0 + c];
+        float *kp = kp_s, *ktr = ktr_s, *vtr = vtr_s, *dkt = dkt_s, *dvt = dvt_s;
+        if (cached) {
+          kp = kp_all + j0 * dp;
+          ktr = kt_all + t * dim_ * kt;
+          vtr = vt_all + t * dim_ * kt;
+          dkt = dk_all + j0 * dp;
+          dvt = dv_all + j0 * dp;
+        } else {
+          std::fill(kp, kp + n_ktile, 0.0f);
+          TileOperands(kbase, vbase, j0, nk, kp, ktr, vtr);
+          std::fill(dkt, dkt + n_ktile, 0.0f);
+          std::fill(dvt, dvt + n_ktile, 0.0f);
         }
         ScoresTile(qb, dim_, ktr, rp, s, kt, dp);
         ScoresTile(dob, dim_, vtr, rp, dps, kt, dp);
@@ -530,8 +577,6 @@ class BackwardKernel {
             pt[c * rp + r] = s[r * kt + c];
             dst[c * rp + r] = dps[r * kt + c];
           }
-        std::fill(dkt, dkt + n_ktile, 0.0f);
-        std::fill(dvt, dvt + n_ktile, 0.0f);
         AccumulateTile(pt, rp, dob, dp, dp, kt, dvt, rp);  // dV += P^T dO
         AccumulateTile(dst, rp, qb, dp, dp, kt, dkt, rp);  // dK += scale dS^T Q
         AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);      // dQ += scale dS K
@@ -543,15 +588,9 @@ class BackwardKernel {
                part + group_ * span2_ * dim_ + (g * span2_ + cell.u) * dim_, dim_);
         }
         pq_cells.clear();
-        for (int64_t c = 0; c < nk; ++c) {
-          float* dkr =
-              b_.dk + bb * b_.dk_stride[0] + (j0 + c) * b_.dk_stride[1] + hk * b_.dk_stride[2];
-          float* dvr =
-              b_.dv + bb * b_.dv_stride[0] + (j0 + c) * b_.dv_stride[1] + hk * b_.dv_stride[2];
-          for (int64_t x = 0; x < dim_; ++x) {
-            dkr[x] += dkt[c * dp + x];
-            dvr[x] += dvt[c * dp + x];
-          }
+        for (int64_t c = 0; !cached && c < nk; ++c) {
+          AddRow(dkt + c * dp, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk), dim_);
+          AddRow(dvt + c * dp, OutRow(b_.dv, b_.dv_stride, bb, j0 + c, hk), dim_);
         }
       }
       // Per-row terms, once per block.
@@ -590,6 +629,12 @@ class BackwardKernel {
                     static_cast<size_t>(dim_) * sizeof(float));
       }
     }
+    for (int64_t j = 0; cached && j < p_.seq_k; ++j) {
+      std::memcpy(OutRow(b_.dk, b_.dk_stride, bb, j, hk), dk_all + j * dp,
+                  static_cast<size_t>(dim_) * sizeof(float));
+      std::memcpy(OutRow(b_.dv, b_.dv_stride, bb, j, hk), dv_all + j * dp,
+                  static_cast<size_t>(dim_) * sizeof(float));
+    }
   }
 
   const FusedBackwardParams& b_;
@@ -601,7 +646,7 @@ class BackwardKernel {
   bool cell_grads_ = false;  // a gradient per score cell besides dq, dk, dv
   int64_t nrel_ = 0, span2_ = 0, hd_ = 0, hdp_ = 0;
   int64_t shaw_k_heads_ = 1, shaw_v_heads_ = 1, part_relk_ = 0, part_relv_ = 0, part_size_ = 0;
-  std::vector<Scratch> scratch_;
+  std::vector<Scratch> scratch_, cache_;
   std::vector<float> xl_dr_;
   hwy::AlignedFreeUniquePtr<float[]> rnet_t_, sin_pad_, r_;
 };
@@ -619,6 +664,18 @@ HWY_AFTER_NAMESPACE();
 namespace posenc::kernels {
 
 HWY_EXPORT(FusedAttentionBackward);
+
+namespace {
+// Per-thread budget of an item's key operands and dK, dV buffers (5 x seq_k x head_dim floats):
+// up to about 9800 keys at head_dim 128.
+constexpr int64_t kItemBudgetBytes = int64_t{24} << 20;
+int64_t g_item_budget = kItemBudgetBytes;
+}  // namespace
+
+void set_backward_item_budget_for_test(int64_t bytes) {
+  g_item_budget = bytes < 0 ? kItemBudgetBytes : bytes;
+}
+int64_t backward_item_budget() { return g_item_budget; }
 
 void fused_attention_backward(const FusedBackwardParams& p) {
   simd_target_name();  // applies POSENC_SIMD_TARGET before the first dispatch

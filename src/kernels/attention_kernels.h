@@ -120,6 +120,12 @@ struct FusedBackwardParams {
 // and reduced in item order, so results do not depend on the thread count.
 void fused_attention_backward(const FusedBackwardParams& p);
 
+// The per-thread budget (bytes) under which an item of the backward forms its key operands once
+// and keeps dK, dV in item buffers (default 24 MiB). Tests set it to 0 to run the tile-by-tile
+// path on small shapes; a negative value restores the default. Not thread-safe with running calls.
+void set_backward_item_budget_for_test(int64_t bytes);
+int64_t backward_item_budget();
+
 // Flash-attention forward: tiles of queries x keys with a running max and sum, float32
 // accumulation, never materializing seq_q x seq_k. Rows with no visible key get 0 (the API has
 // already rejected them unless allowed).
