@@ -443,7 +443,15 @@ class BackwardKernel {
         if (p_.window > 0 &&
             (int64_t{tmin} - qmax >= p_.window || int64_t{qmin} - tmax >= p_.window))
           continue;
-        for (int64_t c = 0; c < nk; ++c) kpt[c] = kposb[j0 + c];
+        bool consec = true;
+        for (int64_t c = 0; c < nk; ++c) {
+          kpt[c] = kposb[j0 + c];
+          consec = consec && kpt[c] == kpt[0] + c;
+        }
+        // ALiBi / T5 over consecutive key positions: the tile's biases (and their gradients) are
+        // a contiguous run of the per-distance row, index dmax - pos_q + pos_k (the table has a
+        // tile of padding past its last distance).
+        const bool bias_run = p_.bias != nullptr && consec;
         float *kp = kp_s, *ktr = ktr_s, *vtr = vtr_s, *dkt = dkt_s, *dvt = dvt_s;
         if (cached) {
           kp = kp_all + j0 * dp;
@@ -491,7 +499,16 @@ class BackwardKernel {
             }
             for (int64_t c = nk; c < kt; ++c) srow[c] = kNegInf;
           }
-          for (int64_t c = 0; has_terms_ && c < nk; ++c) {
+          const int64_t bias_at =
+              bb * p_.bias_batch_stride + h * p_.bias_len +
+              ((p_.bias_dmax != nullptr ? int64_t{p_.bias_dmax[bb]} : 0) - pq + kpt[0]);
+          if (bias_run) {
+            const float* brow = p_.bias + bias_at;
+            for (int64_t c = 0; c < kt; c += lanes_) {
+              hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, brow + c)), d, srow + c);
+            }
+          }
+          for (int64_t c = 0; has_terms_ && !bias_run && c < nk; ++c) {
             if (srow[c] == kNegInf) continue;
             const int32_t pk = kposb[j0 + c];
             const int64_t delta = int64_t{pq} - pk;
@@ -530,7 +547,13 @@ class BackwardKernel {
             hn::Store(hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd)), d, drow + c);
           }
           // Per-cell gradients of the scheme's terms (dS unscaled for biases, scaled below).
-          for (int64_t c = 0; cell_grads_ && c < nk; ++c) {
+          if (bias_run && b_.dbias != nullptr) {
+            float* dbrow = b_.dbias + bias_at;
+            for (int64_t c = 0; c < kt; c += lanes_) {
+              hn::StoreU(hn::Add(hn::LoadU(d, dbrow + c), hn::Load(d, drow + c)), d, dbrow + c);
+            }
+          }
+          for (int64_t c = 0; cell_grads_ && !(bias_run) && c < nk; ++c) {
             const float ds = drow[c];
             const float pr = srow[c];
             if (ds == 0.0f && pr == 0.0f) continue;
