@@ -199,18 +199,7 @@ void check_shapes(const AttentionArgs& a, const std::vector<int64_t>& q,
 // The scheme a model config implies, as --scheme spells it (learned absolute positions are not an
 // attention scheme).
 std::string config_scheme(const ModelConfig& m, const std::string& path) {
-  switch (m.scheme) {
-    case ModelScheme::kRope:
-      return "rope";
-    case ModelScheme::kAlibi:
-      return "alibi";
-    case ModelScheme::kT5:
-      return "t5";
-    case ModelScheme::kDeberta:
-      return "deberta";
-    case ModelScheme::kLearned:
-      break;
-  }
+  if (m.scheme != ModelScheme::kLearned) return model_scheme_name(m.scheme);
   throw UsageError(path + ": model_type '" + m.model_type +
                    "' uses learned absolute positions, which are added to the input, not applied "
                    "in attention (see `posenc learned`)");
