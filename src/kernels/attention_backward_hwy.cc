@@ -175,8 +175,9 @@ class BackwardKernel {
                        int64_t h) {
     return base + b * st[0] + j * st[1] + h * st[2];
   }
-  static void AddRow(const float* src, float* dst, int64_t n) {
-    for (int64_t x = 0; x < n; ++x) dst[x] += src[x];
+  // dst[x] += column c of a transposed [dpad x kTileK] tile, x < dim.
+  void AddColumn(const float* tile, int64_t c, float* dst) const {
+    for (int64_t x = 0; x < dim_; ++x) dst[x] += tile[x * kTileK + c];
   }
 
   void ZeroTables() {
@@ -301,13 +302,13 @@ class BackwardKernel {
   void RunItem(int64_t w, Scratch& sc, float* part) {
     const DF d;
     const int64_t bb = w / p_.heads_kv, hk = w % p_.heads_kv;
-    const int64_t rpm = rp_max_, dp = dpad_, kt = kTileK;
+    const int64_t rpm = rp_max_, dp = dpad_, kt = kTileK, dimr = RoundUp(dim_, 4);
     // Scratch layout (floats).
     const size_t n_rows = static_cast<size_t>(rpm * dp);
     const size_t n_tile = static_cast<size_t>(rpm * kt);
     const size_t n_ktile = static_cast<size_t>(kt * dp);
     const size_t n_rel = static_cast<size_t>(rpm * std::max(nrel_, span2_));
-    const size_t total = 5 * n_rows + 4 * n_tile + 3 * n_ktile +
+    const size_t total = 7 * n_rows + 2 * n_tile + 3 * n_ktile +
                          2 * static_cast<size_t>(dim_ * kt) + 4 * n_rel +
                          2 * static_cast<size_t>(rpm);
     float* base = sc.Get(total);
@@ -319,11 +320,11 @@ class BackwardKernel {
     float* dqr = dqb + n_rows;         // XL: dQ's r(delta) part
     float* s = dqr + n_rows;           // scores, then P [rpm x kt]
     float* dps = s + n_tile;           // dP, then scale * dS
-    float* pt = dps + n_tile;          // P^T [kt x rpm]
-    float* dst = pt + n_tile;          // scale * dS^T
-    float* kp_s = dst + n_tile;        // key rows [kt x dpad]
-    float* dkt_s = kp_s + n_ktile;     // dK tile
-    float* dvt_s = dkt_s + n_ktile;    // dV tile
+    float* qtr = dps + n_tile;         // Q^T (XL: (q + u)^T) [dpad x rpm]
+    float* dotr = qtr + n_rows;        // dO^T [dpad x rpm]
+    float* kp_s = dotr + n_rows;       // key rows [kt x dpad]
+    float* dkt_s = kp_s + n_ktile;     // dK^T tile [dpad x kt]
+    float* dvt_s = dkt_s + n_ktile;    // dV^T tile [dpad x kt]
     float* ktr_s = dvt_s + n_ktile;    // K^T [dim x kt]
     float* vtr_s = ktr_s + dim_ * kt;  // V^T
     float* rel1 = vtr_s + dim_ * kt;   // Shaw: scale q . rel_k; DeBERTa: scale q . pos_key
@@ -351,8 +352,10 @@ class BackwardKernel {
     const float* kbase = p_.k + bb * p_.k_stride[0] + hk * p_.k_stride[2];
     const float* vbase = p_.v + bb * p_.v_stride[0] + hk * p_.v_stride[2];
     // When they fit the per-thread budget, the item's key rows, K^T and V^T tiles are formed once
-    // and dK, dV accumulate in item buffers written out at the end; otherwise every (query block,
-    // key tile) step forms its tiles and adds its dK, dV into the outputs.
+    // and dK^T, dV^T accumulate in item buffers written out at the end; otherwise every (query
+    // block, key tile) step forms its tiles and adds its dK, dV into the outputs. dK and dV are
+    // kept transposed ([dpad x kTileK] per tile) so that their products, dV^T += dO^T P and
+    // dK^T += Q^T dS, read P and dS as they are formed, with no per-step transposes.
     const int64_t n_all = ntiles_ * kt * dp;
     const bool cached = 5 * n_all * static_cast<int64_t>(sizeof(float)) <= backward_item_budget();
     float *kp_all = nullptr, *kt_all = nullptr, *vt_all = nullptr, *dk_all = nullptr,
@@ -411,6 +414,11 @@ class BackwardKernel {
         dsum[r] = Dot(dor, orow, dim_);
         lse[r] = p_.lse[bb * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]];
       }
+      for (int64_t r = 0; r < rp; ++r)
+        for (int64_t x = 0; x < dim_; ++x) {
+          qtr[x * rp + r] = qb[r * dp + x];
+          dotr[x * rp + r] = dob[r * dp + x];
+        }
       // Per-row tables and bucket sums.
       if (shaw_ || deberta_) {
         std::fill(w1, w1 + rp * nrow_tab, 0.0f);
@@ -457,8 +465,8 @@ class BackwardKernel {
           kp = kp_all + j0 * dp;
           ktr = kt_all + t * dim_ * kt;
           vtr = vt_all + t * dim_ * kt;
-          dkt = dk_all + j0 * dp;
-          dvt = dv_all + j0 * dp;
+          dkt = dk_all + t * dp * kt;
+          dvt = dv_all + t * dp * kt;
         } else {
           std::fill(kp, kp + n_ktile, 0.0f);
           TileOperands(kbase, vbase, j0, nk, kp, ktr, vtr);
@@ -594,26 +602,20 @@ class BackwardKernel {
             hn::Store(hn::Mul(hn::Load(d, drow + c), vs), d, drow + c);
           }
         }
-        // P^T and (scale dS)^T for the key-side products.
-        for (int64_t r = 0; r < rp; ++r)
-          for (int64_t c = 0; c < kt; ++c) {
-            pt[c * rp + r] = s[r * kt + c];
-            dst[c * rp + r] = dps[r * kt + c];
-          }
-        AccumulateTile(pt, rp, dob, dp, dp, kt, dvt, rp);  // dV += P^T dO
-        AccumulateTile(dst, rp, qb, dp, dp, kt, dkt, rp);  // dK += scale dS^T Q
-        AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);      // dQ += scale dS K
-        for (const auto& cell : pq_cells) {                // DeBERTa p2c
+        ScoresTile(dotr, rp, s, dimr, dvt, kt, rp, true);   // dV^T += dO^T P
+        ScoresTile(qtr, rp, dps, dimr, dkt, kt, rp, true);  // dK^T += Q^T (scale dS)
+        AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);       // dQ += scale dS K
+        for (const auto& cell : pq_cells) {                 // DeBERTa p2c
           const int64_t g = cell.h - hk * group_;
-          Axpy(cell.sds, p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_,
-               dkt + cell.c * dp, dim_);
+          const float* pqr = p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_;
+          for (int64_t x = 0; x < dim_; ++x) dkt[x * kt + cell.c] += cell.sds * pqr[x];
           Axpy(cell.sds, kp + cell.c * dp,
                part + group_ * span2_ * dim_ + (g * span2_ + cell.u) * dim_, dim_);
         }
         pq_cells.clear();
         for (int64_t c = 0; !cached && c < nk; ++c) {
-          AddRow(dkt + c * dp, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk), dim_);
-          AddRow(dvt + c * dp, OutRow(b_.dv, b_.dv_stride, bb, j0 + c, hk), dim_);
+          AddColumn(dkt, c, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk));
+          AddColumn(dvt, c, OutRow(b_.dv, b_.dv_stride, bb, j0 + c, hk));
         }
       }
       // Per-row terms, once per block.
@@ -653,10 +655,13 @@ class BackwardKernel {
       }
     }
     for (int64_t j = 0; cached && j < p_.seq_k; ++j) {
-      std::memcpy(OutRow(b_.dk, b_.dk_stride, bb, j, hk), dk_all + j * dp,
-                  static_cast<size_t>(dim_) * sizeof(float));
-      std::memcpy(OutRow(b_.dv, b_.dv_stride, bb, j, hk), dv_all + j * dp,
-                  static_cast<size_t>(dim_) * sizeof(float));
+      const int64_t t = j / kt, c = j % kt;
+      float* dkr = OutRow(b_.dk, b_.dk_stride, bb, j, hk);
+      float* dvr = OutRow(b_.dv, b_.dv_stride, bb, j, hk);
+      for (int64_t x = 0; x < dim_; ++x) {
+        dkr[x] = dk_all[(t * dp + x) * kt + c];
+        dvr[x] = dv_all[(t * dp + x) * kt + c];
+      }
     }
   }
 
