@@ -977,6 +977,40 @@ TEST(AttentionBackward, Float32PositionsWindowsAndMaskedRows) {
   }
 }
 
+// Groups whose query blocks are not a multiple of 4 rows per head (3 and 5 query heads per kv
+// head), and Shaw / DeBERTa tables longer than one 64-row chunk, shared and per head.
+TEST(AttentionBackward, OddGroupsAndLongRelativeTables) {
+  uint64_t stream = 6500;
+  for (const Shape& s : {Shape{1, 70, 90, 6, 2, 12}, Shape{2, 40, 40, 5, 1, 7}}) {
+    for (bool causal : {false, true}) {
+      for (int variant = 0; variant < 4; ++variant) {
+        Rng rng(posenc_test::test_seed(), ++stream);
+        SCOPED_TRACE("stream " + std::to_string(stream) + " " + posenc_test::seed_trace());
+        auto& e = rng.engine();
+        // Shaw K = 40: 81 table rows, shared (variant 0, 2) or per head (1, 3).
+        const int64_t k = 40, th = variant % 2 ? s.heads_q : 1;
+        const auto rk = cases::randn_f(e, (2 * k + 1) * th * s.dim, 0.5);
+        const auto rv = cases::randn_f(e, (2 * k + 1) * th * s.dim, 0.5);
+        Shaw shaw{View<const float, 3>::contiguous(rk.data(), {2 * k + 1, th, s.dim}), {}};
+        if (variant < 2) {
+          shaw.rel_v = View<const float, 3>::contiguous(rv.data(), {2 * k + 1, th, s.dim});
+        }
+        check_backward(s, shaw, {.causal = causal}, rng);
+        // DeBERTa with 2K = 100 rows (log buckets past 20) in both p2c forms.
+        DebertaBuckets cfg{.max_relative_positions = 50, .position_buckets = variant < 2 ? 0 : 40};
+        if (variant % 2) cfg.p2c = DebertaP2c::kModel;
+        const int64_t span = cfg.span();
+        const auto pk = cases::randn_f(e, 2 * span * s.heads_q * s.dim, 0.5);
+        const auto pq = cases::randn_f(e, 2 * span * s.heads_q * s.dim, 0.5);
+        const DeBERTa deb{View<const float, 3>::contiguous(pk.data(), {2 * span, s.heads_q, s.dim}),
+                          View<const float, 3>::contiguous(pq.data(), {2 * span, s.heads_q, s.dim}),
+                          cfg};
+        check_backward(s, deb, {.causal = causal}, rng);
+      }
+    }
+  }
+}
+
 // Every Highway target compiled into the library and supported here.
 TEST(AttentionBackward, Float32EveryCompiledSimdTarget) {
   const Shape s{1, 33, 77, 4, 2, 24};

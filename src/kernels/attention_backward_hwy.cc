@@ -87,22 +87,35 @@ class BackwardKernel {
     deberta_ = p_.deberta_pos_key != nullptr;
     span2_ = deberta_ ? 2 * p_.deberta_span : 0;
     xl_ = p_.xl_sin != nullptr;
-    has_terms_ = p_.bias != nullptr || shaw_ || deberta_ || xl_;
-    cell_grads_ = b_.dbias != nullptr || shaw_ || deberta_ || xl_;
+    has_cell_terms_ = p_.bias != nullptr || deberta_ || xl_;
+    has_cell_grads_ = b_.dbias != nullptr || deberta_ || xl_;
     hd_ = p_.heads_q * dim_;
     hdp_ = RoundUp(hd_, kTileK);
-    // Per-item partial table gradients, in floats.
+    dimr_ = RoundUp(dim_, 4);
+    // Per-row tables: padded and transposed copies.
+    if (shaw_) {
+      MakeRowTable(relk_, p_.shaw_rel_k, nrel_, p_.shaw_rel_k_heads, p_.scale);
+      if (p_.shaw_rel_v != nullptr)
+        MakeRowTable(relv_, p_.shaw_rel_v, nrel_, p_.shaw_rel_v_heads, 1);
+    } else if (deberta_) {
+      MakeRowTable(relk_, p_.deberta_pos_key, span2_, p_.heads_q, p_.scale);
+    }
+    nch_ = relk_.nch;
+    // Per-item partial table gradients, in floats. Row-table gradients are kept transposed like
+    // the tables ([heads][nch][dimr][64]).
+    const int64_t tchunk = nch_ * dimr_ * kTileK;
     if (shaw_) {
       shaw_k_heads_ = p_.shaw_rel_k_heads == 1 ? 1 : group_;
       part_relk_ = 0;
-      part_size_ = shaw_k_heads_ * nrel_ * dim_;
+      part_size_ = shaw_k_heads_ * tchunk;
       if (b_.shaw_drel_v != nullptr) {
         shaw_v_heads_ = p_.shaw_rel_v_heads == 1 ? 1 : group_;
         part_relv_ = part_size_;
-        part_size_ += shaw_v_heads_ * nrel_ * dim_;
+        part_size_ += shaw_v_heads_ * tchunk;
       }
     } else if (deberta_) {
-      part_size_ = 2 * group_ * span2_ * dim_;  // dpos_key, then dpos_query
+      part_pq_ = group_ * tchunk;  // dpos_key (transposed), then dpos_query (rows)
+      part_size_ = part_pq_ + group_ * span2_ * dim_;
     } else if (xl_) {
       part_size_ = 2 * group_ * dim_ + p_.xl_len * group_ * dim_;  // du, dv, then dr(t)
     }
@@ -206,31 +219,30 @@ class BackwardKernel {
     auto add = [](const float* src, float* dst, int64_t n) {
       for (int64_t x = 0; x < n; ++x) dst[x] += src[x];
     };
-    if (shaw_) {
-      for (int64_t g = 0; g < shaw_k_heads_; ++g) {
-        const int64_t th = p_.shaw_rel_k_heads == 1 ? 0 : hk * group_ + g;
-        for (int64_t u = 0; u < nrel_; ++u) {
-          add(part + (g * nrel_ + u) * dim_, b_.shaw_drel_k + (u * p_.shaw_rel_k_heads + th) * dim_,
-              dim_);
+    // part [g][nch][dimr][64] (transposed) into out [n][heads][dim].
+    auto add_transposed = [&](const float* part_t, float* out, int64_t n, int64_t heads,
+                              int64_t part_heads) {
+      for (int64_t g = 0; g < part_heads; ++g) {
+        const int64_t th = heads == 1 ? 0 : hk * group_ + g;
+        for (int64_t u = 0; u < n; ++u) {
+          const float* src = part_t + ((g * nch_ + u / kTileK) * dimr_) * kTileK + u % kTileK;
+          float* dst = out + (u * heads + th) * dim_;
+          for (int64_t x = 0; x < dim_; ++x) dst[x] += src[x * kTileK];
         }
       }
+    };
+    if (shaw_) {
+      add_transposed(part + part_relk_, b_.shaw_drel_k, nrel_, p_.shaw_rel_k_heads, shaw_k_heads_);
       if (b_.shaw_drel_v != nullptr) {
-        for (int64_t g = 0; g < shaw_v_heads_; ++g) {
-          const int64_t th = p_.shaw_rel_v_heads == 1 ? 0 : hk * group_ + g;
-          for (int64_t u = 0; u < nrel_; ++u) {
-            add(part + part_relv_ + (g * nrel_ + u) * dim_,
-                b_.shaw_drel_v + (u * p_.shaw_rel_v_heads + th) * dim_, dim_);
-          }
-        }
+        add_transposed(part + part_relv_, b_.shaw_drel_v, nrel_, p_.shaw_rel_v_heads,
+                       shaw_v_heads_);
       }
     } else if (deberta_) {
-      const int64_t half = group_ * span2_ * dim_;
+      add_transposed(part, b_.deberta_dpos_key, span2_, p_.heads_q, group_);
       for (int64_t g = 0; g < group_; ++g) {
         const int64_t h = hk * group_ + g;
         for (int64_t u = 0; u < span2_; ++u) {
-          add(part + (g * span2_ + u) * dim_, b_.deberta_dpos_key + (u * p_.heads_q + h) * dim_,
-              dim_);
-          add(part + half + (g * span2_ + u) * dim_,
+          add(part + part_pq_ + (g * span2_ + u) * dim_,
               b_.deberta_dpos_query + (u * p_.heads_q + h) * dim_, dim_);
         }
       }
@@ -242,6 +254,108 @@ class BackwardKernel {
         add(part + 2 * gd + t * gd, xl_dr_.data() + t * hd_ + hk * gd, gd);
       }
     }
+  }
+
+  // A per-row table (Shaw's rel_k, rel_v; DeBERTa's pos_key): rows u < n of [n, heads, dim],
+  // padded to dpad (the rows AccumulateTile reads) and transposed in chunks of kTileK rows
+  // times `scale` (the operand ScoresTile reads): tr[h][ch][x][u % kTileK].
+  struct RowTable {
+    int64_t n = 0, heads = 1, nch = 0;
+    hwy::AlignedFreeUniquePtr<float[]> pad, tr;
+  };
+  void MakeRowTable(RowTable& t, const float* src, int64_t n, int64_t heads, float scale) const {
+    t.n = n, t.heads = heads, t.nch = (n + kTileK - 1) / kTileK;
+    t.pad = hwy::AllocateAligned<float>(static_cast<size_t>(n * heads * dpad_));
+    t.tr = hwy::AllocateAligned<float>(static_cast<size_t>(heads * t.nch * dim_ * kTileK));
+    std::fill(t.pad.get(), t.pad.get() + n * heads * dpad_, 0.0f);
+    std::fill(t.tr.get(), t.tr.get() + heads * t.nch * dim_ * kTileK, 0.0f);
+    for (int64_t u = 0; u < n; ++u)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t x = 0; x < dim_; ++x) {
+          const float val = src[(u * heads + h) * dim_ + x];
+          t.pad[static_cast<size_t>((u * heads + h) * dpad_ + x)] = val;
+          t.tr[static_cast<size_t>(((h * t.nch + u / kTileK) * dim_ + x) * kTileK + u % kTileK)] =
+              scale * val;
+        }
+  }
+
+  // Row-chunk buffers ([nch][rs][kTileK], rs rows per chunk) hold one value per (row, table row):
+  // projections and bucket sums. A block's rows are the group's heads, nq rows each.
+  struct BlockRows {
+    int64_t rows, rp, nq, hk, cs;  // cs = rs * kTileK
+  };
+
+  // out[r][u] = x_r . t.tr[u] (scaled table rows) for the block's rows (x rows dpad apart).
+  void Project(const RowTable& t, const float* x, float* out, const BlockRows& br) const {
+    if (t.heads == 1) {
+      for (int64_t ch = 0; ch < t.nch; ++ch) {
+        ScoresTile(x, dim_, t.tr.get() + ch * dim_ * kTileK, br.rp, out + ch * br.cs, kTileK,
+                   dpad_);
+      }
+      return;
+    }
+    // Per head: rounding the rows up to 4 spills into the next head's rows (written after) or
+    // into the buffers' spare rows.
+    for (int64_t g = 0; g < group_; ++g) {
+      const int64_t th = br.hk * group_ + g;
+      for (int64_t ch = 0; ch < t.nch; ++ch) {
+        ScoresTile(x + g * br.nq * dpad_, dim_, t.tr.get() + (th * t.nch + ch) * dim_ * kTileK,
+                   RoundUp(br.nq, 4), out + ch * br.cs + g * br.nq * kTileK, kTileK, dpad_);
+      }
+    }
+  }
+
+  // dq[r] += sum_u w[r][u] t.pad[u] for the block's rows.
+  void BackQ(const RowTable& t, const float* w, float* dq, const BlockRows& br) const {
+    auto tile = [&](int64_t th, int64_t r0, int64_t nrows) {
+      const int64_t r4 = nrows / 4 * 4;
+      for (int64_t ch = 0; ch < t.nch; ++ch) {
+        const int64_t ncol = std::min(kTileK, t.n - ch * kTileK);
+        const float* tab = t.pad.get() + (ch * kTileK * t.heads + th) * dpad_;
+        const float* wc = w + ch * br.cs + r0 * kTileK;
+        if (r4 > 0) {
+          AccumulateTile(wc, ncol, tab, t.heads * dpad_, dpad_, r4, dq + r0 * dpad_, kTileK, dpad_);
+        }
+        for (int64_t r = r4; r < nrows; ++r)
+          for (int64_t u = 0; u < ncol; ++u) {
+            const float a = wc[r * kTileK + u];
+            if (a != 0.0f) Axpy(a, tab + u * t.heads * dpad_, dq + (r0 + r) * dpad_, dim_);
+          }
+      }
+    };
+    if (t.heads == 1) {
+      tile(0, 0, br.rp);
+    } else {
+      for (int64_t g = 0; g < group_; ++g) tile(br.hk * group_ + g, g * br.nq, br.nq);
+    }
+  }
+
+  // part_t[g][ch][x][u] += sum_r xt[x][r] w[r][u]: the table's gradient, transposed (xt: the
+  // block's rows transposed, [dpad x rp]). part_heads: 1 for a shared table, else the group.
+  void BackTable(const float* w, const float* xt, float* part_t, int64_t part_heads,
+                 const BlockRows& br) const {
+    for (int64_t g = 0; g < part_heads; ++g) {
+      const int64_t r0 = part_heads == 1 ? 0 : g * br.nq;
+      const int64_t nr = part_heads == 1 ? br.rp : br.nq;
+      for (int64_t ch = 0; ch < nch_; ++ch) {
+        ScoresTile(xt + r0, nr, w + ch * br.cs + r0 * kTileK, dimr_,
+                   part_t + (g * nch_ + ch) * dimr_ * kTileK, kTileK, br.rp, true);
+      }
+    }
+  }
+
+  // table[a[l]] += v[l] for the lanes of one vector: one sum when every lane has the same index.
+  HWY_INLINE void ScatterAdd(float* table, const int32_t* a, hn::Vec<DF> v) const {
+    const DF d;
+    const DI di;
+    const auto av = hn::Load(di, a);
+    if (hn::AllTrue(di, hn::Eq(av, hn::Set(di, a[0])))) {
+      table[a[0]] += hn::GetLane(hn::SumOfLanes(d, v));
+      return;
+    }
+    HWY_ALIGN float tmp[HWY_MAX_BYTES / sizeof(float)];
+    hn::Store(v, d, tmp);
+    for (int64_t l = 0; l < lanes_; ++l) table[a[l]] += tmp[l];
   }
 
   // XL: r(t) = W_r R(t) for every distance row t, [xl_len, hdp] (ScoresTile: sinusoid rows x
@@ -307,7 +421,9 @@ class BackwardKernel {
     const size_t n_rows = static_cast<size_t>(rpm * dp);
     const size_t n_tile = static_cast<size_t>(rpm * kt);
     const size_t n_ktile = static_cast<size_t>(kt * dp);
-    const size_t n_rel = static_cast<size_t>(rpm * std::max(nrel_, span2_));
+    // Row-chunk buffers: rpm rows and 4 spare ones (Project's rounding) per chunk.
+    const int64_t cs = (rpm + 4) * kt;
+    const size_t n_rel = static_cast<size_t>(nch_ * cs);
     const size_t total = 7 * n_rows + 2 * n_tile + 3 * n_ktile +
                          2 * static_cast<size_t>(dim_ * kt) + 4 * n_rel +
                          2 * static_cast<size_t>(rpm);
@@ -333,6 +449,8 @@ class BackwardKernel {
     float* w2 = w1 + n_rel;            // Shaw: sum of P per bucket
     float* dsum = w2 + n_rel;
     float* lse = dsum + rpm;
+    auto addr_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+    int32_t* addr = addr_buf.get();  // row-chunk address of each key's table row
     std::vector<int32_t> qpos(static_cast<size_t>(rpm));
     std::vector<int64_t> head(static_cast<size_t>(rpm));
     std::vector<PqCell> pq_cells;
@@ -382,7 +500,6 @@ class BackwardKernel {
                 b_.dv + bb * b_.dv_stride[0] + j * b_.dv_stride[1] + hk * b_.dv_stride[2] + dim_,
                 0.0f);
     }
-    const int64_t nrow_tab = shaw_ ? nrel_ : span2_;
     for (int64_t i0 = 0; i0 < p_.seq_q; i0 += nq_) {
       const int64_t nq = std::min(nq_, p_.seq_q - i0);
       const int64_t rows = group_ * nq, rp = RoundUp(rows, 4);
@@ -420,28 +537,12 @@ class BackwardKernel {
           dotr[x * rp + r] = dob[r * dp + x];
         }
       // Per-row tables and bucket sums.
+      const BlockRows br{rows, rp, nq, hk, cs};
       if (shaw_ || deberta_) {
-        std::fill(w1, w1 + rp * nrow_tab, 0.0f);
-        std::fill(w2, w2 + rp * nrow_tab, 0.0f);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t h = head[static_cast<size_t>(r)];
-          for (int64_t u = 0; u < nrow_tab; ++u) {
-            if (shaw_) {
-              const int64_t th = p_.shaw_rel_k_heads == 1 ? 0 : h;
-              rel1[r * nrow_tab + u] =
-                  scale *
-                  Dot(qb + r * dp, p_.shaw_rel_k + (u * p_.shaw_rel_k_heads + th) * dim_, dim_);
-              if (p_.shaw_rel_v != nullptr) {
-                const int64_t tv = p_.shaw_rel_v_heads == 1 ? 0 : h;
-                rel2[r * nrow_tab + u] =
-                    Dot(dob + r * dp, p_.shaw_rel_v + (u * p_.shaw_rel_v_heads + tv) * dim_, dim_);
-              }
-            } else {
-              rel1[r * nrow_tab + u] =
-                  scale * Dot(qb + r * dp, p_.deberta_pos_key + (u * p_.heads_q + h) * dim_, dim_);
-            }
-          }
-        }
+        std::fill(w1, w1 + n_rel, 0.0f);
+        std::fill(w2, w2 + n_rel, 0.0f);
+        Project(relk_, qb, rel1, br);
+        if (shaw_ && p_.shaw_rel_v != nullptr) Project(relv_, dob, rel2, br);
       }
       for (int64_t t = 0; t < ntiles_; ++t) {
         const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
@@ -456,6 +557,8 @@ class BackwardKernel {
           kpt[c] = kposb[j0 + c];
           consec = consec && kpt[c] == kpt[0] + c;
         }
+        // Keys past the tile's end: a position of the tile (masked, but table indices stay valid).
+        for (int64_t c = nk; c < kt; ++c) kpt[c] = kpt[0];
         // ALiBi / T5 over consecutive key positions: the tile's biases (and their gradients) are
         // a contiguous run of the per-distance row, index dmax - pos_q + pos_k (the table has a
         // tile of padding past its last distance).
@@ -507,6 +610,33 @@ class BackwardKernel {
             }
             for (int64_t c = nk; c < kt; ++c) srow[c] = kNegInf;
           }
+          // Shaw's and DeBERTa's c2p term: the row's projection at each key's table row.
+          if (shaw_ || deberta_) {
+            const DI di;
+            const auto vpq = hn::Set(di, pq);
+            const auto vrow = hn::Set(di, static_cast<int32_t>(r * kt));
+            const auto vcs = hn::Set(di, static_cast<int32_t>(cs));
+            const auto v63 = hn::Set(di, static_cast<int32_t>(kt - 1));
+            for (int64_t c = 0; c < kt; c += lanes_) {
+              const auto kpv = hn::Load(di, kpt + c);
+              hn::Vec<DI> u;
+              if (shaw_) {
+                const auto k = hn::Set(di, static_cast<int32_t>(p_.shaw_k));
+                u = hn::Min(hn::Max(hn::Add(hn::Sub(kpv, vpq), k), hn::Zero(di)), hn::Add(k, k));
+              } else {
+                const auto off = hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[bb] - pq));
+                u = hn::GatherIndex(di, p_.deberta_c2p, hn::Add(kpv, off));
+              }
+              static_assert(kTileK == 64, "row-chunk addresses: u >> 6, u & 63");
+              const auto a =
+                  hn::Add(hn::Add(hn::Mul(hn::ShiftRight<6>(u), vcs), vrow), hn::And(u, v63));
+              hn::Store(a, di, addr + c);
+              hn::Store(hn::Add(hn::Load(d, srow + c), hn::GatherIndex(d, rel1, a)), d, srow + c);
+              if (shaw_ && p_.shaw_rel_v != nullptr) {
+                hn::Store(hn::Add(hn::Load(d, drow + c), hn::GatherIndex(d, rel2, a)), d, drow + c);
+              }
+            }
+          }
           const int64_t bias_at =
               bb * p_.bias_batch_stride + h * p_.bias_len +
               ((p_.bias_dmax != nullptr ? int64_t{p_.bias_dmax[bb]} : 0) - pq + kpt[0]);
@@ -516,7 +646,7 @@ class BackwardKernel {
               hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, brow + c)), d, srow + c);
             }
           }
-          for (int64_t c = 0; has_terms_ && !bias_run && c < nk; ++c) {
+          for (int64_t c = 0; has_cell_terms_ && !bias_run && c < nk; ++c) {
             if (srow[c] == kNegInf) continue;
             const int32_t pk = kposb[j0 + c];
             const int64_t delta = int64_t{pq} - pk;
@@ -524,13 +654,8 @@ class BackwardKernel {
             if (p_.bias != nullptr) {
               x +=
                   p_.bias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)];
-            } else if (shaw_) {
-              const int64_t u = std::clamp<int64_t>(-delta, -p_.shaw_k, p_.shaw_k) + p_.shaw_k;
-              x += rel1[r * nrow_tab + u];
-              if (p_.shaw_rel_v != nullptr) drow[c] += rel2[r * nrow_tab + u];
             } else if (deberta_) {
               const int64_t at = p_.deberta_dmax[bb] - delta;
-              x += rel1[r * nrow_tab + p_.deberta_c2p[at]];
               // k_c . pos_query[u, h]: consecutive rows of a column often share u (clipped or
               // log-bucketed distances), so the last product per (key, head) is kept.
               const int32_t u = p_.deberta_p2c[at];
@@ -561,7 +686,7 @@ class BackwardKernel {
               hn::StoreU(hn::Add(hn::LoadU(d, dbrow + c), hn::Load(d, drow + c)), d, dbrow + c);
             }
           }
-          for (int64_t c = 0; cell_grads_ && !(bias_run) && c < nk; ++c) {
+          for (int64_t c = 0; has_cell_grads_ && !bias_run && c < nk; ++c) {
             const float ds = drow[c];
             const float pr = srow[c];
             if (ds == 0.0f && pr == 0.0f) continue;
@@ -571,13 +696,8 @@ class BackwardKernel {
             if (b_.dbias != nullptr) {
               b_.dbias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)] +=
                   ds;
-            } else if (shaw_) {
-              const int64_t u = std::clamp<int64_t>(-delta, -p_.shaw_k, p_.shaw_k) + p_.shaw_k;
-              w1[r * nrow_tab + u] += sds;
-              w2[r * nrow_tab + u] += pr;
             } else if (deberta_) {
               const int64_t at = p_.deberta_dmax[bb] - delta;
-              w1[r * nrow_tab + p_.deberta_c2p[at]] += sds;
               // dK_j += scale dS pos_query[p2c] and dpos_query[p2c] += scale dS k_j: summed
               // over runs of equal u per (key, head) first, applied after the tile's products.
               const int64_t u = p_.deberta_p2c[at];
@@ -596,10 +716,13 @@ class BackwardKernel {
               Axpy(sds, qx + r * dp, part + 2 * group_ * dim_ + (tt * group_ + g) * dim_, dim_);
             }
           }
-          // scale * dS from here on.
+          // scale * dS from here on; Shaw's and DeBERTa's c2p bucket sums.
           const auto vs = hn::Set(d, scale);
           for (int64_t c = 0; c < kt; c += lanes_) {
-            hn::Store(hn::Mul(hn::Load(d, drow + c), vs), d, drow + c);
+            const auto sds = hn::Mul(hn::Load(d, drow + c), vs);
+            hn::Store(sds, d, drow + c);
+            if (shaw_ || deberta_) ScatterAdd(w1, addr + c, sds);
+            if (shaw_ && b_.shaw_drel_v != nullptr) ScatterAdd(w2, addr + c, hn::Load(d, srow + c));
           }
         }
         ScoresTile(dotr, rp, s, dimr, dvt, kt, rp, true);   // dV^T += dO^T P
@@ -609,8 +732,7 @@ class BackwardKernel {
           const int64_t g = cell.h - hk * group_;
           const float* pqr = p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_;
           for (int64_t x = 0; x < dim_; ++x) dkt[x * kt + cell.c] += cell.sds * pqr[x];
-          Axpy(cell.sds, kp + cell.c * dp,
-               part + group_ * span2_ * dim_ + (g * span2_ + cell.u) * dim_, dim_);
+          Axpy(cell.sds, kp + cell.c * dp, part + part_pq_ + (g * span2_ + cell.u) * dim_, dim_);
         }
         pq_cells.clear();
         for (int64_t c = 0; !cached && c < nk; ++c) {
@@ -619,32 +741,18 @@ class BackwardKernel {
         }
       }
       // Per-row terms, once per block.
+      if (shaw_) {
+        BackQ(relk_, w1, dqb, br);
+        BackTable(w1, qtr, part + part_relk_, shaw_k_heads_, br);
+        if (b_.shaw_drel_v != nullptr) BackTable(w2, dotr, part + part_relv_, shaw_v_heads_, br);
+      } else if (deberta_) {
+        BackQ(relk_, w1, dqb, br);
+        BackTable(w1, qtr, part, group_, br);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = head[static_cast<size_t>(r)], g = h - hk * group_;
         float* dq_r = dqb + r * dp;
-        if (shaw_) {
-          const int64_t tk = p_.shaw_rel_k_heads == 1 ? 0 : h;
-          const int64_t gk = p_.shaw_rel_k_heads == 1 ? 0 : g;
-          for (int64_t u = 0; u < nrel_; ++u) {
-            const float wk = w1[r * nrow_tab + u];
-            if (wk != 0.0f) {
-              Axpy(wk, p_.shaw_rel_k + (u * p_.shaw_rel_k_heads + tk) * dim_, dq_r, dim_);
-              Axpy(wk, qb + r * dp, part + part_relk_ + (gk * nrel_ + u) * dim_, dim_);
-            }
-            const float wv = w2[r * nrow_tab + u];
-            if (wv != 0.0f && b_.shaw_drel_v != nullptr) {
-              const int64_t gv = p_.shaw_rel_v_heads == 1 ? 0 : g;
-              Axpy(wv, dob + r * dp, part + part_relv_ + (gv * nrel_ + u) * dim_, dim_);
-            }
-          }
-        } else if (deberta_) {
-          for (int64_t u = 0; u < span2_; ++u) {
-            const float wc = w1[r * nrow_tab + u];
-            if (wc == 0.0f) continue;
-            Axpy(wc, p_.deberta_pos_key + (u * p_.heads_q + h) * dim_, dq_r, dim_);
-            Axpy(wc, qb + r * dp, part + (g * span2_ + u) * dim_, dim_);
-          }
-        } else if (xl_) {
+        if (xl_) {
           Axpy(1.0f, dq_r, part + g * dim_, dim_);                          // du: the k part
           Axpy(1.0f, dqr + r * dp, part + group_ * dim_ + g * dim_, dim_);  // dv: the r part
           Axpy(1.0f, dqr + r * dp, dq_r, dim_);
@@ -670,9 +778,10 @@ class BackwardKernel {
   int64_t lanes_ = 0, dim_ = 0, dpad_ = 0, group_ = 1, nq_ = 1, rp_max_ = 4, ntiles_ = 0;
   std::vector<int32_t> tile_min_, tile_max_;
   bool shaw_ = false, deberta_ = false, xl_ = false;
-  bool has_terms_ = false;   // a positional term per score cell
-  bool cell_grads_ = false;  // a gradient per score cell besides dq, dk, dv
-  int64_t nrel_ = 0, span2_ = 0, hd_ = 0, hdp_ = 0;
+  bool has_cell_terms_ = false;  // a per-cell positional term (bias, DeBERTa p2c, XL r)
+  bool has_cell_grads_ = false;  // its gradient per cell
+  int64_t nrel_ = 0, span2_ = 0, hd_ = 0, hdp_ = 0, dimr_ = 4, nch_ = 0, part_pq_ = 0;
+  RowTable relk_, relv_;  // Shaw rel_k (scaled), rel_v; DeBERTa pos_key (scaled)
   int64_t shaw_k_heads_ = 1, shaw_v_heads_ = 1, part_relk_ = 0, part_relv_ = 0, part_size_ = 0;
   std::vector<Scratch> scratch_, cache_;
   std::vector<float> xl_dr_;
