@@ -90,8 +90,8 @@ class BackwardKernel {
     has_cell_terms_ = p_.bias != nullptr || deberta_ || xl_;
     has_cell_grads_ = b_.dbias != nullptr || deberta_ || xl_;
     hd_ = p_.heads_q * dim_;
-    hdp_ = RoundUp(hd_, kTileK);
     dimr_ = RoundUp(dim_, 4);
+    hdp_ = RoundUp(hd_, kTileK);
     // Per-row tables: padded and transposed copies.
     if (shaw_) {
       MakeRowTable(relk_, p_.shaw_rel_k, nrel_, p_.shaw_rel_k_heads, p_.scale);
@@ -99,6 +99,20 @@ class BackwardKernel {
         MakeRowTable(relv_, p_.shaw_rel_v, nrel_, p_.shaw_rel_v_heads, 1);
     } else if (deberta_) {
       MakeRowTable(relk_, p_.deberta_pos_key, span2_, p_.heads_q, p_.scale);
+      // pos_query padded ([span2r][heads][dpad], kpq's rows) and transposed per head
+      // ([heads][dimr][span2r], dK's operand).
+      span2r_ = RoundUp(span2_, 4);
+      pq_pad_ = hwy::AllocateAligned<float>(static_cast<size_t>(span2r_ * p_.heads_q * dpad_));
+      pq_t_ = hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * dimr_ * span2r_));
+      std::fill(pq_pad_.get(), pq_pad_.get() + span2r_ * p_.heads_q * dpad_, 0.0f);
+      std::fill(pq_t_.get(), pq_t_.get() + p_.heads_q * dimr_ * span2r_, 0.0f);
+      for (int64_t u = 0; u < span2_; ++u)
+        for (int64_t h = 0; h < p_.heads_q; ++h)
+          for (int64_t x = 0; x < dim_; ++x) {
+            const float val = p_.deberta_pos_query[(u * p_.heads_q + h) * dim_ + x];
+            pq_pad_[static_cast<size_t>((u * p_.heads_q + h) * dpad_ + x)] = val;
+            pq_t_[static_cast<size_t>((h * dimr_ + x) * span2r_ + u)] = val;
+          }
     }
     nch_ = relk_.nch;
     // Per-item partial table gradients, in floats. Row-table gradients are kept transposed like
@@ -115,7 +129,7 @@ class BackwardKernel {
       }
     } else if (deberta_) {
       part_pq_ = group_ * tchunk;  // dpos_key (transposed), then dpos_query (rows)
-      part_size_ = part_pq_ + group_ * span2_ * dim_;
+      part_size_ = part_pq_ + group_ * span2r_ * dpad_;
     } else if (xl_) {
       part_size_ = 2 * group_ * dim_ + p_.xl_len * group_ * dim_;  // du, dv, then dr(t)
     }
@@ -192,6 +206,9 @@ class BackwardKernel {
   void AddColumn(const float* tile, int64_t c, float* dst) const {
     for (int64_t x = 0; x < dim_; ++x) dst[x] += tile[x * kTileK + c];
   }
+  static void AddRow(const float* src, float* dst, int64_t n) {
+    for (int64_t x = 0; x < n; ++x) dst[x] += src[x];
+  }
 
   void ZeroTables() {
     auto zero = [](float* x, int64_t n) {
@@ -242,7 +259,7 @@ class BackwardKernel {
       for (int64_t g = 0; g < group_; ++g) {
         const int64_t h = hk * group_ + g;
         for (int64_t u = 0; u < span2_; ++u) {
-          add(part + part_pq_ + (g * span2_ + u) * dim_,
+          add(part + part_pq_ + (g * span2r_ + u) * dpad_,
               b_.deberta_dpos_query + (u * p_.heads_q + h) * dim_, dim_);
         }
       }
@@ -424,7 +441,7 @@ class BackwardKernel {
     // Row-chunk buffers: rpm rows and 4 spare ones (Project's rounding) per chunk.
     const int64_t cs = (rpm + 4) * kt;
     const size_t n_rel = static_cast<size_t>(nch_ * cs);
-    const size_t total = 7 * n_rows + 2 * n_tile + 3 * n_ktile +
+    const size_t total = 7 * n_rows + 2 * n_tile + 4 * n_ktile +
                          2 * static_cast<size_t>(dim_ * kt) + 4 * n_rel +
                          2 * static_cast<size_t>(rpm);
     float* base = sc.Get(total);
@@ -441,7 +458,8 @@ class BackwardKernel {
     float* kp_s = dotr + n_rows;       // key rows [kt x dpad]
     float* dkt_s = kp_s + n_ktile;     // dK^T tile [dpad x kt]
     float* dvt_s = dkt_s + n_ktile;    // dV^T tile [dpad x kt]
-    float* ktr_s = dvt_s + n_ktile;    // K^T [dim x kt]
+    float* dkx = dvt_s + n_ktile;      // DeBERTa p2c's dK rows of the tile (without item buffers)
+    float* ktr_s = dkx + n_ktile;      // K^T [dim x kt]
     float* vtr_s = ktr_s + dim_ * kt;  // V^T
     float* rel1 = vtr_s + dim_ * kt;   // Shaw: scale q . rel_k; DeBERTa: scale q . pos_key
     float* rel2 = rel1 + n_rel;        // Shaw: dout . rel_v
@@ -451,6 +469,8 @@ class BackwardKernel {
     float* lse = dsum + rpm;
     auto addr_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
     int32_t* addr = addr_buf.get();  // row-chunk address of each key's table row
+    auto addr2_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+    int32_t* addr2 = addr2_buf.get();  // DeBERTa p2c: kpq / W address of each key
     std::vector<int32_t> qpos(static_cast<size_t>(rpm));
     std::vector<int64_t> head(static_cast<size_t>(rpm));
     std::vector<PqCell> pq_cells;
@@ -474,23 +494,43 @@ class BackwardKernel {
     // block, key tile) step forms its tiles and adds its dK, dV into the outputs. dK and dV are
     // kept transposed ([dpad x kTileK] per tile) so that their products, dV^T += dO^T P and
     // dK^T += Q^T dS, read P and dS as they are formed, with no per-step transposes.
+    // DeBERTa's p2c term joins them: kpq[g][t][u][c] = scale k_c . pos_query[u, h] for every
+    // table row u and key, and W[g][t][u][c], the sum of scale dS over the cells of key c whose
+    // p2c row is u; after the last query block, dK^T += pos_query^T W and dpos_query += W K,
+    // tile products once per key tile. Without the buffers, runs of equal rows per key (PqCell).
     const int64_t n_all = ntiles_ * kt * dp;
-    const bool cached = 5 * n_all * static_cast<int64_t>(sizeof(float)) <= backward_item_budget();
+    const int64_t n_p2c = deberta_ ? group_ * ntiles_ * span2r_ * kt : 0;
+    const bool cached =
+        (5 * n_all + 2 * n_p2c) * static_cast<int64_t>(sizeof(float)) <= backward_item_budget();
     float *kp_all = nullptr, *kt_all = nullptr, *vt_all = nullptr, *dk_all = nullptr,
-          *dv_all = nullptr;
+          *dv_all = nullptr, *kpq_all = nullptr, *wpq_all = nullptr;
     if (cached) {
-      kp_all = LocalCache().Get(static_cast<size_t>(5 * n_all));
+      kp_all = LocalCache().Get(static_cast<size_t>(5 * n_all + 2 * n_p2c));
       kt_all = kp_all + n_all;
       vt_all = kt_all + n_all;
       dk_all = vt_all + n_all;
       dv_all = dk_all + n_all;
-      std::fill(kp_all, kp_all + 5 * n_all, 0.0f);
+      kpq_all = dv_all + n_all;
+      wpq_all = kpq_all + n_p2c;
+      std::fill(kp_all, kp_all + 5 * n_all + 2 * n_p2c, 0.0f);
       for (int64_t t = 0; t < ntiles_; ++t) {
         const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
         TileOperands(kbase, vbase, j0, nk, kp_all + j0 * dp, kt_all + t * dim_ * kt,
                      vt_all + t * dim_ * kt);
+        for (int64_t g = 0; g < group_ && deberta_; ++g) {
+          float* kpq = kpq_all + (g * ntiles_ + t) * span2r_ * kt;
+          ScoresTile(pq_pad_.get() + (hk * group_ + g) * dp, dim_, kt_all + t * dim_ * kt, span2r_,
+                     kpq, kt, p_.heads_q * dp);
+          const auto vs = hn::Set(d, scale);
+          for (int64_t x = 0; x < span2r_ * kt; x += lanes_) {
+            hn::Store(hn::Mul(hn::Load(d, kpq + x), vs), d, kpq + x);
+          }
+        }
       }
     }
+    const bool p2c_tiles = deberta_ && cached;
+    const bool cell_terms = has_cell_terms_ && !p2c_tiles;
+    const bool cell_grads = has_cell_grads_ && !p2c_tiles;
     // Without the item buffers dK, dV accumulate tile by tile in the outputs: start from zero.
     for (int64_t j = 0; !cached && j < p_.seq_k; ++j) {
       std::fill(b_.dk + bb * b_.dk_stride[0] + j * b_.dk_stride[1] + hk * b_.dk_stride[2],
@@ -614,6 +654,8 @@ class BackwardKernel {
           if (shaw_ || deberta_) {
             const DI di;
             const auto vpq = hn::Set(di, pq);
+            const float* kpq =
+                p2c_tiles ? kpq_all + ((h - hk * group_) * ntiles_ + t) * span2r_ * kt : nullptr;
             const auto vrow = hn::Set(di, static_cast<int32_t>(r * kt));
             const auto vcs = hn::Set(di, static_cast<int32_t>(cs));
             const auto v63 = hn::Set(di, static_cast<int32_t>(kt - 1));
@@ -624,8 +666,18 @@ class BackwardKernel {
                 const auto k = hn::Set(di, static_cast<int32_t>(p_.shaw_k));
                 u = hn::Min(hn::Max(hn::Add(hn::Sub(kpv, vpq), k), hn::Zero(di)), hn::Add(k, k));
               } else {
-                const auto off = hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[bb] - pq));
-                u = hn::GatherIndex(di, p_.deberta_c2p, hn::Add(kpv, off));
+                const auto at =
+                    hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[bb] - pq)));
+                u = hn::GatherIndex(di, p_.deberta_c2p, at);
+                if (p2c_tiles) {
+                  // p2c: kpq[u2][c], address u2 * kTileK + c.
+                  const auto u2 = hn::GatherIndex(di, p_.deberta_p2c, at);
+                  const auto a2 =
+                      hn::Add(hn::ShiftLeft<6>(u2), hn::Iota(di, static_cast<int32_t>(c)));
+                  hn::Store(a2, di, addr2 + c);
+                  hn::Store(hn::Add(hn::Load(d, srow + c), hn::GatherIndex(d, kpq, a2)), d,
+                            srow + c);
+                }
               }
               static_assert(kTileK == 64, "row-chunk addresses: u >> 6, u & 63");
               const auto a =
@@ -646,7 +698,7 @@ class BackwardKernel {
               hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, brow + c)), d, srow + c);
             }
           }
-          for (int64_t c = 0; has_cell_terms_ && !bias_run && c < nk; ++c) {
+          for (int64_t c = 0; cell_terms && !bias_run && c < nk; ++c) {
             if (srow[c] == kNegInf) continue;
             const int32_t pk = kposb[j0 + c];
             const int64_t delta = int64_t{pq} - pk;
@@ -686,7 +738,7 @@ class BackwardKernel {
               hn::StoreU(hn::Add(hn::LoadU(d, dbrow + c), hn::Load(d, drow + c)), d, dbrow + c);
             }
           }
-          for (int64_t c = 0; has_cell_grads_ && !bias_run && c < nk; ++c) {
+          for (int64_t c = 0; cell_grads && !bias_run && c < nk; ++c) {
             const float ds = drow[c];
             const float pr = srow[c];
             if (ds == 0.0f && pr == 0.0f) continue;
@@ -723,6 +775,12 @@ class BackwardKernel {
             hn::Store(sds, d, drow + c);
             if (shaw_ || deberta_) ScatterAdd(w1, addr + c, sds);
             if (shaw_ && b_.shaw_drel_v != nullptr) ScatterAdd(w2, addr + c, hn::Load(d, srow + c));
+            if (p2c_tiles) {
+              // The tile's keys are distinct lanes: no two lanes share an address.
+              float* wpq = wpq_all + ((h - hk * group_) * ntiles_ + t) * span2r_ * kt;
+              const auto a2 = hn::Load(DI(), addr2 + c);
+              hn::ScatterIndex(hn::Add(hn::GatherIndex(d, wpq, a2), sds), d, wpq, a2);
+            }
           }
         }
         ScoresTile(dotr, rp, s, dimr, dvt, kt, rp, true);   // dV^T += dO^T P
@@ -730,15 +788,17 @@ class BackwardKernel {
         AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);       // dQ += scale dS K
         for (const auto& cell : pq_cells) {                 // DeBERTa p2c
           const int64_t g = cell.h - hk * group_;
-          const float* pqr = p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_;
-          for (int64_t x = 0; x < dim_; ++x) dkt[x * kt + cell.c] += cell.sds * pqr[x];
-          Axpy(cell.sds, kp + cell.c * dp, part + part_pq_ + (g * span2_ + cell.u) * dim_, dim_);
+          Axpy(cell.sds, p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_,
+               dkx + cell.c * dp, dim_);
+          Axpy(cell.sds, kp + cell.c * dp, part + part_pq_ + (g * span2r_ + cell.u) * dp, dim_);
         }
         pq_cells.clear();
         for (int64_t c = 0; !cached && c < nk; ++c) {
           AddColumn(dkt, c, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk));
           AddColumn(dvt, c, OutRow(b_.dv, b_.dv_stride, bb, j0 + c, hk));
+          if (deberta_) AddRow(dkx + c * dp, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk), dim_);
         }
+        if (deberta_ && !cached) std::fill(dkx, dkx + n_ktile, 0.0f);
       }
       // Per-row terms, once per block.
       if (shaw_) {
@@ -762,6 +822,17 @@ class BackwardKernel {
                     static_cast<size_t>(dim_) * sizeof(float));
       }
     }
+    // DeBERTa p2c, once per key tile: dK^T += pos_query^T W, dpos_query += W K.
+    for (int64_t t = 0; p2c_tiles && t < ntiles_; ++t) {
+      const int64_t nk = std::min(kt, p_.seq_k - t * kt);
+      for (int64_t g = 0; g < group_; ++g) {
+        const float* wpq = wpq_all + (g * ntiles_ + t) * span2r_ * kt;
+        ScoresTile(pq_t_.get() + (hk * group_ + g) * dimr_ * span2r_, span2_, wpq, dimr_,
+                   dk_all + t * dp * kt, kt, span2r_, true);
+        AccumulateTile(wpq, nk, kp_all + t * kt * dp, dp, dp, span2r_,
+                       part + part_pq_ + g * span2r_ * dp);
+      }
+    }
     for (int64_t j = 0; cached && j < p_.seq_k; ++j) {
       const int64_t t = j / kt, c = j % kt;
       float* dkr = OutRow(b_.dk, b_.dk_stride, bb, j, hk);
@@ -782,6 +853,8 @@ class BackwardKernel {
   bool has_cell_grads_ = false;  // its gradient per cell
   int64_t nrel_ = 0, span2_ = 0, hd_ = 0, hdp_ = 0, dimr_ = 4, nch_ = 0, part_pq_ = 0;
   RowTable relk_, relv_;  // Shaw rel_k (scaled), rel_v; DeBERTa pos_key (scaled)
+  int64_t span2r_ = 0;
+  hwy::AlignedFreeUniquePtr<float[]> pq_pad_, pq_t_;  // DeBERTa pos_query, padded / transposed
   int64_t shaw_k_heads_ = 1, shaw_v_heads_ = 1, part_relk_ = 0, part_relv_ = 0, part_size_ = 0;
   std::vector<Scratch> scratch_, cache_;
   std::vector<float> xl_dr_;
@@ -803,9 +876,10 @@ namespace posenc::kernels {
 HWY_EXPORT(FusedAttentionBackward);
 
 namespace {
-// Per-thread budget of an item's key operands and dK, dV buffers (5 x seq_k x head_dim floats):
-// up to about 9800 keys at head_dim 128.
-constexpr int64_t kItemBudgetBytes = int64_t{24} << 20;
+// Per-thread budget of an item's key operands and dK, dV buffers (5 x seq_k x head_dim floats;
+// DeBERTa adds its p2c tables, 2 x group x seq_k x 2K): up to about 13000 keys at head_dim 128,
+// DeBERTa with 2K = 512 up to about 4600.
+constexpr int64_t kItemBudgetBytes = int64_t{32} << 20;
 int64_t g_item_budget = kItemBudgetBytes;
 }  // namespace
 

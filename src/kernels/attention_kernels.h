@@ -121,7 +121,7 @@ struct FusedBackwardParams {
 void fused_attention_backward(const FusedBackwardParams& p);
 
 // The per-thread budget (bytes) under which an item of the backward forms its key operands once
-// and keeps dK, dV in item buffers (default 24 MiB). Tests set it to 0 to run the tile-by-tile
+// and keeps dK, dV in item buffers (default 32 MiB). Tests set it to 0 to run the tile-by-tile
 // path on small shapes; a negative value restores the default. Not thread-safe with running calls.
 void set_backward_item_budget_for_test(int64_t bytes);
 int64_t backward_item_budget();
