@@ -102,9 +102,10 @@ class BackwardKernel {
       // pos_query padded ([span2r][heads][dpad], kpq's rows) and transposed per head
       // ([heads][dimr][span2r], dK's operand).
       span2r_ = RoundUp(span2_, 4);
-      pq_pad_ = hwy::AllocateAligned<float>(static_cast<size_t>(span2r_ * p_.heads_q * dpad_));
+      span2s_ = span2r_ + 4;  // rows of a tile's kpq and W: a used range rounded up to 4 fits
+      pq_pad_ = hwy::AllocateAligned<float>(static_cast<size_t>(span2s_ * p_.heads_q * dpad_));
       pq_t_ = hwy::AllocateAligned<float>(static_cast<size_t>(p_.heads_q * dimr_ * span2r_));
-      std::fill(pq_pad_.get(), pq_pad_.get() + span2r_ * p_.heads_q * dpad_, 0.0f);
+      std::fill(pq_pad_.get(), pq_pad_.get() + span2s_ * p_.heads_q * dpad_, 0.0f);
       std::fill(pq_t_.get(), pq_t_.get() + p_.heads_q * dimr_ * span2r_, 0.0f);
       for (int64_t u = 0; u < span2_; ++u)
         for (int64_t h = 0; h < p_.heads_q; ++h)
@@ -129,7 +130,7 @@ class BackwardKernel {
       }
     } else if (deberta_) {
       part_pq_ = group_ * tchunk;  // dpos_key (transposed), then dpos_query (rows)
-      part_size_ = part_pq_ + group_ * span2r_ * dpad_;
+      part_size_ = part_pq_ + group_ * span2s_ * dpad_;
     } else if (xl_) {
       part_size_ = 2 * group_ * dim_ + p_.xl_len * group_ * dim_;  // du, dv, then dr(t)
     }
@@ -259,7 +260,7 @@ class BackwardKernel {
       for (int64_t g = 0; g < group_; ++g) {
         const int64_t h = hk * group_ + g;
         for (int64_t u = 0; u < span2_; ++u) {
-          add(part + part_pq_ + (g * span2r_ + u) * dpad_,
+          add(part + part_pq_ + (g * span2s_ + u) * dpad_,
               b_.deberta_dpos_query + (u * p_.heads_q + h) * dim_, dim_);
         }
       }
@@ -300,12 +301,13 @@ class BackwardKernel {
   // projections and bucket sums. A block's rows are the group's heads, nq rows each.
   struct BlockRows {
     int64_t rows, rp, nq, hk, cs;  // cs = rs * kTileK
+    int64_t c0, c1;                // the chunks of table rows the block's cells can use
   };
 
   // out[r][u] = x_r . t.tr[u] (scaled table rows) for the block's rows (x rows dpad apart).
   void Project(const RowTable& t, const float* x, float* out, const BlockRows& br) const {
     if (t.heads == 1) {
-      for (int64_t ch = 0; ch < t.nch; ++ch) {
+      for (int64_t ch = br.c0; ch < br.c1; ++ch) {
         ScoresTile(x, dim_, t.tr.get() + ch * dim_ * kTileK, br.rp, out + ch * br.cs, kTileK,
                    dpad_);
       }
@@ -315,7 +317,7 @@ class BackwardKernel {
     // into the buffers' spare rows.
     for (int64_t g = 0; g < group_; ++g) {
       const int64_t th = br.hk * group_ + g;
-      for (int64_t ch = 0; ch < t.nch; ++ch) {
+      for (int64_t ch = br.c0; ch < br.c1; ++ch) {
         ScoresTile(x + g * br.nq * dpad_, dim_, t.tr.get() + (th * t.nch + ch) * dim_ * kTileK,
                    RoundUp(br.nq, 4), out + ch * br.cs + g * br.nq * kTileK, kTileK, dpad_);
       }
@@ -326,7 +328,7 @@ class BackwardKernel {
   void BackQ(const RowTable& t, const float* w, float* dq, const BlockRows& br) const {
     auto tile = [&](int64_t th, int64_t r0, int64_t nrows) {
       const int64_t r4 = nrows / 4 * 4;
-      for (int64_t ch = 0; ch < t.nch; ++ch) {
+      for (int64_t ch = br.c0; ch < br.c1; ++ch) {
         const int64_t ncol = std::min(kTileK, t.n - ch * kTileK);
         const float* tab = t.pad.get() + (ch * kTileK * t.heads + th) * dpad_;
         const float* wc = w + ch * br.cs + r0 * kTileK;
@@ -354,7 +356,7 @@ class BackwardKernel {
     for (int64_t g = 0; g < part_heads; ++g) {
       const int64_t r0 = part_heads == 1 ? 0 : g * br.nq;
       const int64_t nr = part_heads == 1 ? br.rp : br.nq;
-      for (int64_t ch = 0; ch < nch_; ++ch) {
+      for (int64_t ch = br.c0; ch < br.c1; ++ch) {
         ScoresTile(xt + r0, nr, w + ch * br.cs + r0 * kTileK, dimr_,
                    part_t + (g * nch_ + ch) * dimr_ * kTileK, kTileK, br.rp, true);
       }
@@ -498,8 +500,54 @@ class BackwardKernel {
     // table row u and key, and W[g][t][u][c], the sum of scale dS over the cells of key c whose
     // p2c row is u; after the last query block, dK^T += pos_query^T W and dpos_query += W K,
     // tile products once per key tile. Without the buffers, runs of equal rows per key (PqCell).
+    // Query position range of every block, which key tiles it visits, and the table rows a set
+    // of distances [dlo, dhi] can reach (the bucket tables are monotone in the distance, but
+    // scanned anyway: the range is at most the sequence).
+    const int64_t nblocks = (p_.seq_q + nq_ - 1) / nq_;
+    std::vector<int32_t> bq_min(static_cast<size_t>(nblocks)), bq_max(bq_min.size());
+    for (int64_t bi = 0; bi < nblocks; ++bi) {
+      int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
+      for (int64_t i = bi * nq_; i < std::min(p_.seq_q, (bi + 1) * nq_); ++i) {
+        lo = std::min(lo, p_.qpos[bb * p_.seq_q + i]);
+        hi = std::max(hi, p_.qpos[bb * p_.seq_q + i]);
+      }
+      bq_min[static_cast<size_t>(bi)] = lo, bq_max[static_cast<size_t>(bi)] = hi;
+    }
+    auto visits = [&](int32_t qmin, int32_t qmax, int64_t t) {
+      const int32_t tmin = tile_min_[static_cast<size_t>(bb * ntiles_ + t)];
+      const int32_t tmax = tile_max_[static_cast<size_t>(bb * ntiles_ + t)];
+      if (p_.causal && tmin > qmax) return false;
+      return !(p_.window > 0 &&
+               (int64_t{tmin} - qmax >= p_.window || int64_t{qmin} - tmax >= p_.window));
+    };
+    // Rows [lo, hi] of a bucket table indexed at dmax - delta, for delta in [dlo, dhi].
+    auto used_rows = [&](const int32_t* table, int64_t dmax, int64_t dlo, int64_t dhi) {
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+      for (int64_t at = dmax - dhi; at <= dmax - dlo; ++at) {
+        lo = std::min<int64_t>(lo, table[at]);
+        hi = std::max<int64_t>(hi, table[at]);
+      }
+      return std::pair<int64_t, int64_t>{lo, hi};
+    };
+    // DeBERTa p2c: the table rows each key tile's cells can use (hi < lo: no block visits it).
+    std::vector<std::pair<int64_t, int64_t>> p2c_rows(static_cast<size_t>(deberta_ ? ntiles_ : 0));
+    for (int64_t t = 0; deberta_ && t < ntiles_; ++t) {
+      int64_t dlo = std::numeric_limits<int64_t>::max(), dhi = std::numeric_limits<int64_t>::min();
+      for (int64_t bi = 0; bi < nblocks; ++bi) {
+        const int32_t qmin = bq_min[static_cast<size_t>(bi)],
+                      qmax = bq_max[static_cast<size_t>(bi)];
+        if (!visits(qmin, qmax, t)) continue;
+        dlo = std::min<int64_t>(dlo,
+                                int64_t{qmin} - tile_max_[static_cast<size_t>(bb * ntiles_ + t)]);
+        dhi = std::max<int64_t>(dhi,
+                                int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
+      }
+      p2c_rows[static_cast<size_t>(t)] =
+          dlo > dhi ? std::pair<int64_t, int64_t>{0, -1}
+                    : used_rows(p_.deberta_p2c, p_.deberta_dmax[bb], dlo, dhi);
+    }
     const int64_t n_all = ntiles_ * kt * dp;
-    const int64_t n_p2c = deberta_ ? group_ * ntiles_ * span2r_ * kt : 0;
+    const int64_t n_p2c = deberta_ ? group_ * ntiles_ * span2s_ * kt : 0;
     const bool cached =
         (5 * n_all + 2 * n_p2c) * static_cast<int64_t>(sizeof(float)) <= backward_item_budget();
     float *kp_all = nullptr, *kt_all = nullptr, *vt_all = nullptr, *dk_all = nullptr,
@@ -517,12 +565,16 @@ class BackwardKernel {
         const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
         TileOperands(kbase, vbase, j0, nk, kp_all + j0 * dp, kt_all + t * dim_ * kt,
                      vt_all + t * dim_ * kt);
-        for (int64_t g = 0; g < group_ && deberta_; ++g) {
-          float* kpq = kpq_all + (g * ntiles_ + t) * span2r_ * kt;
-          ScoresTile(pq_pad_.get() + (hk * group_ + g) * dp, dim_, kt_all + t * dim_ * kt, span2r_,
-                     kpq, kt, p_.heads_q * dp);
+        const auto [ulo, uhi] =
+            deberta_ ? p2c_rows[static_cast<size_t>(t)] : std::pair<int64_t, int64_t>{0, -1};
+        for (int64_t g = 0; g < group_ && ulo <= uhi; ++g) {
+          // Rows [ulo, ulo + RoundUp(n, 4)): within the tile's span2s_ rows.
+          float* kpq = kpq_all + (g * ntiles_ + t) * span2s_ * kt + ulo * kt;
+          const int64_t nr = RoundUp(uhi - ulo + 1, 4);
+          ScoresTile(pq_pad_.get() + (ulo * p_.heads_q + hk * group_ + g) * dp, dim_,
+                     kt_all + t * dim_ * kt, nr, kpq, kt, p_.heads_q * dp);
           const auto vs = hn::Set(d, scale);
-          for (int64_t x = 0; x < span2r_ * kt; x += lanes_) {
+          for (int64_t x = 0; x < nr * kt; x += lanes_) {
             hn::Store(hn::Mul(hn::Load(d, kpq + x), vs), d, kpq + x);
           }
         }
@@ -577,21 +629,37 @@ class BackwardKernel {
           dotr[x * rp + r] = dob[r * dp + x];
         }
       // Per-row tables and bucket sums.
-      const BlockRows br{rows, rp, nq, hk, cs};
+      BlockRows br{rows, rp, nq, hk, cs, 0, nch_};
       if (shaw_ || deberta_) {
-        std::fill(w1, w1 + n_rel, 0.0f);
-        std::fill(w2, w2 + n_rel, 0.0f);
+        // Only the chunks of table rows this block's cells can reach.
+        int64_t dlo = std::numeric_limits<int64_t>::max(),
+                dhi = std::numeric_limits<int64_t>::min();
+        for (int64_t t = 0; t < ntiles_; ++t) {
+          if (!visits(qmin, qmax, t)) continue;
+          dlo = std::min<int64_t>(dlo,
+                                  int64_t{qmin} - tile_max_[static_cast<size_t>(bb * ntiles_ + t)]);
+          dhi = std::max<int64_t>(dhi,
+                                  int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
+        }
+        if (dlo > dhi) {
+          br.c1 = 0;
+        } else if (shaw_) {
+          // u = clamp(-delta, -K, K) + K
+          const int64_t k = p_.shaw_k;
+          br.c0 = (std::clamp<int64_t>(-dhi, -k, k) + k) / kt;
+          br.c1 = (std::clamp<int64_t>(-dlo, -k, k) + k) / kt + 1;
+        } else {
+          const auto [ulo, uhi] = used_rows(p_.deberta_c2p, p_.deberta_dmax[bb], dlo, dhi);
+          br.c0 = ulo / kt, br.c1 = uhi / kt + 1;
+        }
+        std::fill(w1 + br.c0 * cs, w1 + br.c1 * cs, 0.0f);
+        std::fill(w2 + br.c0 * cs, w2 + br.c1 * cs, 0.0f);
         Project(relk_, qb, rel1, br);
         if (shaw_ && p_.shaw_rel_v != nullptr) Project(relv_, dob, rel2, br);
       }
       for (int64_t t = 0; t < ntiles_; ++t) {
         const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
-        const int32_t tmin = tile_min_[static_cast<size_t>(bb * ntiles_ + t)];
-        const int32_t tmax = tile_max_[static_cast<size_t>(bb * ntiles_ + t)];
-        if (p_.causal && tmin > qmax) continue;
-        if (p_.window > 0 &&
-            (int64_t{tmin} - qmax >= p_.window || int64_t{qmin} - tmax >= p_.window))
-          continue;
+        if (!visits(qmin, qmax, t)) continue;
         bool consec = true;
         for (int64_t c = 0; c < nk; ++c) {
           kpt[c] = kposb[j0 + c];
@@ -655,7 +723,7 @@ class BackwardKernel {
             const DI di;
             const auto vpq = hn::Set(di, pq);
             const float* kpq =
-                p2c_tiles ? kpq_all + ((h - hk * group_) * ntiles_ + t) * span2r_ * kt : nullptr;
+                p2c_tiles ? kpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt : nullptr;
             const auto vrow = hn::Set(di, static_cast<int32_t>(r * kt));
             const auto vcs = hn::Set(di, static_cast<int32_t>(cs));
             const auto v63 = hn::Set(di, static_cast<int32_t>(kt - 1));
@@ -777,7 +845,7 @@ class BackwardKernel {
             if (shaw_ && b_.shaw_drel_v != nullptr) ScatterAdd(w2, addr + c, hn::Load(d, srow + c));
             if (p2c_tiles) {
               // The tile's keys are distinct lanes: no two lanes share an address.
-              float* wpq = wpq_all + ((h - hk * group_) * ntiles_ + t) * span2r_ * kt;
+              float* wpq = wpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt;
               const auto a2 = hn::Load(DI(), addr2 + c);
               hn::ScatterIndex(hn::Add(hn::GatherIndex(d, wpq, a2), sds), d, wpq, a2);
             }
@@ -790,7 +858,7 @@ class BackwardKernel {
           const int64_t g = cell.h - hk * group_;
           Axpy(cell.sds, p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_,
                dkx + cell.c * dp, dim_);
-          Axpy(cell.sds, kp + cell.c * dp, part + part_pq_ + (g * span2r_ + cell.u) * dp, dim_);
+          Axpy(cell.sds, kp + cell.c * dp, part + part_pq_ + (g * span2s_ + cell.u) * dp, dim_);
         }
         pq_cells.clear();
         for (int64_t c = 0; !cached && c < nk; ++c) {
@@ -825,12 +893,15 @@ class BackwardKernel {
     // DeBERTa p2c, once per key tile: dK^T += pos_query^T W, dpos_query += W K.
     for (int64_t t = 0; p2c_tiles && t < ntiles_; ++t) {
       const int64_t nk = std::min(kt, p_.seq_k - t * kt);
+      const auto [ulo, uhi] = p2c_rows[static_cast<size_t>(t)];
+      if (ulo > uhi) continue;
       for (int64_t g = 0; g < group_; ++g) {
-        const float* wpq = wpq_all + (g * ntiles_ + t) * span2r_ * kt;
-        ScoresTile(pq_t_.get() + (hk * group_ + g) * dimr_ * span2r_, span2_, wpq, dimr_,
-                   dk_all + t * dp * kt, kt, span2r_, true);
-        AccumulateTile(wpq, nk, kp_all + t * kt * dp, dp, dp, span2r_,
-                       part + part_pq_ + g * span2r_ * dp);
+        // W's rows past uhi are zero: rounding the rows up to 4 adds nothing.
+        const float* wpq = wpq_all + (g * ntiles_ + t) * span2s_ * kt + ulo * kt;
+        ScoresTile(pq_t_.get() + (hk * group_ + g) * dimr_ * span2r_ + ulo, uhi - ulo + 1, wpq,
+                   dimr_, dk_all + t * dp * kt, kt, span2r_, true);
+        AccumulateTile(wpq, nk, kp_all + t * kt * dp, dp, dp, RoundUp(uhi - ulo + 1, 4),
+                       part + part_pq_ + (g * span2s_ + ulo) * dp);
       }
     }
     for (int64_t j = 0; cached && j < p_.seq_k; ++j) {
@@ -853,7 +924,7 @@ class BackwardKernel {
   bool has_cell_grads_ = false;  // its gradient per cell
   int64_t nrel_ = 0, span2_ = 0, hd_ = 0, hdp_ = 0, dimr_ = 4, nch_ = 0, part_pq_ = 0;
   RowTable relk_, relv_;  // Shaw rel_k (scaled), rel_v; DeBERTa pos_key (scaled)
-  int64_t span2r_ = 0;
+  int64_t span2r_ = 0, span2s_ = 0;
   hwy::AlignedFreeUniquePtr<float[]> pq_pad_, pq_t_;  // DeBERTa pos_query, padded / transposed
   int64_t shaw_k_heads_ = 1, shaw_v_heads_ = 1, part_relk_ = 0, part_relv_ = 0, part_size_ = 0;
   std::vector<Scratch> scratch_, cache_;
