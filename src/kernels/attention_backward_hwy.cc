@@ -87,8 +87,8 @@ class BackwardKernel {
     deberta_ = p_.deberta_pos_key != nullptr;
     span2_ = deberta_ ? 2 * p_.deberta_span : 0;
     xl_ = p_.xl_sin != nullptr;
-    has_cell_terms_ = p_.bias != nullptr || deberta_ || xl_;
-    has_cell_grads_ = b_.dbias != nullptr || deberta_ || xl_;
+    has_cell_terms_ = p_.bias != nullptr || deberta_;
+    has_cell_grads_ = b_.dbias != nullptr || deberta_;
     hd_ = p_.heads_q * dim_;
     dimr_ = RoundUp(dim_, 4);
     hdp_ = RoundUp(hd_, kTileK);
@@ -115,7 +115,7 @@ class BackwardKernel {
             pq_t_[static_cast<size_t>((h * dimr_ + x) * span2r_ + u)] = val;
           }
     }
-    nch_ = relk_.nch;
+    nch_ = xl_ ? (p_.xl_len + kTileK - 1) / kTileK : relk_.nch;  // XL: r(t), built in Run
     // Per-item partial table gradients, in floats. Row-table gradients are kept transposed like
     // the tables ([heads][nch][dimr][64]).
     const int64_t tchunk = nch_ * dimr_ * kTileK;
@@ -132,7 +132,7 @@ class BackwardKernel {
       part_pq_ = group_ * tchunk;  // dpos_key (transposed), then dpos_query (rows)
       part_size_ = part_pq_ + group_ * span2s_ * dpad_;
     } else if (xl_) {
-      part_size_ = 2 * group_ * dim_ + p_.xl_len * group_ * dim_;  // du, dv, then dr(t)
+      part_size_ = 2 * group_ * dim_ + group_ * tchunk;  // du, dv, then dr(t) (transposed)
     }
   }
 
@@ -140,7 +140,13 @@ class BackwardKernel {
     const int threads = resolve_threads(p_.num_threads);
     scratch_ = std::vector<Scratch>(static_cast<size_t>(threads));
     cache_ = std::vector<Scratch>(static_cast<size_t>(threads));
-    if (xl_) ProjectXl(threads);
+    if (xl_) {
+      // The projected distances r(t) as a per-row table (row t = xl_dmax - delta), scaled for
+      // the (q + v) . r(delta) products.
+      ProjectXl(threads);
+      MakeRowTable(relk_, r_.get(), p_.xl_len, p_.heads_q, p_.scale, hdp_);
+      r_.reset();
+    }
     const int64_t items = p_.batch * p_.heads_kv;
     // Items per wave: bounded partial-gradient memory (about 16 MB), from the shape alone.
     constexpr int64_t kPartBudget = int64_t{4} << 20;
@@ -268,9 +274,7 @@ class BackwardKernel {
       const int64_t gd = group_ * dim_;
       add(part, b_.xl_du + hk * gd, gd);
       add(part + gd, b_.xl_dv + hk * gd, gd);
-      for (int64_t t = 0; t < p_.xl_len; ++t) {
-        add(part + 2 * gd + t * gd, xl_dr_.data() + t * hd_ + hk * gd, gd);
-      }
+      add_transposed(part + 2 * gd, xl_dr_.data(), p_.xl_len, p_.heads_q, group_);
     }
   }
 
@@ -281,7 +285,9 @@ class BackwardKernel {
     int64_t n = 0, heads = 1, nch = 0;
     hwy::AlignedFreeUniquePtr<float[]> pad, tr;
   };
-  void MakeRowTable(RowTable& t, const float* src, int64_t n, int64_t heads, float scale) const {
+  void MakeRowTable(RowTable& t, const float* src, int64_t n, int64_t heads, float scale,
+                    int64_t src_row_stride = 0) const {
+    if (src_row_stride == 0) src_row_stride = heads * dim_;
     t.n = n, t.heads = heads, t.nch = (n + kTileK - 1) / kTileK;
     t.pad = hwy::AllocateAligned<float>(static_cast<size_t>(n * heads * dpad_));
     t.tr = hwy::AllocateAligned<float>(static_cast<size_t>(heads * t.nch * dim_ * kTileK));
@@ -290,7 +296,7 @@ class BackwardKernel {
     for (int64_t u = 0; u < n; ++u)
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t x = 0; x < dim_; ++x) {
-          const float val = src[(u * heads + h) * dim_ + x];
+          const float val = src[u * src_row_stride + h * dim_ + x];
           t.pad[static_cast<size_t>((u * heads + h) * dpad_ + x)] = val;
           t.tr[static_cast<size_t>(((h * t.nch + u / kTileK) * dim_ + x) * kTileK + u % kTileK)] =
               scale * val;
@@ -363,13 +369,30 @@ class BackwardKernel {
     }
   }
 
+  HWY_INLINE bool Consecutive(const int32_t* a) const {
+    const DI di;
+    return hn::AllTrue(di, hn::Eq(hn::Load(di, a), hn::Iota(di, a[0])));
+  }
+  // table[a[l]] at the lanes' addresses.
+  HWY_INLINE hn::Vec<DF> GatherAt(const float* table, const int32_t* a) const {
+    const DF d;
+    if (Consecutive(a)) return hn::LoadU(d, table + a[0]);
+    return hn::GatherIndex(d, table, hn::Load(DI(), a));
+  }
+
   // table[a[l]] += v[l] for the lanes of one vector: one sum when every lane has the same index.
+  // Consecutive ascending addresses (a linear stretch of a bucket table, or XL's distances) are
+  // one vector load and store.
   HWY_INLINE void ScatterAdd(float* table, const int32_t* a, hn::Vec<DF> v) const {
     const DF d;
     const DI di;
     const auto av = hn::Load(di, a);
     if (hn::AllTrue(di, hn::Eq(av, hn::Set(di, a[0])))) {
       table[a[0]] += hn::GetLane(hn::SumOfLanes(d, v));
+      return;
+    }
+    if (Consecutive(a)) {
+      hn::StoreU(hn::Add(hn::LoadU(d, table + a[0]), v), d, table + a[0]);
       return;
     }
     HWY_ALIGN float tmp[HWY_MAX_BYTES / sizeof(float)];
@@ -443,8 +466,9 @@ class BackwardKernel {
     // Row-chunk buffers: rpm rows and 4 spare ones (Project's rounding) per chunk.
     const int64_t cs = (rpm + 4) * kt;
     const size_t n_rel = static_cast<size_t>(nch_ * cs);
-    const size_t total = 7 * n_rows + 2 * n_tile + 4 * n_ktile +
-                         2 * static_cast<size_t>(dim_ * kt) + 4 * n_rel +
+    const size_t n_rel2 = shaw_ && p_.shaw_rel_v != nullptr ? n_rel : 0;  // Shaw's rel_v
+    const size_t total = 8 * n_rows + 2 * n_tile + 4 * n_ktile +
+                         2 * static_cast<size_t>(dim_ * kt) + 2 * n_rel + 2 * n_rel2 +
                          2 * static_cast<size_t>(rpm);
     float* base = sc.Get(total);
     std::fill(base, base + total, 0.0f);
@@ -457,17 +481,21 @@ class BackwardKernel {
     float* dps = s + n_tile;           // dP, then scale * dS
     float* qtr = dps + n_tile;         // Q^T (XL: (q + u)^T) [dpad x rpm]
     float* dotr = qtr + n_rows;        // dO^T [dpad x rpm]
-    float* kp_s = dotr + n_rows;       // key rows [kt x dpad]
+    float* qxtr = dotr + n_rows;       // XL: (q + v)^T
+    float* kp_s = qxtr + n_rows;       // key rows [kt x dpad]
     float* dkt_s = kp_s + n_ktile;     // dK^T tile [dpad x kt]
     float* dvt_s = dkt_s + n_ktile;    // dV^T tile [dpad x kt]
     float* dkx = dvt_s + n_ktile;      // DeBERTa p2c's dK rows of the tile (without item buffers)
     float* ktr_s = dkx + n_ktile;      // K^T [dim x kt]
     float* vtr_s = ktr_s + dim_ * kt;  // V^T
-    float* rel1 = vtr_s + dim_ * kt;   // Shaw: scale q . rel_k; DeBERTa: scale q . pos_key
-    float* rel2 = rel1 + n_rel;        // Shaw: dout . rel_v
-    float* w1 = rel2 + n_rel;          // Shaw / DeBERTa c2p: sum of scale dS per bucket
-    float* w2 = w1 + n_rel;            // Shaw: sum of P per bucket
-    float* dsum = w2 + n_rel;
+    // Row-chunk buffers: rel1 = scale q . rel_k (Shaw), scale q . pos_key (DeBERTa c2p),
+    // scale (q + v) . r(t) (XL), w1 their sums of scale dS per table row; Shaw's rel_v:
+    // rel2 = dout . rel_v, w2 the sums of P.
+    float* rel1 = vtr_s + dim_ * kt;
+    float* rel2 = n_rel2 > 0 ? rel1 + n_rel : nullptr;
+    float* w1 = rel1 + n_rel + n_rel2;
+    float* w2 = n_rel2 > 0 ? w1 + n_rel : nullptr;
+    float* dsum = w1 + n_rel + n_rel2;
     float* lse = dsum + rpm;
     auto addr_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
     int32_t* addr = addr_buf.get();  // row-chunk address of each key's table row
@@ -627,10 +655,11 @@ class BackwardKernel {
         for (int64_t x = 0; x < dim_; ++x) {
           qtr[x * rp + r] = qb[r * dp + x];
           dotr[x * rp + r] = dob[r * dp + x];
+          if (xl_) qxtr[x * rp + r] = qx[r * dp + x];
         }
       // Per-row tables and bucket sums.
       BlockRows br{rows, rp, nq, hk, cs, 0, nch_};
-      if (shaw_ || deberta_) {
+      if (shaw_ || deberta_ || xl_) {
         // Only the chunks of table rows this block's cells can reach.
         int64_t dlo = std::numeric_limits<int64_t>::max(),
                 dhi = std::numeric_limits<int64_t>::min();
@@ -648,13 +677,16 @@ class BackwardKernel {
           const int64_t k = p_.shaw_k;
           br.c0 = (std::clamp<int64_t>(-dhi, -k, k) + k) / kt;
           br.c1 = (std::clamp<int64_t>(-dlo, -k, k) + k) / kt + 1;
+        } else if (xl_) {
+          br.c0 = std::clamp<int64_t>(p_.xl_dmax - dhi, 0, p_.xl_len - 1) / kt;
+          br.c1 = std::clamp<int64_t>(p_.xl_dmax - dlo, 0, p_.xl_len - 1) / kt + 1;
         } else {
           const auto [ulo, uhi] = used_rows(p_.deberta_c2p, p_.deberta_dmax[bb], dlo, dhi);
           br.c0 = ulo / kt, br.c1 = uhi / kt + 1;
         }
         std::fill(w1 + br.c0 * cs, w1 + br.c1 * cs, 0.0f);
-        std::fill(w2 + br.c0 * cs, w2 + br.c1 * cs, 0.0f);
-        Project(relk_, qb, rel1, br);
+        if (w2 != nullptr) std::fill(w2 + br.c0 * cs, w2 + br.c1 * cs, 0.0f);
+        Project(relk_, xl_ ? qx : qb, rel1, br);
         if (shaw_ && p_.shaw_rel_v != nullptr) Project(relv_, dob, rel2, br);
       }
       for (int64_t t = 0; t < ntiles_; ++t) {
@@ -719,7 +751,7 @@ class BackwardKernel {
             for (int64_t c = nk; c < kt; ++c) srow[c] = kNegInf;
           }
           // Shaw's and DeBERTa's c2p term: the row's projection at each key's table row.
-          if (shaw_ || deberta_) {
+          if (shaw_ || deberta_ || xl_) {
             const DI di;
             const auto vpq = hn::Set(di, pq);
             const float* kpq =
@@ -733,6 +765,13 @@ class BackwardKernel {
               if (shaw_) {
                 const auto k = hn::Set(di, static_cast<int32_t>(p_.shaw_k));
                 u = hn::Min(hn::Max(hn::Add(hn::Sub(kpv, vpq), k), hn::Zero(di)), hn::Add(k, k));
+              } else if (xl_) {
+                // r(t) covers the distances a mask leaves visible: masked cells (P = 0, dS = 0)
+                // read and add to a clamped row.
+                u = hn::Min(
+                    hn::Max(hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.xl_dmax - pq))),
+                            hn::Zero(di)),
+                    hn::Set(di, static_cast<int32_t>(p_.xl_len - 1)));
               } else {
                 const auto at =
                     hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[bb] - pq)));
@@ -751,9 +790,9 @@ class BackwardKernel {
               const auto a =
                   hn::Add(hn::Add(hn::Mul(hn::ShiftRight<6>(u), vcs), vrow), hn::And(u, v63));
               hn::Store(a, di, addr + c);
-              hn::Store(hn::Add(hn::Load(d, srow + c), hn::GatherIndex(d, rel1, a)), d, srow + c);
+              hn::Store(hn::Add(hn::Load(d, srow + c), GatherAt(rel1, addr + c)), d, srow + c);
               if (shaw_ && p_.shaw_rel_v != nullptr) {
-                hn::Store(hn::Add(hn::Load(d, drow + c), hn::GatherIndex(d, rel2, a)), d, drow + c);
+                hn::Store(hn::Add(hn::Load(d, drow + c), GatherAt(rel2, addr + c)), d, drow + c);
               }
             }
           }
@@ -787,9 +826,6 @@ class BackwardKernel {
                     Dot(kp + c * dp, p_.deberta_pos_query + (u * p_.heads_q + h) * dim_, dim_);
               }
               x += p2c_val[key];
-            } else if (xl_) {
-              x +=
-                  scale * Dot(qx + r * dp, r_.get() + (p_.xl_dmax - delta) * hdp_ + h * dim_, dim_);
             }
             srow[c] = x;
           }
@@ -829,11 +865,6 @@ class BackwardKernel {
                 run = static_cast<int32_t>(pq_cells.size());
                 pq_cells.push_back({c, u, h, sds});
               }
-            } else if (xl_) {
-              const int64_t tt = p_.xl_dmax - delta;
-              const int64_t g = h - hk * group_;
-              Axpy(sds, r_.get() + tt * hdp_ + h * dim_, dqr + r * dp, dim_);
-              Axpy(sds, qx + r * dp, part + 2 * group_ * dim_ + (tt * group_ + g) * dim_, dim_);
             }
           }
           // scale * dS from here on; Shaw's and DeBERTa's c2p bucket sums.
@@ -841,7 +872,7 @@ class BackwardKernel {
           for (int64_t c = 0; c < kt; c += lanes_) {
             const auto sds = hn::Mul(hn::Load(d, drow + c), vs);
             hn::Store(sds, d, drow + c);
-            if (shaw_ || deberta_) ScatterAdd(w1, addr + c, sds);
+            if (shaw_ || deberta_ || xl_) ScatterAdd(w1, addr + c, sds);
             if (shaw_ && b_.shaw_drel_v != nullptr) ScatterAdd(w2, addr + c, hn::Load(d, srow + c));
             if (p2c_tiles) {
               // The tile's keys are distinct lanes: no two lanes share an address.
@@ -876,6 +907,9 @@ class BackwardKernel {
       } else if (deberta_) {
         BackQ(relk_, w1, dqb, br);
         BackTable(w1, qtr, part, group_, br);
+      } else if (xl_) {
+        BackQ(relk_, w1, dqr, br);  // dQ's r(delta) part
+        BackTable(w1, qxtr, part + 2 * group_ * dim_, group_, br);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = head[static_cast<size_t>(r)], g = h - hk * group_;
