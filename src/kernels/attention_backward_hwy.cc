@@ -775,15 +775,20 @@ class BackwardKernel {
               } else {
                 const auto at =
                     hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[bb] - pq)));
-                u = hn::GatherIndex(di, p_.deberta_c2p, at);
+                // Consecutive key positions read the index tables contiguously (past the tile's
+                // last key too: the tables have a tile of padding, and those keys are masked).
+                const int64_t at0 = int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] + c;
+                u = consec ? hn::LoadU(di, p_.deberta_c2p + at0)
+                           : hn::GatherIndex(di, p_.deberta_c2p, at);
                 if (p2c_tiles) {
                   // p2c: kpq[u2][c], address u2 * kTileK + c.
-                  const auto u2 = hn::GatherIndex(di, p_.deberta_p2c, at);
+                  const auto u2 = consec ? hn::LoadU(di, p_.deberta_p2c + at0)
+                                         : hn::GatherIndex(di, p_.deberta_p2c, at);
                   const auto a2 =
                       hn::Add(hn::ShiftLeft<6>(u2), hn::Iota(di, static_cast<int32_t>(c)));
                   hn::Store(a2, di, addr2 + c);
-                  hn::Store(hn::Add(hn::Load(d, srow + c), hn::GatherIndex(d, kpq, a2)), d,
-                            srow + c);
+                  // One p2c row for the vector's keys (past the linear band): a contiguous load.
+                  hn::Store(hn::Add(hn::Load(d, srow + c), GatherAt(kpq, addr2 + c)), d, srow + c);
                 }
               }
               static_assert(kTileK == 64, "row-chunk addresses: u >> 6, u & 63");
@@ -877,8 +882,13 @@ class BackwardKernel {
             if (p2c_tiles) {
               // The tile's keys are distinct lanes: no two lanes share an address.
               float* wpq = wpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt;
-              const auto a2 = hn::Load(DI(), addr2 + c);
-              hn::ScatterIndex(hn::Add(hn::GatherIndex(d, wpq, a2), sds), d, wpq, a2);
+              if (Consecutive(addr2 + c)) {
+                float* at = wpq + addr2[c];
+                hn::StoreU(hn::Add(hn::LoadU(d, at), sds), d, at);
+              } else {
+                const auto a2 = hn::Load(DI(), addr2 + c);
+                hn::ScatterIndex(hn::Add(hn::GatherIndex(d, wpq, a2), sds), d, wpq, a2);
+              }
             }
           }
         }
