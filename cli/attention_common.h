@@ -1,6 +1,7 @@
 // cli/attention_common.h - what `posenc attention` and `posenc attention-grad` share: the flags,
-// reading q, k, v and positions, and building the posenc::PositionScheme from flags, a model
-// --config and a .safetensors --params file (tensor names of SPEC §9).
+// reading q, k, v, positions and the .safetensors --params file (tensor names of SPEC §9), and
+// handing them with a model --config to posenc::build_scheme (posenc/scheme.h), which the
+// Python bindings share.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include "posenc/attention.h"
 #include "posenc/config.h"
 #include "posenc/io.h"
+#include "posenc/scheme.h"
 
 namespace CLI {
 class App;
@@ -42,7 +44,7 @@ struct AttentionArgs {
   // deberta
   int64_t position_buckets = 0;
   int64_t max_relative_positions = 512;
-  std::string deberta_p2c = "spec";
+  std::string deberta_p2c = "model";  // model or paper
   bool deberta_float64_log = false;
   // positions and options
   std::string positions_q, positions_k;
@@ -64,24 +66,26 @@ struct AttentionFlagHelp {
 // outlive `app`'s parsing). --out-dtype shows `a.out_dtype` as its default unless it is empty.
 void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHelp& help);
 
-// The scheme and the parameter arrays its views point into (deque: stable addresses). Not
-// movable in practice: the scheme's views point into `arrays`.
+// The scheme (built by posenc::build_scheme) and the parameter arrays its views point into
+// (deque: stable addresses): float32 for the fused path, float64 with --reference.
 struct SchemeHolder {
   SafetensorsFile file;  // the --params file (empty without one)
   std::deque<FloatArray> arrays;
-  PositionScheme scheme;
+  std::deque<std::vector<double>> arrays64;
+  BuiltScheme built;
 };
 
 // Everything an attention command computes from: the inputs read and checked, the scheme built.
 struct AttentionInputs {
-  AttentionArgs args;  // the flags resolved: scheme and its settings from --config filled in
+  AttentionArgs args;  // the flags resolved: the scheme from --config filled in
   std::optional<ModelConfig> model;
   Tensor q_file, k_file, v_file;  // as read (the float64 reference uses their precision)
   FloatArray q, k, v;             // float32, finite
   std::optional<Positions> pos_q, pos_k;
-  SchemeHolder holder;
+  SchemeHolder holder;  // built for the float64 reference with --reference
   AttentionOptions options;
 
+  const PositionScheme& scheme() const { return holder.built.scheme; }
   const Positions* query_positions() const { return pos_q ? &*pos_q : nullptr; }
   const Positions* key_positions() const { return pos_k ? &*pos_k : nullptr; }
 };

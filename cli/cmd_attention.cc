@@ -3,7 +3,7 @@
 // Reads q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] (.npy, any float dtype), builds the
 // posenc::PositionScheme from flags and a .safetensors parameter file (tensor names of SPEC §9;
 // see attention_common.h), runs posenc::attention (or the float64 oracle posenc::ref::attention
-// with --reference) and writes out [B, Lq, Hq, D].
+// with --reference, parameters in their file's precision) and writes out [B, Lq, Hq, D].
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <string>
@@ -23,7 +23,7 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   const AttentionArgs& a = in.args;
   const FloatArray &q = in.q, &k = in.k, &v = in.v;
   const Tensor &tq = in.q_file, &tk = in.k_file, &tv = in.v_file;
-  const PositionScheme& scheme = in.holder.scheme;
+  const PositionScheme& scheme = in.scheme();
   const AttentionOptions& opt = in.options;
   const Positions* pq = in.query_positions();
   const Positions* pk = in.key_positions();
@@ -35,7 +35,7 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
     ref::attention(View<const double, 4>::contiguous(q64.data(), dims),
                    View<const double, 4>::contiguous(k64.data(), k.dims<4>()),
                    View<const double, 4>::contiguous(v64.data(), v.dims<4>()), scheme, opt,
-                   View<double, 4>::contiguous(out.data(), dims), pq, pk);
+                   in.holder.built.tables64, View<double, 4>::contiguous(out.data(), dims), pq, pk);
     if (a.out_dtype == "float64") {
       write_f64(a.out, q.shape, out);
     } else {

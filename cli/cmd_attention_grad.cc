@@ -5,23 +5,22 @@
 // float64 oracle posenc::ref::attention with --reference), then the backward
 // (posenc::attention_backward / ref::attention_backward) and writes one .safetensors file: dq,
 // dk, dv, d<name> for each learned parameter given in --params (with the parameter's shape in
-// that file) and, with --lse, lse [B, Hq, Lq].
+// that file; with --reference in float64 with respect to the file's values, float64 ones kept
+// exact) and, with --lse, lse [B, Hq, Lq].
 #include <CLI/CLI.hpp>
-#include <algorithm>
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
-#include <variant>
 #include <vector>
 
 #include "attention_common.h"
 #include "common.h"
 #include "posenc/attention.h"
 #include "posenc/io.h"
+#include "posenc/scheme.h"
 
 namespace posenc::cli {
 
@@ -33,105 +32,10 @@ struct AttentionGradArgs {
   bool lse = false;
 };
 
-// A learned parameter of the scheme, given in --params, whose gradient d<name> is written.
-struct ParamGrad {
-  std::string name;                 // the --params tensor, e.g. "rel_k"
-  std::vector<int64_t> grad_shape;  // what the library writes: the scheme's view of it
-  std::vector<int64_t> file_shape;  // the tensor's shape in --params: what is written
-};
-
-template <std::size_t R>
-std::vector<int64_t> to_vector(const std::array<int64_t, R>& a) {
-  return {a.begin(), a.end()};
-}
-
 std::size_t element_count(const std::vector<int64_t>& shape) {
   std::size_t n = 1;
   for (int64_t s : shape) n *= static_cast<std::size_t>(s);
   return n;
-}
-
-// The scheme's learned parameters that --params holds (the ALiBi slopes only when given there,
-// Shaw's rel_v only with rel_v), in the order they are written.
-std::vector<ParamGrad> learned_params(const AttentionInputs& in) {
-  const SchemeHolder& h = in.holder;
-  std::vector<ParamGrad> params;
-  auto add = [&](const std::string& name, std::vector<int64_t> grad_shape) {
-    if (const Tensor* t = find_tensor(h.file, name)) {
-      params.push_back({name, std::move(grad_shape), t->shape});
-    }
-  };
-  if (std::holds_alternative<Alibi>(h.scheme)) {
-    add("slopes", {in.q.shape[2]});
-  } else if (const auto* t5 = std::get_if<T5Bias>(&h.scheme)) {
-    add("relative_attention_bias", to_vector(t5->table.shape));
-  } else if (const auto* shaw = std::get_if<Shaw>(&h.scheme)) {
-    add("rel_k", to_vector(shaw->rel_k.shape));
-    if (shaw->rel_v.data != nullptr) add("rel_v", to_vector(shaw->rel_v.shape));
-  } else if (const auto* xl = std::get_if<TransformerXL>(&h.scheme)) {
-    add("r_w_bias", to_vector(xl->r_w_bias.shape));
-    add("r_r_bias", to_vector(xl->r_r_bias.shape));
-    add("r_net", to_vector(xl->r_net.shape));
-  } else if (const auto* deberta = std::get_if<DeBERTa>(&h.scheme)) {
-    add("pos_key", to_vector(deberta->pos_key.shape));
-    add("pos_query", to_vector(deberta->pos_query.shape));
-  }
-  return params;
-}
-
-template <class T, std::size_t R>
-View<T, R> grad_view(std::vector<T>& buffer, const std::vector<int64_t>& shape) {
-  std::array<int64_t, R> dims{};
-  std::copy(shape.begin(), shape.end(), dims.begin());
-  return View<T, R>::contiguous(buffer.data(), dims);
-}
-
-// Points the gradient field of parameter `name` at `buffer`.
-template <class T>
-void bind_grad(AttentionGradsOf<T>& g, const std::string& name, std::vector<T>& buffer,
-               const std::vector<int64_t>& shape) {
-  if (name == "relative_attention_bias") {
-    g.drelative_attention_bias = grad_view<T, 2>(buffer, shape);
-  } else if (name == "slopes") {
-    g.dslopes = grad_view<T, 1>(buffer, shape);
-  } else if (name == "rel_k") {
-    g.drel_k = grad_view<T, 3>(buffer, shape);
-  } else if (name == "rel_v") {
-    g.drel_v = grad_view<T, 3>(buffer, shape);
-  } else if (name == "r_w_bias") {
-    g.dr_w_bias = grad_view<T, 2>(buffer, shape);
-  } else if (name == "r_r_bias") {
-    g.dr_r_bias = grad_view<T, 2>(buffer, shape);
-  } else if (name == "r_net") {
-    g.dr_net = grad_view<T, 2>(buffer, shape);
-  } else if (name == "pos_key") {
-    g.dpos_key = grad_view<T, 3>(buffer, shape);
-  } else if (name == "pos_query") {
-    g.dpos_query = grad_view<T, 3>(buffer, shape);
-  }
-}
-
-// The gradient of the file's tensor from the gradient of the scheme's view of it: the same
-// elements in another shape ([2K+1, D] viewed as [2K+1, 1, D]), or, for a shared Shaw table the
-// CLI broadcast over the heads (stride 0) to pair it with a per-head one, the sum over the heads
-// (in float64, heads in order).
-template <class T>
-std::vector<T> to_file_shape(const std::vector<T>& grad, const ParamGrad& p) {
-  if (element_count(p.file_shape) == grad.size()) return grad;
-  const auto rows = static_cast<std::size_t>(p.grad_shape[0]);
-  const auto heads = static_cast<std::size_t>(p.grad_shape[1]);
-  const auto dim = static_cast<std::size_t>(p.grad_shape[2]);
-  std::vector<T> out(rows * dim);
-  for (std::size_t r = 0; r < rows; ++r) {
-    for (std::size_t c = 0; c < dim; ++c) {
-      double sum = 0;
-      for (std::size_t h = 0; h < heads; ++h) {
-        sum += static_cast<double>(grad[(r * heads + h) * dim + c]);
-      }
-      out[r * dim + c] = static_cast<T>(sum);
-    }
-  }
-  return out;
 }
 
 template <class T>
@@ -151,8 +55,7 @@ Tensor to_tensor(std::vector<int64_t> shape, const std::vector<T>& values, DType
 template <class T>
 SafetensorsFile compute_grads(const AttentionInputs& in, const std::vector<T>& q,
                               const std::vector<T>& k, const std::vector<T>& v,
-                              const std::vector<T>& dout, const std::vector<ParamGrad>& params,
-                              bool with_lse, DType dtype) {
+                              const std::vector<T>& dout, bool with_lse, DType dtype) {
   const auto qd = in.q.dims<4>();
   const auto kd = in.k.dims<4>();
   const std::vector<int64_t> lse_shape = {qd[0], qd[2], qd[1]};
@@ -160,16 +63,17 @@ SafetensorsFile compute_grads(const AttentionInputs& in, const std::vector<T>& q
   const View<const T, 4> kv = View<const T, 4>::contiguous(k.data(), kd);
   const View<const T, 4> vv = View<const T, 4>::contiguous(v.data(), kd);
   const View<const T, 4> dov = View<const T, 4>::contiguous(dout.data(), qd);
-  const PositionScheme& scheme = in.holder.scheme;
+  const PositionScheme& scheme = in.scheme();
+  const std::vector<LearnedParam>& params = in.holder.built.learned;
   const AttentionOptions& opt = in.options;
   const Positions* pq = in.query_positions();
   const Positions* pk = in.key_positions();
 
   std::vector<T> out(q.size()), lse(element_count(lse_shape));
   const View<T, 4> out_view = View<T, 4>::contiguous(out.data(), qd);
-  const View<T, 3> lse_view = grad_view<T, 3>(lse, lse_shape);
+  const View<T, 3> lse_view = View<T, 3>::contiguous(lse.data(), {qd[0], qd[2], qd[1]});
   if constexpr (std::is_same_v<T, double>) {
-    ref::attention(qv, kv, vv, scheme, opt, out_view, lse_view, pq, pk);
+    ref::attention(qv, kv, vv, scheme, opt, in.holder.built.tables64, out_view, lse_view, pq, pk);
   } else {
     attention(qv, kv, vv, scheme, opt, out_view, lse_view, pq, pk);
   }
@@ -182,10 +86,11 @@ SafetensorsFile compute_grads(const AttentionInputs& in, const std::vector<T>& q
   std::vector<std::vector<T>> dparams(params.size());
   for (std::size_t i = 0; i < params.size(); ++i) {
     dparams[i].resize(element_count(params[i].grad_shape));
-    bind_grad(g, params[i].name, dparams[i], params[i].grad_shape);
+    bind_param_grad(g, params[i], dparams[i].data());
   }
   if constexpr (std::is_same_v<T, double>) {
-    ref::attention_backward(qv, kv, vv, out_view, lse_view, dov, scheme, opt, g, pq, pk);
+    ref::attention_backward(qv, kv, vv, out_view, lse_view, dov, scheme, opt,
+                            in.holder.built.tables64, g, pq, pk);
   } else {
     attention_backward(qv, kv, vv, out_view, lse_view, dov, scheme, opt, g, pq, pk);
   }
@@ -197,7 +102,7 @@ SafetensorsFile compute_grads(const AttentionInputs& in, const std::vector<T>& q
   file.tensors["dv"] = to_tensor(in.v.shape, dv, dtype);
   for (std::size_t i = 0; i < params.size(); ++i) {
     file.tensors["d" + params[i].name] =
-        to_tensor(params[i].file_shape, to_file_shape(dparams[i], params[i]), dtype);
+        to_tensor(params[i].shape, grad_to_given_shape(params[i], dparams[i]), dtype);
   }
   if (with_lse) file.tensors["lse"] = to_tensor(lse_shape, lse, dtype);
   return file;
@@ -219,15 +124,13 @@ int run_attention_grad(const CLI::App& app, const AttentionGradArgs& args) {
   // Float64 with --reference unless --out-dtype says otherwise (float64 needs --reference).
   const bool f64 = a.out_dtype.empty() ? a.reference : a.out_dtype == "float64";
   const DType dtype = f64 ? DType::kF64 : DType::kF32;
-  const std::vector<ParamGrad> params = learned_params(in);
   SafetensorsFile grads;
   if (a.reference) {
-    grads = compute_grads<double>(in, in.q_file.to_f64(a.q), in.k_file.to_f64(a.k),
-                                  in.v_file.to_f64(a.v), dout_file.to_f64(args.dout), params,
-                                  args.lse, dtype);
+    grads =
+        compute_grads<double>(in, in.q_file.to_f64(a.q), in.k_file.to_f64(a.k),
+                              in.v_file.to_f64(a.v), dout_file.to_f64(args.dout), args.lse, dtype);
   } else {
-    grads = compute_grads<float>(in, in.q.data, in.k.data, in.v.data, dout.data, params, args.lse,
-                                 dtype);
+    grads = compute_grads<float>(in, in.q.data, in.k.data, in.v.data, dout.data, args.lse, dtype);
   }
   write_safetensors(a.out, grads);
   return 0;

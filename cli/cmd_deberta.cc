@@ -18,7 +18,7 @@ struct DebertaArgs {
   int64_t max_relative_positions = 512;
   bool float64_log = false;
   std::string index = "c2p";
-  std::string p2c = "spec";
+  std::string p2c = "model";
   std::string out;
 };
 
@@ -29,7 +29,7 @@ int run_deberta(const DebertaArgs& a) {
   cfg.max_relative_positions = a.max_relative_positions;
   cfg.position_buckets = a.position_buckets;
   cfg.float64_log = a.float64_log;
-  cfg.p2c = a.p2c == "model" ? DebertaP2c::kModel : DebertaP2c::kSpec;
+  cfg.p2c = a.p2c == "paper" ? DebertaP2c::kPaper : DebertaP2c::kModel;
   validate(cfg);
   // SPEC §0 default positions: key j at j, query i at Lk - Lq + i.
   if (a.query_length > a.key_length) {
@@ -39,7 +39,9 @@ int run_deberta(const DebertaArgs& a) {
   const Positions pq = Positions::offset(a.key_length - a.query_length);
   const Positions pk = Positions::offset(0);
   pq.validate(1, a.query_length, "query positions (key_length - query_length + i)");
-  std::vector<int64_t> map(static_cast<std::size_t>(a.query_length * a.key_length));
+  std::vector<int64_t> map(static_cast<std::size_t>(
+      checked_elements("the int64 map [Lq, Lk]",
+                       {{"--query-length", a.query_length}, {"--key-length", a.key_length}}, 8)));
   const bool c2p = a.index == "c2p";
   for (int64_t i = 0; i < a.query_length; ++i) {
     for (int64_t j = 0; j < a.key_length; ++j) {
@@ -73,8 +75,9 @@ Command add_deberta_buckets_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_option(
          "--p2c", a->p2c,
-         "p2c index form: spec (SPEC §8, the paper; default) or model (trained checkpoints)")
-      ->check(CLI::IsMember({"spec", "paper", "model"}))
+         "p2c index form: model (clamp(rho + K), what trained checkpoints compute; default) or "
+         "paper (clamp(-rho + K), the paper's delta(j, i))")
+      ->check(CLI::IsMember({"model", "paper"}))
       ->capture_default_str();
   app->add_option("--out", a->out, "Output .npy, int64 [Lq, Lk]")->required();
   return {app, [a] { return run_deberta(*a); }};

@@ -3,11 +3,15 @@
 // summary in the terminal. `--text` prints the older text demo (a few encodings as numbers).
 //
 // No input needed. Everything shown comes from the public API (through plot/plots.h); nothing is
-// computed here. Files are written atomically; index.html last, once every figure exists.
+// computed here. The files are written into a temporary folder beside --out and moved into place
+// once all exist, so a failed demo leaves nothing behind.
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <iomanip>
@@ -398,16 +402,62 @@ from the posenc library; the properties below are measured by <code>posenc check
   return h.str();
 }
 
+// A folder beside `dir` that the demo writes into before moving its files into place: a failed
+// demo leaves nothing behind. Removed (with what is left in it) on destruction.
+class StagingDir {
+ public:
+  explicit StagingDir(const fs::path& dir) {
+    const fs::path parent = dir.has_parent_path() ? dir.parent_path() : fs::path(".");
+    std::string name = dir.filename().string();
+    constexpr std::size_t kMaxStem = 255 - 1 - 10;  // "." + stem + ".tmpXXXXXX" within NAME_MAX
+    if (name.size() > kMaxStem) name.resize(kMaxStem);
+    std::string tmpl = (parent / ("." + name + ".tmpXXXXXX")).string();
+    if (::mkdtemp(tmpl.data()) == nullptr) {
+      throw IoError("--out: cannot create a temporary folder in " + parent.string() + " (" +
+                    std::strerror(errno) + ")");
+    }
+    path_ = tmpl;
+  }
+  StagingDir(const StagingDir&) = delete;
+  StagingDir& operator=(const StagingDir&) = delete;
+  ~StagingDir() {
+    std::error_code ec;
+    if (!path_.empty()) fs::remove_all(path_, ec);
+  }
+  const fs::path& path() const { return path_; }
+
+  // Moves the staged files into `dir`: the whole folder when `dir` does not exist (one rename),
+  // else file by file (each replaced atomically; other files in `dir` are kept).
+  void commit(const fs::path& dir, const std::vector<std::string>& names) {
+    if (::rename(path_.c_str(), dir.c_str()) == 0) {
+      path_.clear();
+      return;
+    }
+    for (const std::string& n : names) check_output_path((dir / n).string());
+    for (const std::string& n : names) {
+      if (::rename((path_ / n).c_str(), (dir / n).c_str()) != 0) {
+        throw IoError((dir / n).string() + ": cannot move into place (" + std::strerror(errno) +
+                      ")");
+      }
+    }
+  }
+
+ private:
+  fs::path path_;
+};
+
 int run_demo(const DemoArgs& a) {
   if (a.text) return run_text_demo(a);
   const std::string ext = "." + a.format;
   const fs::path dir(a.out);
   std::error_code ec;
+  if (a.out.empty()) throw UsageError("--out: empty folder name");
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
     throw UsageError("--out: " + a.out + " exists and is not a directory");
   }
-  fs::create_directories(dir, ec);
-  if (ec) throw IoError("--out: cannot create " + a.out + ": " + ec.message());
+  if (dir.has_parent_path() && !fs::is_directory(dir.parent_path(), ec)) {
+    throw IoError("--out: the folder " + dir.parent_path().string() + " does not exist");
+  }
 
   std::vector<CheckResult> checks;
   if (!a.skip_checks) {
@@ -415,31 +465,33 @@ int run_demo(const DemoArgs& a) {
     opt.seed = a.seed;
     checks = run_checks(opt);
   }
+  StagingDir staging(dir);
   const std::vector<DemoFigure> figs = demo_figures();
-  std::vector<std::string> written;
+  std::vector<std::string> names;
   for (std::size_t i = 0; i < figs.size(); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    const fs::path file = dir / (figs[i].name + ext);
-    plot::save(figs[i].build(), file.string());
+    const std::string name = figs[i].name + ext;
+    plot::save(figs[i].build(), (staging.path() / name).string());
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::cerr << "[" << (i + 1) << "/" << figs.size() << "] " << file.string() << " (" << std::fixed
-              << std::setprecision(2) << secs << " s)" << std::endl;
-    written.push_back(file.string());
+    std::cerr << "[" << (i + 1) << "/" << figs.size() << "] " << (dir / name).string() << " ("
+              << std::fixed << std::setprecision(2) << secs << " s)" << std::endl;
+    names.push_back(name);
   }
   const std::string html = build_html(figs, ext, checks, !a.skip_checks);
+  write_file_atomic((staging.path() / "index.html").string(),
+                    reinterpret_cast<const unsigned char*>(html.data()), html.size());
+  names.push_back("index.html");
+  staging.commit(dir, names);
   const fs::path index = dir / "index.html";
-  write_file_atomic(index.string(), reinterpret_cast<const unsigned char*>(html.data()),
-                    html.size());
-  written.push_back(index.string());
 
   std::ostream& os = std::cout;
   if (!a.skip_checks) {
     section(os, "posenc check (seed " + std::to_string(a.seed) + ")");
     print_check_table(os, checks);
   }
-  section(os, "Wrote " + std::to_string(written.size()) + " files");
-  for (const auto& f : written) os << "  " << f << '\n';
+  section(os, "Wrote " + std::to_string(names.size()) + " files");
+  for (const auto& n : names) os << "  " << (dir / n).string() << '\n';
   os << "\nOpen " << fs::absolute(index, ec).lexically_normal().string()
      << " in a browser (file:// works: the page is self-contained).\n";
   os.flush();

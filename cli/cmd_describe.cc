@@ -62,6 +62,25 @@ nlohmann::json scaling_json(const RopeScaling& s) {
   return j;
 }
 
+nlohmann::json layer_json(const ModelLayer& l) {
+  nlohmann::json j;
+  j["index"] = l.index;
+  j["attention"] = l.attention;
+  j["rope"] = l.rope;
+  if (l.rope) {
+    j["rope_theta"] = l.rope_config.base;
+    j["rope_scaling"] = scaling_json(l.rope_config.scaling);
+  }
+  j["sliding_window"] = l.sliding_window ? nlohmann::json(*l.sliding_window) : nullptr;
+  j["attention_chunk"] = l.attention_chunk ? nlohmann::json(*l.attention_chunk) : nullptr;
+  j["softmax_scale"] = l.softmax_scale;
+  j["temperature"] = l.temperature ? nlohmann::json{{"floor_scale", l.temperature->floor_scale},
+                                                    {"attn_scale", l.temperature->attn_scale}}
+                                   : nlohmann::json(nullptr);
+  j["attention_sinks"] = l.attention_sinks;
+  return j;
+}
+
 nlohmann::json describe_json(const ModelConfig& cfg) {
   nlohmann::json j;
   j["model_type"] = cfg.model_type;
@@ -87,6 +106,8 @@ nlohmann::json describe_json(const ModelConfig& cfg) {
       } catch (const Error&) {
         rope["attention_factor"] = nullptr;  // describe() says "invalid configuration"
       }
+      if (cfg.rope_offset > 0) rope["offset"] = cfg.rope_offset;
+      if (cfg.rope_deinterleave) rope["deinterleave"] = true;
       if (cfg.mrope) {
         rope["mrope"] = {{"layout", cfg.mrope->layout == MRopeLayout::kInterleaved ? "interleaved"
                                                                                    : "sectioned"},
@@ -120,6 +141,18 @@ nlohmann::json describe_json(const ModelConfig& cfg) {
       j["learned"] = {{"positions", cfg.max_position_embeddings}};
       break;
   }
+  if (cfg.v_head_dim > 0) j["v_head_dim"] = cfg.v_head_dim;
+  if (!cfg.layers.empty()) {
+    nlohmann::json layers = nlohmann::json::array();
+    for (const ModelLayer& l : cfg.layers) layers.push_back(layer_json(l));
+    j["layers"] = layers;
+    j["layers_differ"] = cfg.layers_differ();
+  }
+  // Values the file left out, taken from the model type's configuration class.
+  nlohmann::json defaults = nlohmann::json::object();
+  for (const auto& [k, v] : cfg.defaults) defaults[k] = v;
+  j["defaults"] = defaults;
+  j["default_source"] = cfg.default_source;
   return j;
 }
 
@@ -140,7 +173,8 @@ Command add_describe_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "describe",
       "Describe the positional encoding of a model config.json (scheme, dims, theta, style, "
-      "scaling, attention factor, effective context)");
+      "scaling, attention factor, effective context, the per-layer pattern, and which values "
+      "are the model type's defaults)");
   app->add_option("config", a->config, "HF-style config.json")->required();
   app->add_flag("--json", a->json, "One JSON object instead of text");
   return {app, [a] { return run_describe(*a); }};

@@ -6,7 +6,6 @@
 #include <array>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -41,10 +40,9 @@ bool is_npy(const std::string& path) {
       path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0) {
     return true;
   }
-  std::ifstream f(path, std::ios::binary);
-  std::array<char, 6> magic{};
-  if (!f.read(magic.data(), magic.size())) return false;
-  return std::memcmp(magic.data(), "\x93NUMPY", magic.size()) == 0;
+  // Mapped, not opened as a stream: a FIFO or device is refused here, before any read blocks.
+  const std::shared_ptr<const MappedFile> f = MappedFile::map(path);
+  return f->size() >= 6 && std::memcmp(f->data(), "\x93NUMPY", 6) == 0;
 }
 
 struct Stats {

@@ -26,25 +26,28 @@ bool ends_with(const std::string& s, const std::string& suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// The table tensor: a .npy file, or a named tensor of a .safetensors file. Without an explicit
-// --name, the usual checkpoint names are tried after `position_embeddings`.
-Tensor load_table(const LearnedArgs& a) {
-  if (!ends_with(a.table, ".safetensors")) return read_npy(a.table);
+// The table, float32 and finite: a .npy file (mapped, not copied, when it is float32), or a
+// named tensor of a .safetensors file. Without an explicit --name, the usual checkpoint names are
+// tried after `position_embeddings`.
+FloatInput load_table(const LearnedArgs& a) {
+  const std::string layout = "[max_positions, dim]";
+  if (!ends_with(a.table, ".safetensors")) return map_float_npy(a.table, 2, layout, true);
   SafetensorsFile f = read_safetensors(a.table);
+  const Tensor* t = nullptr;
   if (!a.name_given) {
     for (const char* n :
          {"position_embeddings", "wpe.weight", "transformer.wpe.weight",
           "embeddings.position_embeddings.weight", "bert.embeddings.position_embeddings.weight"}) {
-      if (const Tensor* t = find_tensor(f, n)) return *t;
+      if ((t = find_tensor(f, n)) != nullptr) break;
     }
   }
-  return require_tensor(f, a.name, a.table, "posenc learned");
+  if (t == nullptr) t = &require_tensor(f, a.name, a.table, "posenc learned");
+  require_rank(*t, 2, layout, a.table);
+  return FloatInput::owning(to_float_array(*t, a.table, true));
 }
 
 int run_learned(const LearnedArgs& a) {
-  const Tensor table_t = load_table(a);
-  require_rank(table_t, 2, "[max_positions, dim]", a.table);
-  const FloatArray table = to_float_array(table_t, a.table, true);
+  const FloatInput table = load_table(a);
 
   const Tensor x_t = read_npy(a.in);
   if (x_t.shape.size() != 2 && x_t.shape.size() != 3) {

@@ -31,6 +31,7 @@ struct FreqFlags {
   std::optional<int64_t> seq_len;
   std::string angles = "accurate";
   std::string inv_freq;
+  std::optional<int64_t> layer;
 };
 
 struct RopeSetup {
@@ -40,6 +41,7 @@ struct RopeSetup {
   RopeScalingType scaling = RopeScalingType::kDefault;
   std::optional<MRope> mrope;
   std::optional<ModelConfig> model;
+  std::optional<int64_t> layer;
 };
 
 void add_freq_flags(CLI::App* app, FreqFlags& f, bool with_inv_freq) {
@@ -58,6 +60,9 @@ void add_freq_flags(CLI::App* app, FreqFlags& f, bool with_inv_freq) {
                   "float32 recipe, SPEC section 10)")
       ->check(CLI::IsMember({"accurate", "float32"}))
       ->capture_default_str();
+  app->add_option("--layer", f.layer,
+                  "With --config: the decoder layer (0-based) whose RoPE to use; required when the "
+                  "model's layers use different RoPE settings (Gemma 3's local and global layers)");
   if (with_inv_freq) {
     app->add_option("--inv-freq", f.inv_freq,
                     "Inject inverse frequencies .npy (float64 or float32 [R/2]) instead of "
@@ -84,16 +89,49 @@ RopeSetup rope_setup(const FreqFlags& f, const std::optional<ModelConfig>& model
   if (model) {
     s.model = model;
     const ModelConfig& m = *model;
-    if (head_dim > 0 && head_dim != m.head_dim) {
+    // DeepSeek's MLA heads: the full q / k head or its rotary part alone.
+    const bool rotary_only = m.rope_offset > 0 && head_dim == m.rope.head_dim;
+    if (head_dim > 0 && head_dim != m.head_dim && !rotary_only) {
       throw ShapeError(head_dim_origin + ": head_dim " + std::to_string(head_dim) +
                        " does not match " + f.config + ": head_dim " + std::to_string(m.head_dim) +
+                       (m.rope_offset > 0
+                            ? " (or its rotary part, " + std::to_string(m.rope.head_dim) + ")"
+                            : std::string()) +
                        " (model_type '" + m.model_type + "')");
     }
-    s.style = m.rope.style;
-    s.base = m.rope.base;
-    s.scaling = m.rope.scaling.type;
+    // The layer: --layer N, or any when every RoPE layer has the same settings.
+    const RopeConfig* rc = &m.rope;
+    if (f.layer) {
+      const ModelLayer& l = model_layer(m, *f.layer);
+      if (!l.rope) {
+        throw UsageError("--layer " + std::to_string(*f.layer) + ": layer " +
+                         std::to_string(*f.layer) + " of " + f.config +
+                         " uses no RoPE (a NoPE layer)");
+      }
+      rc = &l.rope_config;
+      s.layer = f.layer;
+    } else {
+      const ModelLayer* first = nullptr;
+      for (const ModelLayer& l : m.layers) {
+        if (!l.rope) continue;
+        if (first == nullptr) {
+          first = &l;
+        } else if (l.rope_config.base != first->rope_config.base ||
+                   l.rope_config.scaling.type != first->rope_config.scaling.type ||
+                   l.rope_config.scaling.factor != first->rope_config.scaling.factor) {
+          throw UsageError(f.config + ": the layers of model_type '" + m.model_type +
+                           "' use different RoPE settings (layer " + std::to_string(first->index) +
+                           " and layer " + std::to_string(l.index) +
+                           "); pass --layer N (see posenc describe)");
+        }
+      }
+      if (first != nullptr) rc = &first->rope_config;
+    }
+    s.style = rc->style;
+    s.base = rc->base;
+    s.scaling = rc->scaling.type;
     s.mrope = m.mrope;
-    s.freqs = model_rope_frequencies(m, seq_len, angles);
+    s.freqs = rope_frequencies(*rc, seq_len, angles);
     if (!f.inv_freq.empty()) {
       s.freqs.inv_freq = read_inv_freq(f.inv_freq, s.freqs.rotary_dim(), f.config, m.head_dim);
     }
@@ -167,8 +205,10 @@ int run_rope(const CLI::App& app, const RopeArgs& a) {
   if (a.offset && !a.positions.empty()) {
     throw UsageError("--offset and --positions are mutually exclusive");
   }
+  if (a.freq.layer && a.freq.config.empty()) throw UsageError("--layer needs --config");
   const std::optional<ModelConfig> model = read_config(app, a.freq);
   FloatArray x = read_float_npy(a.in, 4, "[batch, seq, heads, head_dim]", true);
+  require_at_least(a.in + ": head_dim (the last dimension)", x.shape[3], 1);
   const int64_t batch = x.shape[0], seq = x.shape[1];
   const bool mrope_config = model && model->mrope;
   std::array<Positions, 3> thw;
@@ -198,6 +238,9 @@ int run_rope(const CLI::App& app, const RopeArgs& a) {
   const Direction dir = a.inverse ? Direction::kInverse : Direction::kForward;
   if (s.mrope) {
     apply_mrope(s.freqs, s.style, *s.mrope, x.view<4>(), y.mutable_view<4>(), thw, dir);
+  } else if (s.model) {
+    // The model's own layout (DeepSeek: rotary part at the head's end, de-interleaved pairs).
+    apply_model_rope(*s.model, s.freqs, x.view<4>(), y.mutable_view<4>(), &thw[0], dir);
   } else {
     apply_rope(s.freqs, s.style, x.view<4>(), y.mutable_view<4>(), &thw[0], dir);
   }
@@ -217,6 +260,7 @@ struct RopeFreqsArgs {
 
 int run_rope_freqs(const CLI::App& app, const RopeFreqsArgs& a) {
   const int64_t seq_len = a.freq.seq_len.value_or(0);
+  if (a.freq.layer && a.freq.config.empty()) throw UsageError("--layer needs --config");
   if (a.freq.config.empty() && a.head_dim == 0 && !a.freq.rotary_dim) {
     throw UsageError("--config (or --head-dim) is required");
   }
@@ -240,6 +284,7 @@ int run_rope_freqs(const CLI::App& app, const RopeFreqsArgs& a) {
     line += ", \"model_type\": \"" + json_escape(s.model->model_type) +
             "\", \"head_dim\": " + std::to_string(s.model->head_dim);
   }
+  if (s.layer) line += ", \"layer\": " + std::to_string(*s.layer);
   if (s.mrope) {
     line += std::string(", \"mrope\": \"") +
             (s.mrope->layout == MRopeLayout::kInterleaved ? "interleaved" : "sectioned") +

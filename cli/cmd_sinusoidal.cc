@@ -39,13 +39,16 @@ int run_sinusoidal(const SinusoidalArgs& a) {
     require_rank(t, 1, "[n]", a.positions);
     const std::vector<int64_t> ids = t.to_i64(a.positions);
     const int64_t n = static_cast<int64_t>(ids.size());
-    std::vector<float> table(static_cast<std::size_t>(n * cfg.dim));
+    std::vector<float> table(static_cast<std::size_t>(checked_elements(
+        "the float32 table [n, dim]", {{"--positions (n)", n}, {"--dim", cfg.dim}}, 4)));
     sinusoidal_encode(cfg, ids, View<float, 2>::contiguous(table.data(), {n, cfg.dim}));
     write_f32(a.out, {n, cfg.dim}, table);
     return 0;
   }
   if (!a.length) throw UsageError("--length is required (or --positions P.npy)");
   require_at_least("--length", *a.length, 0);
+  checked_elements("the float32 table [length, dim]", {{"--length", *a.length}, {"--dim", cfg.dim}},
+                   4);
   const std::vector<float> table = sinusoidal_table(cfg, *a.length);
   if (static_cast<int64_t>(table.size()) != *a.length * cfg.dim) {
     throw std::runtime_error("sinusoidal_table returned " + std::to_string(table.size()) +

@@ -30,6 +30,8 @@ int run_t5(const T5Args& a) {
   cfg.max_distance = a.max_distance;
   cfg.bidirectional = !a.causal;
   validate(cfg);
+  checked_elements("the int64 map [Lq, Lk]",
+                   {{"--query-length", a.query_length}, {"--key-length", a.key_length}}, 8);
   std::optional<Positions> pq, pk;
   if (!a.positions_q.empty()) pq = read_positions(a.positions_q, 1, a.query_length);
   if (!a.positions_k.empty()) pk = read_positions(a.positions_k, 1, a.key_length);

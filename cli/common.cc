@@ -7,10 +7,13 @@
 #include <cmath>
 #include <cstdio>
 #include <iomanip>
+#include <limits>
 #include <ostream>
 #include <sstream>
 #include <system_error>
 #include <utility>
+
+#include "posenc/version.h"
 
 namespace posenc::cli {
 
@@ -63,6 +66,14 @@ void require_rank(const Tensor& t, std::size_t rank, const std::string& layout,
   }
 }
 
+void require_rank(const NpyView& t, std::size_t rank, const std::string& layout,
+                  const std::string& what) {
+  if (t.shape.size() != rank) {
+    throw ShapeError(what + ": expected rank " + std::to_string(rank) + " " + layout + ", got " +
+                     std::to_string(t.shape.size()) + "-d tensor " + shape_string(t.shape));
+  }
+}
+
 FloatArray to_float_array(const Tensor& t, const std::string& what, bool require_finite) {
   if (!is_float(t.dtype)) {
     throw IoError(what + ": expected a float tensor (float16, bfloat16, float32 or float64), got " +
@@ -86,6 +97,58 @@ FloatArray read_float_npy(const std::string& path, std::size_t rank, const std::
   return to_float_array(t, path, require_finite);
 }
 
+FloatArray FloatInput::copy() const {
+  FloatArray a;
+  a.shape = shape;
+  a.data.assign(ptr_, ptr_ + size_);
+  return a;
+}
+
+FloatInput FloatInput::owning(FloatArray a) {
+  FloatInput in;
+  in.shape = std::move(a.shape);
+  in.owned_ = std::move(a.data);
+  in.size_ = in.owned_.size();
+  if (in.size_ > 0) in.ptr_ = in.owned_.data();
+  return in;
+}
+
+FloatInput to_float_input(NpyView v, const std::string& what, bool require_finite) {
+  FloatInput in;
+  in.shape = v.shape;
+  if (const float* p = v.as<float>()) {
+    in.size_ = static_cast<std::size_t>(v.numel());
+    if (in.size_ > 0) in.ptr_ = p;
+    if (require_finite) {
+      for (std::size_t i = 0; i < in.size_; ++i) {
+        if (!std::isfinite(p[i])) {
+          throw ValueError(what + ": non-finite value (" + format_number(p[i]) + ") at index " +
+                           index_string(i, in.shape) + "; inputs must be finite");
+        }
+      }
+    }
+    in.file_ = std::move(v.file);
+    return in;
+  }
+  if (!is_float(v.dtype)) {
+    throw IoError(what + ": expected a float tensor (float16, bfloat16, float32 or float64), got " +
+                  dtype_name(v.dtype));
+  }
+  if (require_finite && v.dtype == DType::kF64) check_finite(v.to_f64(what), v.shape, what);
+  in.owned_ = v.to_f32(what);
+  if (require_finite) check_finite(in.owned_, in.shape, what);
+  in.size_ = in.owned_.size();
+  if (in.size_ > 0) in.ptr_ = in.owned_.data();
+  return in;
+}
+
+FloatInput map_float_npy(const std::string& path, std::size_t rank, const std::string& layout,
+                         bool require_finite) {
+  NpyView v = map_npy(path);
+  require_rank(v, rank, layout, path);
+  return to_float_input(std::move(v), path, require_finite);
+}
+
 void check_finite(const std::vector<float>& values, const std::vector<int64_t>& shape,
                   const std::string& what) {
   check_finite_impl(values, shape, what);
@@ -97,7 +160,7 @@ void check_finite(const std::vector<double>& values, const std::vector<int64_t>&
 }
 
 Positions read_positions(const std::string& path, int64_t batch, int64_t seq) {
-  const Tensor t = read_npy(path);
+  const NpyView t = map_npy(path);
   if (t.dtype != DType::kI64 && t.dtype != DType::kI32) {
     throw IoError(path + ": position ids must be int64 (or int32), got " + dtype_name(t.dtype));
   }
@@ -151,19 +214,40 @@ const Tensor& require_tensor(const SafetensorsFile& file, const std::string& nam
                    "); the file has: " + (have.empty() ? "no tensors" : have));
 }
 
+namespace {
+
+// Writes `values` as a .npy of `shape` straight from the vector (no staging copy).
+template <class T>
+void write_values(const std::string& path, DType dtype, const std::vector<int64_t>& shape,
+                  const std::vector<T>& values) {
+  int64_t n = 1;
+  for (const int64_t d : shape) {
+    const std::optional<int64_t> m = d >= 0 ? checked_mul(n, d) : std::nullopt;
+    if (!m) throw ShapeError(path + ": bad output shape " + shape_string(shape));
+    n = *m;
+  }
+  if (static_cast<uint64_t>(n) != values.size()) {
+    throw ShapeError(path + ": " + std::to_string(values.size()) + " values do not match shape " +
+                     shape_string(shape));
+  }
+  write_npy(path, dtype, shape, values.data());
+}
+
+}  // namespace
+
 void write_f32(const std::string& path, std::vector<int64_t> shape,
                const std::vector<float>& values) {
-  write_npy(path, Tensor::from_f32(std::move(shape), values));
+  write_values(path, DType::kF32, shape, values);
 }
 
 void write_f64(const std::string& path, std::vector<int64_t> shape,
                const std::vector<double>& values) {
-  write_npy(path, Tensor::from_f64(std::move(shape), values));
+  write_values(path, DType::kF64, shape, values);
 }
 
 void write_i64(const std::string& path, std::vector<int64_t> shape,
                const std::vector<int64_t>& values) {
-  write_npy(path, Tensor::from_i64(std::move(shape), values));
+  write_values(path, DType::kI64, shape, values);
 }
 
 RopeStyle parse_rope_style(const std::string& s) {
@@ -232,6 +316,177 @@ void require_at_least(const std::string& flag, int64_t value, int64_t min) {
     throw UsageError(flag + " must be >= " + std::to_string(min) + " (got " +
                      std::to_string(value) + ")");
   }
+}
+
+namespace {
+
+constexpr int64_t kPow48 = int64_t{1} << 48;
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+
+// The ranges. Sizes that multiply into a buffer are also checked against the allocation limit
+// (posenc/size.h) when the buffer is made; these bounds keep each factor meaningful on its own.
+const std::vector<IntRange> kRanges = {
+    // Threads: libgomp keeps per-thread start data on the caller's stack.
+    {"*", "--threads", 0, kMaxThreads},
+    // Positions and lengths: posenc positions lie in [0, 2^48] (SPEC §0).
+    {"*", "--length", 0, kPow48},
+    {"*", "--query-length", 0, kPow48},
+    {"*", "--key-length", 0, kPow48},
+    {"*", "--offset", 0, kPow48},
+    {"*", "--origin", 0, kPow48},
+    {"*", "--seq-len", 0, kPow48},
+    {"*", "--window", 1, kPow48},
+    // Widths.
+    {"*", "--dim", 1, int64_t{1} << 32},
+    {"*", "--head-dim", 1, int64_t{1} << 32},
+    {"*", "--rotary-dim", 0, int64_t{1} << 32},
+    {"*", "--heads", 1, int64_t{1} << 32},
+    // Scheme settings.
+    {"*", "--num-buckets", 1, kPow48},
+    {"*", "--max-distance", 1, kPow48},
+    {"*", "--position-buckets", 0, kPow48},
+    {"*", "--max-relative-positions", 0, kPow48},  // 0: the library says why it must be >= 1
+    // Seeds: any unsigned 64-bit value (INT64_MAX here stands for 2^64 - 1).
+    {"*", "--seed", 0, kInt64Max},
+    // rope-precision: exponents e of the positions 2^e.
+    {"rope-precision", "--positions", 0, 52},
+    {"rope-precision", "--head-dim", 2, int64_t{1} << 24},
+    // Figures: every quantity is drawn, so a few thousand is already more than a page shows.
+    {"plot *", "--length", 1, 1024},
+    {"plot *", "--dim", 1, 4096},
+    {"plot heatmap", "--length", 0, 4096},  // 0: every row of --table
+    {"plot *", "--head-dim", 1, 4096},
+    {"plot *", "--heads", 1, 256},
+    {"plot *", "--max-offset", 1, 65536},
+    {"plot rope-rotation", "--positions", 1, 65536},
+    {"plot clock", "--positions", 0, kPow48},
+    {"plot *", "--pairs", 1, 4096},
+    {"plot *", "--columns", 1, 64},
+    {"plot *", "--train-length", 1, 65536},
+    {"plot *", "--max-length", 1, 1 << 20},
+    {"plot *", "--shaw-k", 0, 65536},
+    {"plot *", "--num-buckets", 1, 65536},
+    {"plot *", "--max-distance", 1, 1 << 20},
+    {"plot *", "--position-buckets", -1, 65536},
+    {"plot *", "--max-relative-positions", -1, 1 << 20},
+    {"plot *", "--circle-positions", 0, 65536},
+};
+
+bool command_matches(const std::string& pattern, const std::string& command) {
+  if (pattern == "*") return true;
+  if (pattern.size() >= 2 && pattern.compare(pattern.size() - 2, 2, " *") == 0) {
+    return command.rfind(pattern.substr(0, pattern.size() - 1), 0) == 0;
+  }
+  return pattern == command;
+}
+
+// Strict decimal parsing of `s` into [lo, hi]; for unsigned options hi = INT64_MAX stands for
+// 2^64 - 1. Rewrites `s` canonically.
+std::string range_text(const IntRange& r, bool is_unsigned) {
+  return "[" + std::to_string(r.lo) + ", " +
+         (is_unsigned && r.hi == kInt64Max ? std::string("18446744073709551615")
+                                           : std::to_string(r.hi)) +
+         "]";
+}
+
+std::string check_integer(std::string& s, const IntRange& r, bool is_unsigned) {
+  const std::string range = range_text(r, is_unsigned);
+  const char* b = s.data();
+  const char* e = s.data() + s.size();
+  if (b != e && *b == '+') ++b;
+  const bool negative = b != e && *b == '-';
+  const char* digits = negative ? b + 1 : b;
+  bool all_digits = digits != e;
+  for (const char* p = digits; p != e; ++p) all_digits = all_digits && *p >= '0' && *p <= '9';
+  if (!all_digits) return "expected a decimal integer in " + range + " (got '" + s + "')";
+  if (is_unsigned) {
+    uint64_t v = 0;
+    const auto [p, ec] = std::from_chars(digits, e, v);
+    const uint64_t hi =
+        r.hi == kInt64Max ? std::numeric_limits<uint64_t>::max() : static_cast<uint64_t>(r.hi);
+    if (negative || ec != std::errc() || p != e || v > hi ||
+        v < static_cast<uint64_t>(std::max<int64_t>(r.lo, 0))) {
+      return s + " is outside " + range;
+    }
+    s = std::to_string(v);
+    return "";
+  }
+  int64_t v = 0;
+  const auto [p, ec] = std::from_chars(b, e, v);
+  if (ec != std::errc() || p != e || v < r.lo || v > r.hi) return s + " is outside " + range;
+  s = std::to_string(v);  // canonical: CLI11 would read a leading 0 as octal
+  return "";
+}
+
+void harden(CLI::App& app, const std::string& command) {
+  for (CLI::Option* opt : app.get_options()) {
+    const std::string type = opt->get_type_name();
+    const bool is_int = type == "INT" || type.rfind("INT:", 0) == 0;
+    const bool is_uint = type == "UINT" || type.rfind("UINT:", 0) == 0;
+    if ((!is_int && !is_uint) || opt->get_lnames().empty()) continue;
+    const IntRange r = integer_option_range(command, "--" + opt->get_lnames().front());
+    opt->transform(
+        CLI::Validator([r, is_uint](std::string& s) { return check_integer(s, r, is_uint); },
+                       range_text(r, is_uint)));
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    harden(*sub, command.empty() ? sub->get_name() : command + " " + sub->get_name());
+  }
+}
+
+}  // namespace
+
+const std::vector<IntRange>& integer_option_ranges() { return kRanges; }
+
+IntRange integer_option_range(const std::string& command, const std::string& flag) {
+  // The most specific entry wins: exact command, then "plot *", then "*".
+  const IntRange* best = nullptr;
+  int best_rank = -1;
+  for (const IntRange& r : kRanges) {
+    if (flag != r.flag || !command_matches(r.command, command)) continue;
+    const std::string c = r.command;
+    const int rank = c == "*" ? 0 : c.back() == '*' ? 1 : 2;
+    if (rank > best_rank) {
+      best = &r;
+      best_rank = rank;
+    }
+  }
+  return best != nullptr ? *best : kDefaultIntRange;
+}
+
+void harden_integer_options(CLI::App& app) { harden(app, ""); }
+
+std::vector<Command> add_all_commands(CLI::App& app) {
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("posenc ") + POSENC_VERSION_STRING);
+  std::vector<Command> commands = {
+      add_sinusoidal_command(app),
+      add_rope_command(app),
+      add_rope_freqs_command(app),
+      add_rope_precision_command(app),
+      add_alibi_slopes_command(app),
+      add_t5_buckets_command(app),
+      add_deberta_buckets_command(app),
+      add_learned_command(app),
+      add_attention_command(app),
+      add_attention_grad_command(app),
+      add_check_command(app),
+      add_bench_command(app),
+      add_describe_command(app),
+      add_inspect_command(app),
+      add_demo_command(app),
+      add_plot_command(app),
+      add_version_command(app),
+  };
+  harden_integer_options(app);
+  return commands;
+}
+
+void check_out_early(const CLI::App& app) {
+  if (app.get_name() == "demo") return;
+  const CLI::Option* out = app.get_option_no_throw("--out");
+  if (out != nullptr && out->count() > 0) check_output_path(out->as<std::string>());
+  for (const CLI::App* sub : app.get_subcommands()) check_out_early(*sub);
 }
 
 std::string one_line(std::string s) {

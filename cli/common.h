@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "posenc/error.h"
 #include "posenc/io.h"
 #include "posenc/rope.h"
+#include "posenc/size.h"
 #include "posenc/tensor.h"
 
 namespace CLI {
@@ -60,18 +62,32 @@ Command add_describe_command(CLI::App& parent);
 Command add_inspect_command(CLI::App& parent);
 Command add_rope_precision_command(CLI::App& parent);
 
+// Every subcommand above registered on `app` (in the order `posenc --help` lists them), with
+// --version, one required subcommand and harden_integer_options applied: the whole command line
+// of `posenc` (cli/main.cc, fuzz/fuzz_cli.cc).
+std::vector<Command> add_all_commands(CLI::App& app);
+
+// A non-null address for the views of empty arrays: an empty tensor is present, not missing
+// (the API reads a null data pointer as an absent table).
+inline float* empty_float_data() {
+  static float dummy = 0.0f;
+  return &dummy;
+}
+
 // A dense float32 array in C order (what the CLI hands to the API).
 struct FloatArray {
   std::vector<int64_t> shape;
   std::vector<float> data;
 
+  // The elements; never null, so an empty array reads as present (see empty_float_data).
+  const float* ptr() const { return data.empty() ? empty_float_data() : data.data(); }
   template <std::size_t R>
   View<const float, R> view() const {
-    return View<const float, R>::contiguous(data.data(), dims<R>());
+    return View<const float, R>::contiguous(ptr(), dims<R>());
   }
   template <std::size_t R>
   View<float, R> mutable_view() {
-    return View<float, R>::contiguous(data.data(), dims<R>());
+    return View<float, R>::contiguous(data.empty() ? empty_float_data() : data.data(), dims<R>());
   }
   template <std::size_t R>
   std::array<int64_t, R> dims() const {
@@ -85,6 +101,8 @@ struct FloatArray {
 // "[batch, seq, heads, head_dim]", and `what` the file or tensor.
 void require_rank(const Tensor& t, std::size_t rank, const std::string& layout,
                   const std::string& what);
+void require_rank(const NpyView& t, std::size_t rank, const std::string& layout,
+                  const std::string& what);
 
 // Converts a tensor of any float dtype to float32 (IoError naming `what` on other dtypes). With
 // `require_finite`, a NaN or infinity is a ValueError naming `what` and the element.
@@ -93,6 +111,44 @@ FloatArray to_float_array(const Tensor& t, const std::string& what, bool require
 // Reads a .npy float tensor of the given rank as float32 (see to_float_array).
 FloatArray read_float_npy(const std::string& path, std::size_t rank, const std::string& layout,
                           bool require_finite);
+
+// A read-only float32 input: the mapped file's own bytes when it holds aligned little-endian
+// float32 (zero copy), else a float32 copy converted from its dtype. Cheap to move; the views
+// stay valid while the FloatInput lives.
+class FloatInput {
+ public:
+  std::vector<int64_t> shape;
+
+  const float* data() const { return ptr_; }
+  std::size_t size() const { return size_; }
+  bool mapped() const { return owned_.empty() && file_ != nullptr; }
+  template <std::size_t R>
+  View<const float, R> view() const {
+    std::array<int64_t, R> a{};
+    for (std::size_t d = 0; d < R && d < shape.size(); ++d) a[d] = shape[d];
+    return View<const float, R>::contiguous(ptr_, a);
+  }
+  // An owning copy, for APIs that take a FloatArray or modify their input.
+  FloatArray copy() const;
+  // Takes over an array already converted (e.g. a .safetensors tensor).
+  static FloatInput owning(FloatArray a);
+
+ private:
+  friend FloatInput to_float_input(NpyView v, const std::string& what, bool require_finite);
+  std::shared_ptr<const MappedFile> file_;
+  std::vector<float> owned_;
+  const float* ptr_ = empty_float_data();
+  std::size_t size_ = 0;
+};
+
+// The float32 input of a mapped .npy (posenc::map_npy): `v`'s own bytes when they are aligned
+// little-endian float32 (no copy; the FloatInput keeps the mapping alive), else a converted copy
+// (see to_float_array; `what` names the file in messages).
+FloatInput to_float_input(NpyView v, const std::string& what, bool require_finite);
+
+// map_npy(path), require_rank, then to_float_input.
+FloatInput map_float_npy(const std::string& path, std::size_t rank, const std::string& layout,
+                         bool require_finite);
 
 // Throws ValueError naming `what` unless every value is finite.
 void check_finite(const std::vector<float>& values, const std::vector<int64_t>& shape,
@@ -148,6 +204,34 @@ std::string full_precision(double v);
 
 // Throws UsageError "<flag> must be >= <min> (got <value>)" when value < min.
 void require_at_least(const std::string& flag, int64_t value, int64_t min);
+
+// ---------------------------------------------------------------------------------------------
+// Hostile input (docs/reliability.md).
+
+// The documented range of an integer option: `flag` of `command` ("*": every command; "plot *":
+// every plot kind) takes values in [lo, hi].
+struct IntRange {
+  const char* command;
+  const char* flag;
+  int64_t lo;
+  int64_t hi;
+};
+// Every integer option's range (the table of docs/reliability.md); options not listed take
+// kDefaultIntRange.
+const std::vector<IntRange>& integer_option_ranges();
+inline constexpr IntRange kDefaultIntRange = {"*", "*", 0, int64_t{1} << 48};
+// The range of `flag` in `command` ("sinusoidal", "plot heatmap").
+IntRange integer_option_range(const std::string& command, const std::string& flag);
+
+// For every integer option of `app` and its subcommands: the value must be a plain decimal
+// integer (CLI11 alone reads "010" as octal, wraps "-1" to 2^64 - 1 and clamps overflow) inside
+// the option's documented range; anything else is a CLI11 ValidationError naming the flag.
+void harden_integer_options(CLI::App& app);
+
+// Refuses a bad output file before the command computes anything: the --out of `app` (or of its
+// parsed subcommand) must be absent or a regular file (posenc::check_output_path). `posenc demo`,
+// whose --out is a folder, is left to the command.
+void check_out_early(const CLI::App& app);
 
 // `s` with line breaks replaced by spaces (error messages are one line).
 std::string one_line(std::string s);

@@ -1,17 +1,30 @@
 // cli/main.cc - the `posenc` command-line tool: dispatch to one subcommand and map errors.
 //
 // Exit status: 0 success (and --help), 1 a failed `posenc check` or an unexpected internal error,
-// 2 any usage or input error (CLI11 parse errors, posenc::Error). Errors are one stderr line:
+// 2 any usage or input error (CLI11 parse errors, posenc::Error, a JSON or size error the
+// standard library reports, running out of memory). Errors are one stderr line:
 //   posenc <command>: error: <message>
+// Hostile input (docs/reliability.md): integer options are parsed strictly into documented
+// ranges, OpenMP never starts more than posenc::kMaxThreads threads, and SIGXFSZ is ignored so
+// a file-size limit fails a write with EFBIG (reported, temporary file removed) instead of
+// killing the process.
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <exception>
 #include <iostream>
+#include <new>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "common.h"
 #include "posenc/error.h"
-#include "posenc/version.h"
+#include "posenc/size.h"
 
 namespace {
 
@@ -34,38 +47,30 @@ int report(const std::string& command, const std::string& message, int status) {
   return status;
 }
 
+// Process-wide settings that no input can override.
+void harden_process() {
+  // A file-size limit (ulimit -f) makes write() fail with EFBIG instead of killing us: the
+  // writer then reports it and removes its temporary file.
+  std::signal(SIGXFSZ, SIG_IGN);
+#ifdef _OPENMP
+  // OMP_NUM_THREADS=100000 would make every parallel region overflow the caller's stack.
+  if (omp_get_max_threads() > posenc::kMaxThreads) omp_set_num_threads(posenc::kMaxThreads);
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   namespace pc = posenc::cli;
   std::string command;
+  harden_process();
   try {
     CLI::App app{
         "posenc - transformer positional encodings (sinusoidal, learned, RoPE, ALiBi, T5, "
         "Shaw, Transformer-XL, DeBERTa).\nTensors are .npy files, named parameters "
         ".safetensors (see SPEC.md section 9).",
         "posenc"};
-    app.require_subcommand(1);
-    app.set_version_flag("--version", std::string("posenc ") + POSENC_VERSION_STRING);
-    const std::vector<pc::Command> commands = {
-        pc::add_sinusoidal_command(app),
-        pc::add_rope_command(app),
-        pc::add_rope_freqs_command(app),
-        pc::add_rope_precision_command(app),
-        pc::add_alibi_slopes_command(app),
-        pc::add_t5_buckets_command(app),
-        pc::add_deberta_buckets_command(app),
-        pc::add_learned_command(app),
-        pc::add_attention_command(app),
-        pc::add_attention_grad_command(app),
-        pc::add_check_command(app),
-        pc::add_bench_command(app),
-        pc::add_describe_command(app),
-        pc::add_inspect_command(app),
-        pc::add_demo_command(app),
-        pc::add_plot_command(app),
-        pc::add_version_command(app),
-    };
+    const std::vector<pc::Command> commands = pc::add_all_commands(app);
     command = command_name(argc, argv, commands);
     if (argc > 1 && argv[1][0] != '-' && command.empty()) {
       std::string names;
@@ -80,13 +85,25 @@ int main(int argc, char** argv) {
       return report(command, e.what(), 2);
     }
     for (const auto& c : commands) {
-      if (c.app->parsed()) return c.run();
+      if (!c.app->parsed()) continue;
+      pc::check_out_early(*c.app);
+      return c.run();
     }
     return report(command, "no command given", 2);
   } catch (const posenc::Error& e) {
     return report(command, e.what(), 2);
   } catch (const CLI::Error& e) {
     return report(command, e.what(), 2);
+  } catch (const nlohmann::json::exception& e) {
+    // Readers turn JSON errors into IoError; this is the net under them.
+    return report(command, std::string("invalid JSON: ") + e.what(), 2);
+  } catch (const std::bad_alloc&) {
+    return report(command,
+                  "out of memory (sizes are checked against POSENC_MAX_BYTES or the physical "
+                  "memory, but the machine could not provide them)",
+                  2);
+  } catch (const std::length_error& e) {
+    return report(command, std::string("size too large: ") + e.what(), 2);
   } catch (const std::exception& e) {
     return report(command, e.what(), 1);
   } catch (...) {

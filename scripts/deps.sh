@@ -3,7 +3,12 @@
 set -euo pipefail
 pkgs=(g++ cmake ninja-build ccache pkg-config libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev
       libhwy-dev libopenblas-dev libcairo2-dev
-      fonts-dejavu-core)
+      fonts-dejavu-core
+      # The Python package (python/, docs/python.md): pybind11, the interpreter's headers, a venv
+      # with pip, setuptools and wheel for `pip install --no-build-isolation`, NumPy, PyTorch and
+      # pytest for the Python tests.
+      python3-dev pybind11-dev python3-pybind11 python3-venv python3-setuptools python3-wheel
+      python3-numpy python3-torch python3-pytest)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

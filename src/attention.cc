@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <map>
 #include <unordered_map>
@@ -83,7 +84,9 @@ void require_table_shape(const V& t, const std::array<int64_t, V{}.shape.size()>
   detail::require_all_finite(t, name);
 }
 
-// Everything a scheme needs, validated and precomputed once per call (O(L) or O(L*K)).
+// Everything a scheme needs, validated and precomputed once per call (O(L) or O(L*K)). Parameter
+// tables are views of scalar T: the scheme's float32 views for T = float; for T = double (the
+// oracle) the float64 tables of ref::SchemeTables when given, else the float32 ones widened.
 template <class T>
 struct Prepared {
   int kind = 0;  // PositionScheme index
@@ -94,24 +97,77 @@ struct Prepared {
   std::vector<double> slopes;
   // t5
   T5BucketConfig t5;
-  View<const float, 2> t5_table;
+  View<const T, 2> t5_table;
   // shaw
-  View<const float, 3> rel_k, rel_v;
+  View<const T, 3> rel_k, rel_v;
   int64_t shaw_k = 0;
   // xl: projected r(delta) [H * D] per distance, built on demand before the loop.
-  View<const float, 2> xl_u, xl_v, xl_rnet;
+  View<const T, 2> xl_u, xl_v, xl_rnet;
   double xl_base = 1e4;
   std::unordered_map<int64_t, std::vector<T>> xl_r;
   // deberta
-  View<const float, 3> pos_key, pos_query;
+  View<const T, 3> pos_key, pos_query;
   DebertaBuckets deberta;
+  // float32 tables widened to T (the oracle without float64 tables); deque: stable addresses.
+  std::deque<std::vector<T>> widened;
 };
+
+// The table the T path computes with: for T = float the scheme's float32 view; for T = double
+// the float64 view when it has data, else the float32 view widened (row-major copy of the same
+// shape), else an empty view of the float32 view's shape (the callers report it missing).
+template <class T, std::size_t R>
+View<const T, R> table_for(const View<const float, R>& f32, const View<const double, R>* f64,
+                           std::deque<std::vector<T>>& widened) {
+  if constexpr (std::is_same_v<T, float>) {
+    return f32;
+  } else {
+    if (f64 != nullptr && f64->data != nullptr) return *f64;
+    View<const T, R> out{nullptr, f32.shape, {}};
+    if (f32.data == nullptr) return out;
+    detail::require_data(f32, "attention: table");
+    std::vector<T>& buf = widened.emplace_back(static_cast<std::size_t>(f32.numel()));
+    std::array<int64_t, R> idx{};
+    for (std::size_t n = 0; n < buf.size(); ++n) {
+      int64_t off = 0;
+      for (std::size_t d = 0; d < R; ++d) off += idx[d] * f32.stride[d];
+      buf[n] = static_cast<T>(f32.data[off]);
+      for (std::size_t d = R; d-- > 0;) {
+        if (++idx[d] < f32.shape[d]) break;
+        idx[d] = 0;
+      }
+    }
+    return View<const T, R>::contiguous(buf.data(), f32.shape);
+  }
+}
+
+// Rejects float64 tables that the scheme does not have (ref::SchemeTables).
+void check_tables_belong(const PositionScheme& scheme, const ref::SchemeTables& t) {
+  const int kind = static_cast<int>(scheme.index());
+  auto check = [&](const void* data, bool belongs, const char* name) {
+    if (data != nullptr && !belongs) {
+      fail("ref::attention: float64 table " + std::string(name) + " is not a parameter of scheme " +
+           scheme_name(scheme));
+    }
+  };
+  check(t.relative_attention_bias.data, kind == 3, "relative_attention_bias");
+  check(t.rel_k.data, kind == 4, "rel_k");
+  check(t.rel_v.data, kind == 4, "rel_v");
+  check(t.r_w_bias.data, kind == 5, "r_w_bias");
+  check(t.r_r_bias.data, kind == 5, "r_r_bias");
+  check(t.r_net.data, kind == 5, "r_net");
+  check(t.pos_key.data, kind == 6, "pos_key");
+  check(t.pos_query.data, kind == 6, "pos_query");
+}
 
 template <class T>
 Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, const Dims& d,
                     const View<const T, 4>& q, const View<const T, 4>& k, const Positions& qp,
-                    const Positions& kp, bool build_xl_table = true) {
+                    const Positions& kp, bool build_xl_table = true,
+                    const ref::SchemeTables* tables = nullptr) {
   Prepared<T> p;
+  if (tables) check_tables_belong(scheme, *tables);
+  // The float64 table of `name` when there is one (the oracle only).
+  auto f64 = [&](auto member) { return tables ? &(tables->*member) : nullptr; };
   p.kind = static_cast<int>(scheme.index());
   const double default_scale =
       1.0 / std::sqrt(static_cast<double>(std::holds_alternative<DeBERTa>(scheme) ? 3 : 1) *
@@ -147,57 +203,62 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
       p.slopes = a->slopes;
     }
   } else if (const auto* t = std::get_if<T5Bias>(&scheme)) {
-    if (t->table.data == nullptr)
+    const auto table =
+        table_for<T>(t->table, f64(&ref::SchemeTables::relative_attention_bias), p.widened);
+    if (table.data == nullptr)
       fail<ShapeError>("attention: t5: relative_attention_bias is missing");
-    p.t5 = T5BucketConfig{.num_buckets = t->table.shape[0],
+    p.t5 = T5BucketConfig{.num_buckets = table.shape[0],
                           .max_distance = t->max_distance,
                           .bidirectional = t->bidirectional.value_or(!opt.causal)};
     validate(p.t5);
-    require_table_shape(t->table, {p.t5.num_buckets, d.heads_q},
+    require_table_shape(table, {p.t5.num_buckets, d.heads_q},
                         "attention: t5: relative_attention_bias [num_buckets, heads]");
-    p.t5_table = t->table;
+    p.t5_table = table;
   } else if (const auto* s = std::get_if<Shaw>(&scheme)) {
-    const int64_t rows = s->rel_k.shape[0];
-    if (s->rel_k.data == nullptr) fail<ShapeError>("attention: shaw: rel_k is missing");
+    const auto rel_k = table_for<T>(s->rel_k, f64(&ref::SchemeTables::rel_k), p.widened);
+    const auto rel_v = table_for<T>(s->rel_v, f64(&ref::SchemeTables::rel_v), p.widened);
+    const int64_t rows = rel_k.shape[0];
+    if (rel_k.data == nullptr) fail<ShapeError>("attention: shaw: rel_k is missing");
     if (rows < 1 || rows % 2 == 0) {
       fail<ShapeError>("attention: shaw: rel_k must have 2K+1 (odd) rows (got " +
                        std::to_string(rows) + ")");
     }
-    const int64_t th = s->rel_k.shape[1];
+    const int64_t th = rel_k.shape[1];
     if (th != 1 && th != d.heads_q) {
       fail<ShapeError>("attention: shaw: rel_k heads (" + std::to_string(th) +
                        ") must be 1 (shared) or heads_q (" + std::to_string(d.heads_q) + ")");
     }
-    require_table_shape(s->rel_k, {rows, th, d.head_dim},
+    require_table_shape(rel_k, {rows, th, d.head_dim},
                         "attention: shaw: rel_k [2K+1, heads, head_dim]");
-    if (s->rel_v.data != nullptr) {
-      const int64_t tv = s->rel_v.shape[1];
+    if (rel_v.data != nullptr) {
+      const int64_t tv = rel_v.shape[1];
       if (tv != 1 && tv != d.heads_q) {
         fail<ShapeError>("attention: shaw: rel_v heads (" + std::to_string(tv) +
                          ") must be 1 (shared) or heads_q (" + std::to_string(d.heads_q) + ")");
       }
-      require_table_shape(s->rel_v, {rows, tv, d.head_dim},
+      require_table_shape(rel_v, {rows, tv, d.head_dim},
                           "attention: shaw: rel_v [2K+1, heads, head_dim]");
     }
-    p.rel_k = s->rel_k;
-    p.rel_v = s->rel_v;
+    p.rel_k = rel_k;
+    p.rel_v = rel_v.data != nullptr ? rel_v : View<const T, 3>{};
     p.shaw_k = (rows - 1) / 2;
   } else if (const auto* x = std::get_if<TransformerXL>(&scheme)) {
-    require_table_shape(x->r_w_bias, {d.heads_q, d.head_dim},
-                        "attention: xl: r_w_bias [heads, head_dim]");
-    require_table_shape(x->r_r_bias, {d.heads_q, d.head_dim},
-                        "attention: xl: r_r_bias [heads, head_dim]");
-    const int64_t dm = x->r_net.shape[1];
-    require_table_shape(x->r_net, {d.heads_q * d.head_dim, dm},
+    const auto u = table_for<T>(x->r_w_bias, f64(&ref::SchemeTables::r_w_bias), p.widened);
+    const auto vb = table_for<T>(x->r_r_bias, f64(&ref::SchemeTables::r_r_bias), p.widened);
+    const auto rnet = table_for<T>(x->r_net, f64(&ref::SchemeTables::r_net), p.widened);
+    require_table_shape(u, {d.heads_q, d.head_dim}, "attention: xl: r_w_bias [heads, head_dim]");
+    require_table_shape(vb, {d.heads_q, d.head_dim}, "attention: xl: r_r_bias [heads, head_dim]");
+    const int64_t dm = rnet.shape[1];
+    require_table_shape(rnet, {d.heads_q * d.head_dim, dm},
                         "attention: xl: r_net [heads * head_dim, d_model]");
     if (dm < 2 || dm % 2 != 0) {
       fail<ShapeError>("attention: xl: r_net's d_model (" + std::to_string(dm) +
                        ") must be even and >= 2");
     }
     if (!std::isfinite(x->base) || x->base <= 1.0) fail("attention: xl: base must be > 1");
-    p.xl_u = x->r_w_bias;
-    p.xl_v = x->r_r_bias;
-    p.xl_rnet = x->r_net;
+    p.xl_u = u;
+    p.xl_v = vb;
+    p.xl_rnet = rnet;
     p.xl_base = x->base;
     // Project R(delta) for every distance that occurs: O(#distances * H * D * Dm). Distances of
     // a batch row lie in [min_q - max_k, max_q - min_k]: O(seq_q + seq_k) of them for contiguous
@@ -209,10 +270,9 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
       std::vector<T> proj(static_cast<std::size_t>(hd));
       for (int64_t o = 0; o < hd; ++o) {
         T acc = 0;
-        const float* w = x->r_net.data + o * x->r_net.stride[0];
+        const T* w = p.xl_rnet.data + o * p.xl_rnet.stride[0];
         for (int64_t m = 0; m < dm; ++m) {
-          acc += static_cast<T>(w[m * x->r_net.stride[1]]) *
-                 static_cast<T>(rr[static_cast<std::size_t>(m)]);
+          acc += w[m * p.xl_rnet.stride[1]] * static_cast<T>(rr[static_cast<std::size_t>(m)]);
         }
         proj[static_cast<std::size_t>(o)] = acc;
       }
@@ -239,16 +299,19 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
   } else if (const auto* db = std::get_if<DeBERTa>(&scheme)) {
     validate(db->buckets);
     const int64_t span = db->buckets.span();
-    if (db->pos_key.data == nullptr) fail<ShapeError>("attention: deberta: pos_key is missing");
-    if (db->pos_query.data == nullptr) fail<ShapeError>("attention: deberta: pos_query is missing");
+    const auto pos_key = table_for<T>(db->pos_key, f64(&ref::SchemeTables::pos_key), p.widened);
+    const auto pos_query =
+        table_for<T>(db->pos_query, f64(&ref::SchemeTables::pos_query), p.widened);
+    if (pos_key.data == nullptr) fail<ShapeError>("attention: deberta: pos_key is missing");
+    if (pos_query.data == nullptr) fail<ShapeError>("attention: deberta: pos_query is missing");
     require_table_shape(
-        db->pos_key, {2 * span, d.heads_q, d.head_dim},
+        pos_key, {2 * span, d.heads_q, d.head_dim},
         "attention: deberta: pos_key [2K, heads, head_dim] (K = " + std::to_string(span) + ")");
     require_table_shape(
-        db->pos_query, {2 * span, d.heads_q, d.head_dim},
+        pos_query, {2 * span, d.heads_q, d.head_dim},
         "attention: deberta: pos_query [2K, heads, head_dim] (K = " + std::to_string(span) + ")");
-    p.pos_key = db->pos_key;
-    p.pos_query = db->pos_query;
+    p.pos_key = pos_key;
+    p.pos_query = pos_query;
     p.deberta = db->buckets;
   }
   return p;
@@ -342,15 +405,15 @@ void score_row(const Problem<T>& pr, const Prepared<T>& p, int64_t b, int64_t h,
       case 4: {  // shaw: q . rel_k[idx]
         const int64_t idx = shaw_index(pk - pq, p.shaw_k);
         const int64_t th = p.rel_k.shape[1] == 1 ? 0 : h;
-        const float* rk = p.rel_k.data + idx * p.rel_k.stride[0] + th * p.rel_k.stride[1];
+        const T* rk = p.rel_k.data + idx * p.rel_k.stride[0] + th * p.rel_k.stride[1];
         for (int64_t c = 0; c < dim; ++c) {
           content += qr[c * qs] * static_cast<T>(rk[c * p.rel_k.stride[2]]);
         }
         break;
       }
       case 5: {  // xl: u.k + (q + v).r(delta)
-        const float* u = p.xl_u.data + h * p.xl_u.stride[0];
-        const float* vv = p.xl_v.data + h * p.xl_v.stride[0];
+        const T* u = p.xl_u.data + h * p.xl_u.stride[0];
+        const T* vv = p.xl_v.data + h * p.xl_v.stride[0];
         const T* r = p.xl_r.at(pq - pk).data() + h * dim;
         for (int64_t c = 0; c < dim; ++c) {
           content += static_cast<T>(u[c * p.xl_u.stride[1]]) * kr[c * ks] +
@@ -359,12 +422,12 @@ void score_row(const Problem<T>& pr, const Prepared<T>& p, int64_t b, int64_t h,
         break;
       }
       case 6: {  // deberta: q . pos_key[c2p] + k . pos_query[p2c]
-        const float* pkey = p.pos_key.data +
-                            deberta_c2p_index(pq, pk, p.deberta) * p.pos_key.stride[0] +
-                            h * p.pos_key.stride[1];
-        const float* pqry = p.pos_query.data +
-                            deberta_p2c_index(pq, pk, p.deberta) * p.pos_query.stride[0] +
-                            h * p.pos_query.stride[1];
+        const T* pkey = p.pos_key.data +
+                        deberta_c2p_index(pq, pk, p.deberta) * p.pos_key.stride[0] +
+                        h * p.pos_key.stride[1];
+        const T* pqry = p.pos_query.data +
+                        deberta_p2c_index(pq, pk, p.deberta) * p.pos_query.stride[0] +
+                        h * p.pos_query.stride[1];
         for (int64_t c = 0; c < dim; ++c) {
           content += qr[c * qs] * static_cast<T>(pkey[c * p.pos_key.stride[2]]) +
                      kr[c * ks] * static_cast<T>(pqry[c * p.pos_query.stride[2]]);
@@ -427,7 +490,7 @@ void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out,
           if (p.kind == 4 && p.rel_v.data != nullptr) {
             const int64_t idx = shaw_index(pr.kp.at(b, j) - pq, p.shaw_k);
             const int64_t th = p.rel_v.shape[1] == 1 ? 0 : h;
-            const float* rv = p.rel_v.data + idx * p.rel_v.stride[0] + th * p.rel_v.stride[1];
+            const T* rv = p.rel_v.data + idx * p.rel_v.stride[0] + th * p.rel_v.stride[1];
             for (int64_t c = 0; c < d.head_dim; ++c) {
               acc[static_cast<std::size_t>(c)] += a * static_cast<T>(rv[c * p.rel_v.stride[2]]);
             }
@@ -457,7 +520,7 @@ void require_grad(const View<T, R>& g, const std::array<int64_t, R>& want,
 // Validates the backward's extra inputs and the gradient views against the problem and scheme;
 // zeroes every gradient that will be written.
 template <class T>
-void check_backward_args(const Problem<T>& pr, const PositionScheme& scheme,
+void check_backward_args(const Problem<T>& pr, const PositionScheme& scheme, const Prepared<T>& p,
                          const View<const T, 4>& out, const View<const T, 3>& lse,
                          const View<const T, 4>& dout, const AttentionGradsOf<T>& g) {
   const Dims& d = pr.d;
@@ -487,31 +550,19 @@ void check_backward_args(const Problem<T>& pr, const PositionScheme& scheme,
     if (!belongs) fail(w + name + " is not a parameter of scheme " + sn);
     require_grad(gv, want, w + name);
   };
-  param(g.drelative_attention_bias, kind == 3,
-        kind == 3 ? std::get<T5Bias>(scheme).table.shape : std::array<int64_t, 2>{},
-        "drelative_attention_bias");
+  // Table shapes as the call computes with them (Prepared: float64 tables of the oracle included).
+  param(g.drelative_attention_bias, kind == 3, p.t5_table.shape, "drelative_attention_bias");
   param(g.dslopes, kind == 2, std::array<int64_t, 1>{d.heads_q}, "dslopes [heads_q]");
-  if (kind == 4) {
-    const auto& sh = std::get<Shaw>(scheme);
-    param(g.drel_k, true, sh.rel_k.shape, "drel_k");
-    if (g.drel_v.data != nullptr && sh.rel_v.data == nullptr) {
-      fail(w + "drel_v given but the scheme has no rel_v");
-    }
-    param(g.drel_v, true, sh.rel_v.shape, "drel_v");
-  } else {
-    param(g.drel_k, false, std::array<int64_t, 3>{}, "drel_k");
-    param(g.drel_v, false, std::array<int64_t, 3>{}, "drel_v");
+  if (g.drel_v.data != nullptr && kind == 4 && p.rel_v.data == nullptr) {
+    fail(w + "drel_v given but the scheme has no rel_v");
   }
-  const auto* xl = std::get_if<TransformerXL>(&scheme);
-  param(g.dr_w_bias, xl != nullptr, xl ? xl->r_w_bias.shape : std::array<int64_t, 2>{},
-        "dr_w_bias");
-  param(g.dr_r_bias, xl != nullptr, xl ? xl->r_r_bias.shape : std::array<int64_t, 2>{},
-        "dr_r_bias");
-  param(g.dr_net, xl != nullptr, xl ? xl->r_net.shape : std::array<int64_t, 2>{}, "dr_net");
-  const auto* db = std::get_if<DeBERTa>(&scheme);
-  param(g.dpos_key, db != nullptr, db ? db->pos_key.shape : std::array<int64_t, 3>{}, "dpos_key");
-  param(g.dpos_query, db != nullptr, db ? db->pos_query.shape : std::array<int64_t, 3>{},
-        "dpos_query");
+  param(g.drel_k, kind == 4, p.rel_k.shape, "drel_k");
+  param(g.drel_v, kind == 4, p.rel_v.shape, "drel_v");
+  param(g.dr_w_bias, kind == 5, p.xl_u.shape, "dr_w_bias");
+  param(g.dr_r_bias, kind == 5, p.xl_v.shape, "dr_r_bias");
+  param(g.dr_net, kind == 5, p.xl_rnet.shape, "dr_net");
+  param(g.dpos_key, kind == 6, p.pos_key.shape, "dpos_key");
+  param(g.dpos_query, kind == 6, p.pos_query.shape, "dpos_query");
   auto zero = [](const auto& v) {
     if (v.data != nullptr) detail::fill_view(v, T(0));
   };
@@ -676,10 +727,11 @@ void backward_materialized(View<const T, 4> q, View<const T, 4> k, View<const T,
                            View<const T, 4> out, View<const T, 3> lse, View<const T, 4> dout,
                            const PositionScheme& scheme, const AttentionOptions& options,
                            const AttentionGradsOf<T>& grads, const Positions* query_positions,
-                           const Positions* key_positions) {
+                           const Positions* key_positions,
+                           const ref::SchemeTables* tables = nullptr) {
   auto pr = make_problem<T>(q, k, v, q.shape, options, query_positions, key_positions);
-  check_backward_args(pr, scheme, out, lse, dout, grads);
-  const auto p = prepare<T>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
+  const auto p = prepare<T>(scheme, options, pr.d, q, k, pr.qp, pr.kp, true, tables);
+  check_backward_args(pr, scheme, p, out, lse, dout, grads);
   run_backward<T>(pr, p, out, lse, dout, grads, scheme);
 }
 
@@ -1198,9 +1250,9 @@ void attention_backward(View<const float, 4> q, View<const float, 4> k, View<con
                         const AttentionOptions& options, const AttentionGrads& grads,
                         const Positions* query_positions, const Positions* key_positions) {
   auto pr = make_problem<float>(q, k, v, q.shape, options, query_positions, key_positions);
-  check_backward_args(pr, scheme, out, lse, dout, grads);
   const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
                                 /*build_xl_table=*/false);
+  check_backward_args(pr, scheme, p, out, lse, dout, grads);
   if (!run_fused_backward(pr, p, out, lse, dout, grads, scheme)) {
     // Outside the fused kernel's domain: the simple path.
     const auto pn = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
@@ -1260,16 +1312,57 @@ void attention_backward(View<const double, 4> q, View<const double, 4> k, View<c
                                 key_positions);
 }
 
+void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options,
+               const SchemeTables& tables, View<double, 4> out, const Positions* query_positions,
+               const Positions* key_positions) {
+  detail::require_data(out, "ref::attention: out");
+  auto pr = make_problem<double>(q, k, v, out.shape, options, query_positions, key_positions);
+  const auto p = prepare<double>(scheme, options, pr.d, q, k, pr.qp, pr.kp, true, &tables);
+  run<double>(pr, p, out);
+}
+
+void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options,
+               const SchemeTables& tables, View<double, 4> out, View<double, 3> lse,
+               const Positions* query_positions, const Positions* key_positions) {
+  detail::require_data(out, "ref::attention: out");
+  auto pr = make_problem<double>(q, k, v, out.shape, options, query_positions, key_positions);
+  require_grad(lse, {pr.d.batch, pr.d.heads_q, pr.d.seq_q},
+               std::string("ref::attention: lse [batch, heads_q, seq_q]"));
+  const auto p = prepare<double>(scheme, options, pr.d, q, k, pr.qp, pr.kp, true, &tables);
+  run<double>(pr, p, out, &lse);
+}
+
+void attention_backward(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+                        View<const double, 4> out, View<const double, 3> lse,
+                        View<const double, 4> dout, const PositionScheme& scheme,
+                        const AttentionOptions& options, const SchemeTables& tables,
+                        const AttentionGradsOf<double>& grads, const Positions* query_positions,
+                        const Positions* key_positions) {
+  backward_materialized<double>(q, k, v, out, lse, dout, scheme, options, grads, query_positions,
+                                key_positions, &tables);
+}
+
 std::vector<double> attention_scores(View<const double, 4> q, View<const double, 4> k,
                                      const PositionScheme& scheme, const AttentionOptions& options,
                                      int64_t batch_index, int64_t head,
+                                     const Positions* query_positions,
+                                     const Positions* key_positions) {
+  return attention_scores(q, k, scheme, options, SchemeTables{}, batch_index, head, query_positions,
+                          key_positions);
+}
+
+std::vector<double> attention_scores(View<const double, 4> q, View<const double, 4> k,
+                                     const PositionScheme& scheme, const AttentionOptions& options,
+                                     const SchemeTables& tables, int64_t batch_index, int64_t head,
                                      const Positions* query_positions,
                                      const Positions* key_positions) {
   auto pr = make_problem<double>(q, k, k, q.shape, options, query_positions, key_positions);
   if (batch_index < 0 || batch_index >= pr.d.batch || head < 0 || head >= pr.d.heads_q) {
     fail("attention_scores: batch_index/head out of range");
   }
-  const auto p = prepare<double>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
+  const auto p = prepare<double>(scheme, options, pr.d, q, k, pr.qp, pr.kp, true, &tables);
   std::vector<double> s(static_cast<std::size_t>(pr.d.seq_q * pr.d.seq_k));
   for (int64_t i = 0; i < pr.d.seq_q; ++i) {
     score_row(pr, p, batch_index, head, i, s.data() + i * pr.d.seq_k);

@@ -16,6 +16,7 @@
 #include "posenc/learned.h"
 #include "posenc/rope.h"
 #include "posenc/sinusoidal.h"
+#include "posenc/size.h"
 
 namespace posenc {
 namespace {
@@ -288,6 +289,7 @@ std::vector<RopePrecisionRow> rope_precision(const std::vector<int64_t>& positio
   cfg.head_dim = head_dim;
   cfg.base = base;
   validate(cfg);
+  checked_elements("rope_precision: inputs", {{"head_dim", head_dim}}, 8 * kTokens * kHeads * 4);
   const RopeFrequencies accurate = rope_frequencies(cfg, 0, RopeAngles::kAccurate);
   const RopeFrequencies f32 = rope_frequencies(cfg, 0, RopeAngles::kFloat32);
   RopeFrequencies f32_ref = f32;  // the same float32-rounded table, accurate angles

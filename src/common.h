@@ -9,6 +9,7 @@
 #include <string>
 
 #include "posenc/error.h"
+#include "posenc/size.h"
 #include "posenc/tensor.h"
 
 namespace posenc::detail {

@@ -33,9 +33,13 @@ using json = nlohmann::json;
 // Families.
 
 enum class Family {
-  kRopeHalf,         // llama, mistral, qwen2, phi3, gpt_neox, ...
+  kRopeHalf,         // llama, mistral, qwen2, phi3, gpt_neox, gemma2, ...
   kRopeInterleaved,  // gptj, codegen
   kRopeVl,           // qwen2_vl, qwen2_5_vl, qwen3_vl: half style, M-RoPE, optional text_config
+  kDeepseek,         // deepseek_v2, deepseek_v3, kimi_k2: MLA, decoupled RoPE, YaRN mscale
+  kLlama4,           // llama4 (text_config), llama4_text: interleaved, NoPE layers, chunks
+  kGptOss,           // gpt_oss: YaRN, sliding / full layers, attention sinks
+  kGemma3,           // gemma3 (text_config), gemma3_text: local / global layers
   kFalcon,           // RoPE (half) or ALiBi with "alibi": true
   kBloom,
   kMpt,
@@ -46,43 +50,369 @@ enum class Family {
   kBert,       // learned (bert, roberta)
 };
 
-struct FamilyEntry {
+// A model type and the defaults of its reference configuration class (Hugging Face
+// transformers' <Name>Config): what the model's code uses when config.json leaves a key out.
+// 0 means "no default" for counts and "none" for windows; kv_heads 0 means "the query heads"
+// and head_dim 0 "hidden / heads" (the classes' None).
+struct TypeDefaults {
   const char* model_type;
   Family family;
+  const char* config_class;
+  int64_t hidden = 0;
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t max_pos = 0;
+  int64_t layers = 0;
+  double theta = 1e4;
+  double partial = 0;              // partial_rotary_factor / rotary_pct (0: rotate the whole head)
+  int64_t rotary_dim = 0;          // gptj / codegen rotary_dim
+  int64_t sliding_window = 0;      // 0: none
+  bool window_needs_flag = false;  // Qwen: use_sliding_window (default false) gates the window
+  int64_t max_window_layers = 0;   // Qwen: layers from this index on slide
+  double query_pre_attn_scalar = 0;  // Gemma 2 / 3: the score scale is its -1/2 power
+  int64_t original_max_pos = 0;      // Phi-3's top-level original_max_position_embeddings
 };
 
-constexpr FamilyEntry kFamilies[] = {
-    {"llama", Family::kRopeHalf},
-    {"mistral", Family::kRopeHalf},
-    {"mixtral", Family::kRopeHalf},
-    {"qwen2", Family::kRopeHalf},
-    {"qwen2_moe", Family::kRopeHalf},
-    {"qwen3", Family::kRopeHalf},
-    {"qwen3_moe", Family::kRopeHalf},
-    {"phi", Family::kRopeHalf},
-    {"phi3", Family::kRopeHalf},
-    {"gpt_neox", Family::kRopeHalf},
-    {"gemma", Family::kRopeHalf},
-    {"gemma2", Family::kRopeHalf},
-    {"stablelm", Family::kRopeHalf},
-    {"starcoder2", Family::kRopeHalf},
-    {"olmo", Family::kRopeHalf},
-    {"qwen2_vl", Family::kRopeVl},
-    {"qwen2_5_vl", Family::kRopeVl},
-    {"qwen3_vl", Family::kRopeVl},
-    {"gptj", Family::kRopeInterleaved},
-    {"codegen", Family::kRopeInterleaved},
-    {"falcon", Family::kFalcon},
-    {"bloom", Family::kBloom},
-    {"mpt", Family::kMpt},
-    {"t5", Family::kT5},
-    {"mt5", Family::kT5},
-    {"deberta", Family::kDeberta},
-    {"deberta-v2", Family::kDebertaV2},
-    {"gpt2", Family::kGpt2},
-    {"bert", Family::kBert},
-    {"roberta", Family::kBert},
+constexpr TypeDefaults kFamilies[] = {
+    {.model_type = "llama",
+     .family = Family::kRopeHalf,
+     .config_class = "LlamaConfig",
+     .hidden = 4096,
+     .heads = 32,
+     .max_pos = 2048,
+     .layers = 32},
+    {.model_type = "mistral",
+     .family = Family::kRopeHalf,
+     .config_class = "MistralConfig",
+     .hidden = 4096,
+     .heads = 32,
+     .kv_heads = 8,
+     .max_pos = 131072,
+     .layers = 32,
+     .sliding_window = 4096},
+    {.model_type = "mixtral",
+     .family = Family::kRopeHalf,
+     .config_class = "MixtralConfig",
+     .hidden = 4096,
+     .heads = 32,
+     .kv_heads = 8,
+     .max_pos = 131072,
+     .layers = 32,
+     .theta = 1e6},
+    {.model_type = "qwen2",
+     .family = Family::kRopeHalf,
+     .config_class = "Qwen2Config",
+     .hidden = 4096,
+     .heads = 32,
+     .kv_heads = 32,
+     .max_pos = 32768,
+     .layers = 32,
+     .sliding_window = 4096,
+     .window_needs_flag = true,
+     .max_window_layers = 28},
+    {.model_type = "qwen2_moe",
+     .family = Family::kRopeHalf,
+     .config_class = "Qwen2MoeConfig",
+     .hidden = 2048,
+     .heads = 16,
+     .kv_heads = 16,
+     .max_pos = 8192,
+     .layers = 24,
+     .sliding_window = 4096,
+     .window_needs_flag = true,
+     .max_window_layers = 28},
+    {.model_type = "qwen3",
+     .family = Family::kRopeHalf,
+     .config_class = "Qwen3Config",
+     .hidden = 4096,
+     .heads = 32,
+     .kv_heads = 32,
+     .head_dim = 128,
+     .max_pos = 32768,
+     .layers = 32,
+     .sliding_window = 4096,
+     .window_needs_flag = true,
+     .max_window_layers = 28},
+    {.model_type = "qwen3_moe",
+     .family = Family::kRopeHalf,
+     .config_class = "Qwen3MoeConfig",
+     .hidden = 2048,
+     .heads = 32,
+     .kv_heads = 4,
+     .max_pos = 32768,
+     .layers = 24,
+     .sliding_window = 4096,
+     .window_needs_flag = true,
+     .max_window_layers = 28},
+    {.model_type = "phi",
+     .family = Family::kRopeHalf,
+     .config_class = "PhiConfig",
+     .hidden = 2048,
+     .heads = 32,
+     .max_pos = 2048,
+     .layers = 24,
+     .partial = 0.5},
+    {.model_type = "phi3",
+     .family = Family::kRopeHalf,
+     .config_class = "Phi3Config",
+     .hidden = 3072,
+     .heads = 32,
+     .max_pos = 4096,
+     .layers = 32,
+     .original_max_pos = 4096},
+    {.model_type = "gpt_neox",
+     .family = Family::kRopeHalf,
+     .config_class = "GPTNeoXConfig",
+     .hidden = 6144,
+     .heads = 64,
+     .max_pos = 2048,
+     .layers = 44,
+     .partial = 0.25},
+    {.model_type = "gemma",
+     .family = Family::kRopeHalf,
+     .config_class = "GemmaConfig",
+     .hidden = 3072,
+     .heads = 16,
+     .kv_heads = 16,
+     .head_dim = 256,
+     .max_pos = 8192,
+     .layers = 28},
+    {.model_type = "gemma2",
+     .family = Family::kRopeHalf,
+     .config_class = "Gemma2Config",
+     .hidden = 2304,
+     .heads = 8,
+     .kv_heads = 4,
+     .head_dim = 256,
+     .max_pos = 8192,
+     .layers = 26,
+     .sliding_window = 4096,
+     .query_pre_attn_scalar = 256},
+    {.model_type = "stablelm",
+     .family = Family::kRopeHalf,
+     .config_class = "StableLmConfig",
+     .hidden = 2560,
+     .heads = 32,
+     .kv_heads = 32,
+     .max_pos = 4096,
+     .layers = 32,
+     .partial = 0.25},
+    {.model_type = "starcoder2",
+     .family = Family::kRopeHalf,
+     .config_class = "Starcoder2Config",
+     .hidden = 3072,
+     .heads = 24,
+     .kv_heads = 2,
+     .max_pos = 4096,
+     .layers = 30},
+    {.model_type = "olmo",
+     .family = Family::kRopeHalf,
+     .config_class = "OlmoConfig",
+     .hidden = 4096,
+     .heads = 32,
+     .max_pos = 2048,
+     .layers = 32},
+    {.model_type = "qwen2_vl",
+     .family = Family::kRopeVl,
+     .config_class = "Qwen2VLTextConfig",
+     .hidden = 8192,
+     .heads = 64,
+     .kv_heads = 8,
+     .max_pos = 32768,
+     .layers = 80,
+     .theta = 1e6,
+     .sliding_window = 4096,
+     .window_needs_flag = true,
+     .max_window_layers = 80},
+    {.model_type = "qwen2_5_vl",
+     .family = Family::kRopeVl,
+     .config_class = "Qwen2_5_VLTextConfig",
+     .hidden = 8192,
+     .heads = 64,
+     .kv_heads = 8,
+     .max_pos = 32768,
+     .layers = 80,
+     .theta = 1e6,
+     .sliding_window = 4096,
+     .window_needs_flag = true,
+     .max_window_layers = 80},
+    {.model_type = "qwen3_vl",
+     .family = Family::kRopeVl,
+     .config_class = "Qwen3VLTextConfig",
+     .hidden = 4096,
+     .heads = 32,
+     .kv_heads = 32,
+     .head_dim = 128,
+     .max_pos = 128000,
+     .layers = 36,
+     .theta = 5e6},
+    {.model_type = "gptj",
+     .family = Family::kRopeInterleaved,
+     .config_class = "GPTJConfig",
+     .hidden = 4096,
+     .heads = 16,
+     .max_pos = 2048,
+     .layers = 28,
+     .rotary_dim = 64},
+    {.model_type = "codegen",
+     .family = Family::kRopeInterleaved,
+     .config_class = "CodeGenConfig",
+     .hidden = 4096,
+     .heads = 16,
+     .max_pos = 2048,
+     .layers = 28,
+     .rotary_dim = 64},
+    {.model_type = "deepseek_v2",
+     .family = Family::kDeepseek,
+     .config_class = "DeepseekV2Config",
+     .hidden = 5120,
+     .heads = 128,
+     .kv_heads = 128,
+     .max_pos = 2048,
+     .layers = 60},
+    {.model_type = "deepseek_v3",
+     .family = Family::kDeepseek,
+     .config_class = "DeepseekV3Config",
+     .hidden = 7168,
+     .heads = 128,
+     .kv_heads = 128,
+     .max_pos = 4096,
+     .layers = 61},
+    {.model_type = "kimi_k2",
+     .family = Family::kDeepseek,
+     .config_class = "DeepseekV3Config",
+     .hidden = 7168,
+     .heads = 128,
+     .kv_heads = 128,
+     .max_pos = 4096,
+     .layers = 61},
+    {.model_type = "llama4",
+     .family = Family::kLlama4,
+     .config_class = "Llama4TextConfig",
+     .hidden = 5120,
+     .heads = 40,
+     .kv_heads = 8,
+     .head_dim = 128,
+     .max_pos = 131072,
+     .layers = 48,
+     .theta = 5e5},
+    {.model_type = "llama4_text",
+     .family = Family::kLlama4,
+     .config_class = "Llama4TextConfig",
+     .hidden = 5120,
+     .heads = 40,
+     .kv_heads = 8,
+     .head_dim = 128,
+     .max_pos = 131072,
+     .layers = 48,
+     .theta = 5e5},
+    {.model_type = "gpt_oss",
+     .family = Family::kGptOss,
+     .config_class = "GptOssConfig",
+     .hidden = 2880,
+     .heads = 64,
+     .kv_heads = 8,
+     .head_dim = 64,
+     .max_pos = 131072,
+     .layers = 36,
+     .theta = 150000,
+     .sliding_window = 128},
+    {.model_type = "gemma3",
+     .family = Family::kGemma3,
+     .config_class = "Gemma3TextConfig",
+     .hidden = 2304,
+     .heads = 8,
+     .kv_heads = 4,
+     .head_dim = 256,
+     .max_pos = 131072,
+     .layers = 26,
+     .theta = 1e6,
+     .sliding_window = 4096,
+     .query_pre_attn_scalar = 256},
+    {.model_type = "gemma3_text",
+     .family = Family::kGemma3,
+     .config_class = "Gemma3TextConfig",
+     .hidden = 2304,
+     .heads = 8,
+     .kv_heads = 4,
+     .head_dim = 256,
+     .max_pos = 131072,
+     .layers = 26,
+     .theta = 1e6,
+     .sliding_window = 4096,
+     .query_pre_attn_scalar = 256},
+    {.model_type = "falcon",
+     .family = Family::kFalcon,
+     .config_class = "FalconConfig",
+     .hidden = 4544,
+     .heads = 71,
+     .max_pos = 2048,
+     .layers = 32},
+    {.model_type = "bloom",
+     .family = Family::kBloom,
+     .config_class = "BloomConfig",
+     .hidden = 64,
+     .heads = 8,
+     .layers = 2},
+    {.model_type = "mpt",
+     .family = Family::kMpt,
+     .config_class = "MptConfig",
+     .hidden = 2048,
+     .heads = 16,
+     .max_pos = 2048,
+     .layers = 24},
+    {.model_type = "t5",
+     .family = Family::kT5,
+     .config_class = "T5Config",
+     .hidden = 512,
+     .heads = 8,
+     .head_dim = 64,
+     .layers = 6},
+    {.model_type = "mt5",
+     .family = Family::kT5,
+     .config_class = "MT5Config",
+     .hidden = 512,
+     .heads = 6,
+     .head_dim = 64,
+     .layers = 8},
+    {.model_type = "deberta",
+     .family = Family::kDeberta,
+     .config_class = "DebertaConfig",
+     .hidden = 768,
+     .heads = 12,
+     .max_pos = 512,
+     .layers = 12},
+    {.model_type = "deberta-v2",
+     .family = Family::kDebertaV2,
+     .config_class = "DebertaV2Config",
+     .hidden = 1536,
+     .heads = 24,
+     .max_pos = 512,
+     .layers = 24},
+    {.model_type = "gpt2",
+     .family = Family::kGpt2,
+     .config_class = "GPT2Config",
+     .hidden = 768,
+     .heads = 12,
+     .max_pos = 1024,
+     .layers = 12},
+    {.model_type = "bert",
+     .family = Family::kBert,
+     .config_class = "BertConfig",
+     .hidden = 768,
+     .heads = 12,
+     .max_pos = 512,
+     .layers = 12},
+    {.model_type = "roberta",
+     .family = Family::kBert,
+     .config_class = "RobertaConfig",
+     .hidden = 768,
+     .heads = 12,
+     .max_pos = 512,
+     .layers = 12},
 };
+using FamilyEntry = TypeDefaults;
 
 std::string supported_families() {
   std::string s;
@@ -187,6 +517,18 @@ struct Scope {
       if (auto v = n.get(key)) return v;
     }
     return std::nullopt;
+  }
+  // The key is written as null (and nowhere with a value). The configuration classes keep an
+  // explicit None ("sliding_window": null: no window; "head_dim": null: hidden / heads), which
+  // differs from leaving the key out (the class default).
+  bool is_null(const std::string& key) const {
+    if (get(key)) return false;
+    for (const auto& n : nodes) {
+      if (n.obj == nullptr) continue;
+      const auto it = n.obj->find(key);
+      if (it != n.obj->end() && it->is_null()) return true;
+    }
+    return false;
   }
 };
 
@@ -308,6 +650,26 @@ const std::initializer_list<const char*> kHiddenKeys = {"hidden_size", "n_embd",
                                                         "d_model"};
 const std::initializer_list<const char*> kContextKeys = {"max_position_embeddings", "n_positions"};
 
+// A value taken from the model type's configuration class because the file left the key out.
+void note_default(ModelConfig& cfg, const std::string& key, const std::string& value) {
+  cfg.defaults.emplace_back(key, value);
+}
+
+// A dimension from its aliases, else the class default (recorded), else "missing <keys>".
+std::pair<int64_t, std::string> dim_or_default(const Reader& r, const Scope& s,
+                                               std::initializer_list<const char*> keys, int64_t def,
+                                               ModelConfig& cfg) {
+  if (auto v = r.positive_int_alias(s, keys, Reader::kMaxDim)) return *v;
+  if (def > 0) {
+    note_default(cfg, *keys.begin(), fmt(def));
+    return {def, std::string(*keys.begin())};
+  }
+  return r.require_dim_alias(s, keys);
+}
+
+const std::initializer_list<const char*> kLayerKeys = {"num_hidden_layers", "n_layer", "num_layers",
+                                                       "n_layers"};
+
 // head_dim = hidden / heads, divisible.
 int64_t split_heads(const Reader& r, int64_t hidden, const std::string& hidden_name, int64_t heads,
                     const std::string& heads_name) {
@@ -318,9 +680,9 @@ int64_t split_heads(const Reader& r, int64_t hidden, const std::string& hidden_n
   return hidden / heads;
 }
 
-void read_common_dims(const Reader& r, const Scope& s, ModelConfig& cfg) {
-  const auto heads = r.require_dim_alias(s, kHeadKeys);
-  const auto hidden = r.require_dim_alias(s, kHiddenKeys);
+void read_common_dims(const Reader& r, const Scope& s, const TypeDefaults& td, ModelConfig& cfg) {
+  const auto heads = dim_or_default(r, s, kHeadKeys, td.heads, cfg);
+  const auto hidden = dim_or_default(r, s, kHiddenKeys, td.hidden, cfg);
   cfg.heads_q = heads.first;
   cfg.heads_kv = heads.first;
   cfg.hidden_size = hidden.first;
@@ -443,7 +805,8 @@ std::vector<double> factor_list(const Reader& r, const Value& x, int64_t pairs) 
 }
 
 // base: rope_theta / rotary_emb_base / the scaling dict's rope_theta, all agreeing.
-double read_theta(const Reader& r, const Scope& s, const std::optional<ScalingDict>& sd) {
+double read_theta(const Reader& r, const Scope& s, const std::optional<ScalingDict>& sd,
+                  const TypeDefaults& td, ModelConfig& cfg) {
   std::optional<std::pair<double, std::string>> theta;
   auto take = [&](const std::optional<Value>& x) {
     if (!x) return;
@@ -461,12 +824,14 @@ double read_theta(const Reader& r, const Scope& s, const std::optional<ScalingDi
   take(s.get("rope_theta"));
   take(s.get("rotary_emb_base"));
   if (sd) take(sd->get("rope_theta"));
-  return theta ? theta->first : 1e4;
+  if (theta) return theta->first;
+  note_default(cfg, "rope_theta", fmt(td.theta));
+  return td.theta;
 }
 
 // R from partial_rotary_factor (scope or scaling dict), rotary_pct or rotary_dim, all agreeing.
 int64_t read_rotary_dim(const Reader& r, const Scope& s, const std::optional<ScalingDict>& sd,
-                        int64_t head_dim) {
+                        int64_t head_dim, const TypeDefaults& td, ModelConfig& cfg) {
   std::optional<std::pair<int64_t, std::string>> rot;
   auto agree = [&](int64_t v, const std::string& how) {
     if (!rot) {
@@ -504,6 +869,24 @@ int64_t read_rotary_dim(const Reader& r, const Scope& s, const std::optional<Sca
     }
     agree(v, x->name);
   }
+  if (!rot && td.rotary_dim > 0) {
+    // GPT-J / CodeGen: rotary_dim 64 unless the file says otherwise (capped by the head).
+    const int64_t v = std::min(td.rotary_dim, head_dim);
+    note_default(cfg, "rotary_dim", fmt(v));
+    return v;
+  }
+  if (!rot && td.partial > 0) {
+    const char* key = td.family == Family::kRopeHalf && std::string(td.model_type) == "gpt_neox"
+                          ? "rotary_pct"
+                          : "partial_rotary_factor";
+    const auto v = static_cast<int64_t>(static_cast<double>(head_dim) * td.partial);
+    if (v < 2 || v % 2 != 0) {
+      r.fail("rotary dim " + fmt(v) + " from the default " + key + " " + fmt(td.partial) +
+             " (int(" + fmt(head_dim) + " x " + fmt(td.partial) + ")) is odd or < 2");
+    }
+    note_default(cfg, key, fmt(td.partial));
+    return v;
+  }
   if (!rot) {
     if (head_dim % 2 != 0) {
       r.fail("rotary dim = head dim " + fmt(head_dim) + " is odd; it must be even");
@@ -537,13 +920,14 @@ struct MRopeKeys {
   bool named = false;  // rope_type / type "mrope"
 };
 
-void read_rope(const Reader& r, const Scope& s, Family family, const std::string& model_type,
-               ModelConfig& cfg) {
+// The RoPE of the model (its global layers when they differ): theta, rotary dim, scaling and
+// M-RoPE into cfg.rope / cfg.mrope. cfg.rope.head_dim and cfg.rope.style are set by the caller.
+void read_rope(const Reader& r, const Scope& s, const TypeDefaults& td,
+               const std::string& model_type, ModelConfig& cfg) {
+  const Family family = td.family;
   const auto sd = scaling_dict(r, s);
-  cfg.rope.head_dim = cfg.head_dim;
-  cfg.rope.style = family == Family::kRopeInterleaved ? RopeStyle::kInterleaved : RopeStyle::kHalf;
-  cfg.rope.base = read_theta(r, s, sd);
-  cfg.rope.rotary_dim = read_rotary_dim(r, s, sd, cfg.head_dim);
+  cfg.rope.base = read_theta(r, s, sd, td, cfg);
+  cfg.rope.rotary_dim = read_rotary_dim(r, s, sd, cfg.rope.head_dim, td, cfg);
   const int64_t pairs = cfg.rope.rotary_dim / 2;
 
   RopeScaling& sc = cfg.rope.scaling;
@@ -599,6 +983,23 @@ void read_rope(const Reader& r, const Scope& s, Family family, const std::string
         if (orig) sc.original_max_position_embeddings = orig->first;
         break;
       case RopeScalingType::kDynamic:
+        // The model code scales against max_position_embeddings (the rope init functions read
+        // config.max_position_embeddings, not the dict): an original length that differs would
+        // be ignored there, so it is refused here.
+        if (cfg.max_position_embeddings > 0) {
+          if (orig && orig->first != cfg.max_position_embeddings) {
+            r.fail(orig->second + " (" + fmt(orig->first) +
+                   ") differs from max_position_embeddings (" + fmt(cfg.max_position_embeddings) +
+                   "), which dynamic NTK scales against in the model code");
+          }
+          sc.original_max_position_embeddings = cfg.max_position_embeddings;
+        } else if (orig) {
+          sc.original_max_position_embeddings = orig->first;
+        } else {
+          r.fail(d.key_name("original_max_position_embeddings") + " (or max_position_embeddings) " +
+                 "is required for rope_type '" + kname + "'");
+        }
+        break;
       case RopeScalingType::kYarn:
         // HF falls back on max_position_embeddings as the original length.
         if (orig) {
@@ -612,11 +1013,22 @@ void read_rope(const Reader& r, const Scope& s, Family family, const std::string
         break;
       case RopeScalingType::kLlama3:
       case RopeScalingType::kLongRope:
-        if (!orig) {
+        // The configuration classes fill the original length in: Phi-3's class default
+        // (original_max_position_embeddings 4096), else max_position_embeddings (transformers'
+        // standardize_rope_params).
+        if (orig) {
+          sc.original_max_position_embeddings = orig->first;
+        } else if (td.original_max_pos > 0) {
+          sc.original_max_position_embeddings = td.original_max_pos;
+          note_default(cfg, "original_max_position_embeddings", fmt(td.original_max_pos));
+        } else if (cfg.max_position_embeddings > 0) {
+          sc.original_max_position_embeddings = cfg.max_position_embeddings;
+          note_default(cfg, "original_max_position_embeddings",
+                       fmt(cfg.max_position_embeddings) + " (= max_position_embeddings)");
+        } else {
           r.fail(d.key_name("original_max_position_embeddings") +
-                 " (in the dict or at the top level) is required for rope_type '" + kname + "'");
+                 " (or max_position_embeddings) is required for rope_type '" + kname + "'");
         }
-        sc.original_max_position_embeddings = orig->first;
         break;
     }
 
@@ -713,32 +1125,113 @@ void read_falcon_kv_heads(const Reader& r, const Scope& s, ModelConfig& cfg) {
   check_kv_heads(r, cfg, kv_name);
 }
 
-void read_rope_family(const Reader& r, const json& top, Family family,
+// A count from its key or the class default (recorded).
+int64_t count_or_default(const Reader& r, const Scope& s, const char* key, int64_t def,
+                         ModelConfig& cfg, int64_t max = Reader::kMaxCount) {
+  if (const auto x = s.get(key)) return r.positive_int(*x, max);
+  note_default(cfg, key, fmt(def));
+  return def;
+}
+
+// A number from its key or the class default (recorded).
+double number_or_default(const Reader& r, const Scope& s, const char* key, double def,
+                         ModelConfig& cfg) {
+  if (const auto x = s.get(key)) return r.positive(*x);
+  note_default(cfg, key, fmt(def));
+  return def;
+}
+
+// A Python-truthy flag: true / false, or a number (Llama 4's first release wrote
+// "attn_temperature_tuning": 4, which its code tests for truth).
+bool truthy(const Reader& r, const Value& x) {
+  if (x.v->is_boolean()) return x.v->get<bool>();
+  if (x.v->is_number()) return x.v->get<double>() != 0.0;
+  r.fail(x.name + " must be true or false (got " + show(*x.v) + ")");
+}
+
+const char* const kLayerTypeNames[] = {"full_attention", "sliding_attention", "chunked_attention"};
+
+// The explicit `layer_types` list, checked against the layer count.
+std::optional<std::vector<std::string>> read_layer_types(const Reader& r, const Scope& s,
+                                                         int64_t layers) {
+  const auto x = s.get("layer_types");
+  if (!x) return std::nullopt;
+  if (!x->v->is_array()) {
+    r.fail(x->name + " must be a list of strings (got " + show(*x->v) + ")");
+  }
+  if (static_cast<int64_t>(x->v->size()) != layers) {
+    r.fail(x->name + " has " + fmt(static_cast<int64_t>(x->v->size())) +
+           " entries; num_hidden_layers is " + fmt(layers));
+  }
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < x->v->size(); ++i) {
+    const json& e = (*x->v)[i];
+    const std::string name = x->name + "[" + std::to_string(i) + "]";
+    if (!e.is_string()) r.fail(name + " must be a string (got " + show(e) + ")");
+    const std::string t = e.get<std::string>();
+    if (std::find(std::begin(kLayerTypeNames), std::end(kLayerTypeNames), t) ==
+        std::end(kLayerTypeNames)) {
+      r.fail(name + ": unknown layer type '" + t +
+             "' (known: full_attention, sliding_attention, chunked_attention)");
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
+void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
                       const std::string& model_type, ModelConfig& cfg) {
+  const Family family = td.family;
   Scope s;
-  if (family == Family::kRopeVl) {
+  // Multimodal wrappers keep the language model's settings under text_config.
+  if (family == Family::kRopeVl || model_type == "llama4" || model_type == "gemma3") {
     if (const auto tc = Node{&top, ""}.get("text_config")) {
       s.nodes.push_back(Node{&r.object(*tc), "text_config"});
     }
   }
   s.nodes.push_back(Node{&top, ""});
   cfg.scheme = ModelScheme::kRope;
+  cfg.default_source = td.config_class;
 
-  const auto heads = r.require_dim_alias(s, kHeadKeys);
-  const auto hidden = r.require_dim_alias(s, kHiddenKeys);
+  const auto heads = dim_or_default(r, s, kHeadKeys, td.heads, cfg);
+  const auto hidden = dim_or_default(r, s, kHiddenKeys, td.hidden, cfg);
   cfg.heads_q = heads.first;
   cfg.hidden_size = hidden.first;
-  // head_dim: explicit (Gemma's 256 is not hidden / heads) or hidden / heads.
-  if (const auto x = s.get("head_dim")) {
-    cfg.head_dim = r.positive_int(*x, Reader::kMaxDim);
-  } else {
-    cfg.head_dim = split_heads(r, hidden.first, hidden.second, heads.first, heads.second);
-  }
+
   if (const auto ctx = r.positive_int_alias(s, kContextKeys)) {
     cfg.max_position_embeddings = ctx->first;
+  } else if (td.max_pos > 0) {
+    cfg.max_position_embeddings = td.max_pos;
+    note_default(cfg, "max_position_embeddings", fmt(td.max_pos));
   }
 
-  // Key/value heads.
+  // head_dim, and for DeepSeek's MLA the rotary part of it.
+  int64_t rope_head_dim = 0;
+  if (family == Family::kDeepseek) {
+    const int64_t rope = count_or_default(r, s, "qk_rope_head_dim", 64, cfg, Reader::kMaxDim);
+    const int64_t nope = count_or_default(r, s, "qk_nope_head_dim", 128, cfg, Reader::kMaxDim);
+    cfg.v_head_dim = count_or_default(r, s, "v_head_dim", 128, cfg, Reader::kMaxDim);
+    if (const auto x = s.get("head_dim"); x && r.positive_int(*x, Reader::kMaxDim) != rope) {
+      r.fail(x->name + " (" + show(*x->v) + ") contradicts qk_rope_head_dim (" + fmt(rope) +
+             "): the model's code sets head_dim = qk_rope_head_dim");
+    }
+    cfg.head_dim = nope + rope;  // q and k heads: [nope | rope]
+    cfg.rope_offset = nope;
+    rope_head_dim = rope;
+  } else {
+    // Explicit (Gemma's 256 is not hidden / heads); null: hidden / heads; absent: the class's.
+    if (const auto x = s.get("head_dim")) {
+      cfg.head_dim = r.positive_int(*x, Reader::kMaxDim);
+    } else if (td.head_dim > 0 && !s.is_null("head_dim")) {
+      cfg.head_dim = td.head_dim;
+      note_default(cfg, "head_dim", fmt(td.head_dim));
+    } else {
+      cfg.head_dim = split_heads(r, hidden.first, hidden.second, heads.first, heads.second);
+    }
+    rope_head_dim = cfg.head_dim;
+  }
+
+  // Key/value heads: explicit; null: the query heads; absent: the class's.
   if (family == Family::kFalcon) {
     read_falcon_kv_heads(r, s, cfg);
   } else {
@@ -747,28 +1240,197 @@ void read_rope_family(const Reader& r, const json& top, Family family,
     if (const auto x = s.get("num_key_value_heads")) {
       cfg.heads_kv = r.positive_int(*x, Reader::kMaxDim);
       kv_name = x->name;
+    } else if (td.kv_heads > 0 && !s.is_null("num_key_value_heads")) {
+      cfg.heads_kv = td.kv_heads;
+      note_default(cfg, "num_key_value_heads", fmt(td.kv_heads));
     }
     check_kv_heads(r, cfg, kv_name);
   }
 
-  // Sliding window (Qwen2 writes one with "use_sliding_window": false: then none applies).
+  // Sliding window: explicit; null: none; absent: the class's. Qwen's window applies only with
+  // use_sliding_window (default false).
+  std::optional<int64_t> window;
   if (const auto x = s.get("sliding_window")) {
-    const int64_t w = r.positive_int(*x);
+    window = r.positive_int(*x);
+  } else if (td.sliding_window > 0 && !s.is_null("sliding_window")) {
+    window = td.sliding_window;
+    note_default(cfg, "sliding_window", fmt(td.sliding_window));
+  }
+  int64_t first_sliding = 0;
+  if (td.window_needs_flag && window) {
     const auto use = s.get("use_sliding_window");
-    if (!use || r.boolean(*use)) cfg.sliding_window = w;
+    if (!use || !r.boolean(*use)) window.reset();
+    if (window) {
+      first_sliding = count_or_default(r, s, "max_window_layers", td.max_window_layers, cfg);
+    }
+  } else if (const auto use = s.get("use_sliding_window"); use && !r.boolean(*use)) {
+    window.reset();
+  }
+  cfg.sliding_window = window;
+
+  // RoPE style and the global RoPE.
+  cfg.rope.head_dim = rope_head_dim;
+  cfg.rope.style = family == Family::kRopeInterleaved || family == Family::kLlama4
+                       ? RopeStyle::kInterleaved
+                       : RopeStyle::kHalf;
+  if (family == Family::kDeepseek) {
+    // deepseek_v2 rotates interleaved pairs in place (complex multiplication); deepseek_v3 with
+    // rope_interleave (default true) de-interleaves them before rotate_half.
+    cfg.rope.style = RopeStyle::kInterleaved;
+    if (model_type != "deepseek_v2") {
+      bool interleave = true;
+      if (const auto x = s.get("rope_interleave")) {
+        interleave = r.boolean(*x);
+      } else {
+        note_default(cfg, "rope_interleave", "true");
+      }
+      if (interleave) {
+        cfg.rope_deinterleave = true;
+      } else {
+        cfg.rope.style = RopeStyle::kHalf;
+      }
+    }
+  }
+  read_rope(r, s, td, model_type, cfg);
+
+  // Layers.
+  const auto nl = r.positive_int_alias(s, kLayerKeys, Reader::kMaxDim);
+  const int64_t num_layers = nl ? nl->first : td.layers;
+  if (!nl) note_default(cfg, "num_hidden_layers", fmt(td.layers));
+  const auto explicit_types = read_layer_types(r, s, num_layers);
+
+  // Score scale: 1 / sqrt(head_dim); Gemma 2 / 3: query_pre_attn_scalar^-1/2; DeepSeek:
+  // 1 / sqrt(qk_head_dim) times YaRN's mscale(factor, mscale_all_dim) squared.
+  double scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
+  if (td.query_pre_attn_scalar > 0) {
+    scale = 1.0 / std::sqrt(number_or_default(r, s, "query_pre_attn_scalar",
+                                              td.query_pre_attn_scalar, cfg));
+  }
+  if (family == Family::kDeepseek && cfg.rope.scaling.type != RopeScalingType::kDefault &&
+      cfg.rope.scaling.mscale_all_dim > 0 && cfg.rope.scaling.factor > 1.0) {
+    const double m =
+        0.1 * cfg.rope.scaling.mscale_all_dim * std::log(cfg.rope.scaling.factor) + 1.0;
+    scale *= m * m;
   }
 
-  read_rope(r, s, family, model_type, cfg);
+  // Gemma 3's local layers: rope_local_base_freq (default 10000), no scaling.
+  RopeConfig local = cfg.rope;
+  int64_t pattern = 0;
+  if (family == Family::kGemma3) {
+    local.base = 1e4;
+    if (const auto x = s.get("rope_local_base_freq")) {
+      if (!x->v->is_number() || !(x->v->get<double>() > 1)) {
+        r.fail(x->name + " must be a number > 1 (got " + show(*x->v) + ")");
+      }
+      local.base = x->v->get<double>();
+    } else {
+      note_default(cfg, "rope_local_base_freq", "10000");
+    }
+    local.scaling = RopeScaling{};
+    if (!explicit_types) {
+      pattern = count_or_default(r, s, "sliding_window_pattern", 6, cfg);
+    }
+  }
+
+  // Llama 4: RoPE on no_rope_layers[i] == 1 (default: all but every no_rope_layer_interval-th),
+  // chunked local attention on those, temperature tuning on the NoPE ones.
+  std::vector<bool> uses_rope(static_cast<std::size_t>(num_layers), true);
+  std::optional<int64_t> chunk;
+  std::optional<AttentionTemperature> temperature;
+  if (family == Family::kLlama4) {
+    const auto nr = s.get("no_rope_layers");
+    if (nr && !(nr->v->is_array() && nr->v->empty())) {
+      if (!nr->v->is_array() || static_cast<int64_t>(nr->v->size()) < num_layers) {
+        r.fail(nr->name + " must be a list of 0 / 1 with at least num_hidden_layers (" +
+               fmt(num_layers) + ") entries (got " + show(*nr->v) + ")");
+      }
+      for (int64_t i = 0; i < num_layers; ++i) {
+        const json& e = (*nr->v)[static_cast<std::size_t>(i)];
+        if (!e.is_number_integer() || (e.get<int64_t>() != 0 && e.get<int64_t>() != 1)) {
+          r.fail(nr->name + "[" + fmt(i) + "] must be 0 or 1 (got " + show(e) + ")");
+        }
+        uses_rope[static_cast<std::size_t>(i)] = e.get<int64_t>() == 1;
+      }
+    } else {
+      const int64_t interval = count_or_default(r, s, "no_rope_layer_interval", 4, cfg);
+      for (int64_t i = 0; i < num_layers; ++i) {
+        uses_rope[static_cast<std::size_t>(i)] = (i + 1) % interval != 0;
+      }
+    }
+    if (const auto x = s.get("attention_chunk_size")) {
+      chunk = r.positive_int(*x);
+    } else if (!s.is_null("attention_chunk_size")) {
+      chunk = 8192;
+      note_default(cfg, "attention_chunk_size", "8192");
+    }
+    bool tuning = true;
+    if (const auto x = s.get("attn_temperature_tuning")) {
+      tuning = truthy(r, *x);
+    } else {
+      note_default(cfg, "attn_temperature_tuning", "true");
+    }
+    if (tuning) {
+      AttentionTemperature t;
+      t.floor_scale = number_or_default(r, s, "floor_scale", 8192, cfg);
+      t.attn_scale = number_or_default(r, s, "attn_scale", 0.1, cfg);
+      temperature = t;
+    }
+  }
+
+  cfg.layers.resize(static_cast<std::size_t>(num_layers));
+  for (int64_t i = 0; i < num_layers; ++i) {
+    ModelLayer& l = cfg.layers[static_cast<std::size_t>(i)];
+    l.index = i;
+    l.rope = uses_rope[static_cast<std::size_t>(i)];
+    l.rope_config = cfg.rope;
+    l.softmax_scale = scale;
+    l.attention_sinks = family == Family::kGptOss;
+    std::string type = "full_attention";
+    if (explicit_types) {
+      type = (*explicit_types)[static_cast<std::size_t>(i)];
+    } else if (family == Family::kGemma3) {
+      type = (i + 1) % pattern != 0 ? "sliding_attention" : "full_attention";
+    } else if (model_type == "gemma2" || family == Family::kGptOss) {
+      type = i % 2 == 0 ? "sliding_attention" : "full_attention";
+    } else if (family == Family::kLlama4) {
+      type = l.rope && chunk ? "chunked_attention" : "full_attention";
+    } else if (window) {
+      type = i >= first_sliding ? "sliding_attention" : "full_attention";
+    }
+    l.attention = type;
+    if (type == "sliding_attention") {
+      if (!window) {
+        r.fail("layer " + fmt(i) + " is sliding_attention but the config has no sliding_window");
+      }
+      l.sliding_window = window;
+      if (family == Family::kGemma3) l.rope_config = local;
+    } else if (type == "chunked_attention") {
+      if (!chunk) {
+        r.fail("layer " + fmt(i) + " is chunked_attention but attention_chunk_size is not set");
+      }
+      l.attention_chunk = chunk;
+    }
+    if (!l.rope && temperature) l.temperature = temperature;
+  }
+  if (family == Family::kGemma3 || model_type == "gemma2" || family == Family::kGptOss) {
+    // cfg.sliding_window stays the window the sliding layers use.
+    cfg.sliding_window = window;
+  }
+  r.checked([&] {
+    for (const ModelLayer& l : cfg.layers) validate(l.rope_config);
+  });
 }
 
-void read_alibi_family(const Reader& r, const json& top, Family family, ModelConfig& cfg) {
+void read_alibi_family(const Reader& r, const json& top, const TypeDefaults& td, ModelConfig& cfg) {
+  const Family family = td.family;
   Scope s{{Node{&top, ""}}};
   cfg.scheme = ModelScheme::kAlibi;
-  read_common_dims(r, s, cfg);
+  cfg.default_source = td.config_class;
+  read_common_dims(r, s, td, cfg);
   cfg.alibi.heads = cfg.heads_q;
   cfg.alibi.max_bias = 8.0;
   if (family == Family::kMpt) {
-    if (const auto x = s.get("max_seq_len")) cfg.max_position_embeddings = r.positive_int(*x);
+    cfg.max_position_embeddings = count_or_default(r, s, "max_seq_len", td.max_pos, cfg);
     const auto ac = s.get("attn_config");
     if (!ac) r.fail("attn_config is missing: mpt without alibi is not supported");
     const Node a{&r.object(*ac), "attn_config"};
@@ -801,31 +1463,28 @@ void read_alibi_family(const Reader& r, const json& top, Family family, ModelCon
   r.checked([&] { (void)alibi_slopes(cfg.alibi); });
 }
 
-void read_t5(const Reader& r, const json& top, ModelConfig& cfg) {
+void read_t5(const Reader& r, const json& top, const TypeDefaults& td, ModelConfig& cfg) {
   Scope s{{Node{&top, ""}}};
   cfg.scheme = ModelScheme::kT5;
-  const auto heads = r.require_dim_alias(s, kHeadKeys);
-  const auto hidden = r.require_dim_alias(s, kHiddenKeys);
+  cfg.default_source = td.config_class;
+  const auto heads = dim_or_default(r, s, kHeadKeys, td.heads, cfg);
+  const auto hidden = dim_or_default(r, s, kHiddenKeys, td.hidden, cfg);
   cfg.heads_q = cfg.heads_kv = heads.first;
   cfg.hidden_size = hidden.first;
-  const auto dkv = s.get("d_kv");
-  if (!dkv) r.fail("missing d_kv");
-  cfg.head_dim = r.positive_int(*dkv, Reader::kMaxDim);
-  if (const auto x = s.get("relative_attention_num_buckets")) {
-    cfg.t5.num_buckets = r.positive_int(*x);
-  }
-  if (const auto x = s.get("relative_attention_max_distance")) {
-    cfg.t5.max_distance = r.positive_int(*x);
-  }
+  cfg.head_dim = count_or_default(r, s, "d_kv", td.head_dim, cfg, Reader::kMaxDim);
+  cfg.t5.num_buckets = count_or_default(r, s, "relative_attention_num_buckets", 32, cfg);
+  cfg.t5.max_distance = count_or_default(r, s, "relative_attention_max_distance", 128, cfg);
   cfg.t5.bidirectional = true;
   r.checked([&] { validate(cfg.t5); });
 }
 
-void read_deberta(const Reader& r, const json& top, Family family, ModelConfig& cfg) {
+void read_deberta(const Reader& r, const json& top, const TypeDefaults& td, ModelConfig& cfg) {
+  const Family family = td.family;
   Scope s{{Node{&top, ""}}};
   cfg.scheme = ModelScheme::kDeberta;
-  const auto heads = r.require_dim_alias(s, kHeadKeys);
-  const auto hidden = r.require_dim_alias(s, kHiddenKeys);
+  cfg.default_source = td.config_class;
+  const auto heads = dim_or_default(r, s, kHeadKeys, td.heads, cfg);
+  const auto hidden = dim_or_default(r, s, kHiddenKeys, td.hidden, cfg);
   cfg.heads_q = cfg.heads_kv = heads.first;
   cfg.hidden_size = hidden.first;
   if (const auto x = s.get("attention_head_size"); x && family == Family::kDebertaV2) {
@@ -833,9 +1492,7 @@ void read_deberta(const Reader& r, const json& top, Family family, ModelConfig& 
   } else {
     cfg.head_dim = split_heads(r, hidden.first, hidden.second, heads.first, heads.second);
   }
-  if (const auto x = s.get("max_position_embeddings")) {
-    cfg.max_position_embeddings = r.positive_int(*x);
-  }
+  cfg.max_position_embeddings = count_or_default(r, s, "max_position_embeddings", td.max_pos, cfg);
   const auto rel = s.get("relative_attention");
   if (!rel || !r.boolean(*rel)) {
     r.fail("relative_attention is " + std::string(rel ? "false" : "absent (default false)") +
@@ -843,7 +1500,11 @@ void read_deberta(const Reader& r, const json& top, Family family, ModelConfig& 
   }
   // max_relative_positions < 1 (HF: -1) means max_position_embeddings.
   int64_t mrp = -1;
-  if (const auto x = s.get("max_relative_positions")) mrp = r.integer(*x);
+  if (const auto x = s.get("max_relative_positions")) {
+    mrp = r.integer(*x);
+  } else {
+    note_default(cfg, "max_relative_positions", "-1");
+  }
   if (mrp < 1) {
     if (cfg.max_position_embeddings < 1) {
       r.fail("max_relative_positions is " + fmt(mrp) + " and max_position_embeddings is missing");
@@ -902,13 +1563,19 @@ void read_deberta(const Reader& r, const json& top, Family family, ModelConfig& 
   }
 }
 
-void read_learned(const Reader& r, const json& top, Family family, ModelConfig& cfg) {
+void read_learned(const Reader& r, const json& top, const TypeDefaults& td, ModelConfig& cfg) {
+  const Family family = td.family;
   Scope s{{Node{&top, ""}}};
   cfg.scheme = ModelScheme::kLearned;
-  read_common_dims(r, s, cfg);
-  const auto ctx = r.positive_int_alias(s, kContextKeys);
-  if (!ctx) r.fail("missing max_position_embeddings / n_positions (the learned table's size)");
-  cfg.max_position_embeddings = ctx->first;
+  cfg.default_source = td.config_class;
+  read_common_dims(r, s, td, cfg);
+  if (const auto ctx = r.positive_int_alias(s, kContextKeys)) {
+    cfg.max_position_embeddings = ctx->first;
+  } else {
+    cfg.max_position_embeddings = td.max_pos;
+    note_default(cfg, family == Family::kGpt2 ? "n_positions" : "max_position_embeddings",
+                 fmt(td.max_pos));
+  }
   if (family == Family::kBert) {
     if (const auto x = s.get("position_embedding_type")) {
       const std::string t = r.string(*x);
@@ -955,6 +1622,11 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
       if (static_cast<unsigned char>(c) < 0x20) c = ' ';
     }
     r.fail("invalid JSON (byte " + std::to_string(e.byte) + "): " + msg);
+  } catch (const json::exception& e) {
+    // A number beyond double's range ("1e400"): out_of_range.406.
+    const std::string msg = e.what();
+    const auto p = msg.find("] ");
+    r.fail("invalid JSON: " + (p == msg.npos ? msg : msg.substr(p + 2)));
   }
   if (!top.is_object()) r.fail("the top level must be a JSON object (got " + show(top) + ")");
   const Node root{&top, ""};
@@ -962,6 +1634,18 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   if (!mt) r.fail("missing required key 'model_type'");
   ModelConfig cfg;
   cfg.model_type = r.string(*mt);
+  // The text model's type under a multimodal wrapper names the same family.
+  if (cfg.model_type == "llama4" || cfg.model_type == "gemma3") {
+    if (const auto tc = root.get("text_config")) {
+      if (const auto tt = Node{&r.object(*tc), "text_config"}.get("model_type")) {
+        const std::string inner = r.string(*tt);
+        if (inner != cfg.model_type + "_text") {
+          r.fail(tt->name + " '" + inner + "' does not belong to model_type '" + cfg.model_type +
+                 "' (expected '" + cfg.model_type + "_text')");
+        }
+      }
+    }
+  }
   const FamilyEntry* entry = nullptr;
   for (const auto& f : kFamilies) {
     if (cfg.model_type == f.model_type) entry = &f;
@@ -974,33 +1658,37 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     case Family::kRopeHalf:
     case Family::kRopeInterleaved:
     case Family::kRopeVl:
-      read_rope_family(r, top, entry->family, cfg.model_type, cfg);
+    case Family::kDeepseek:
+    case Family::kLlama4:
+    case Family::kGptOss:
+    case Family::kGemma3:
+      read_rope_family(r, top, *entry, cfg.model_type, cfg);
       break;
     case Family::kFalcon: {
       const auto alibi = root.get("alibi");
       if (alibi && r.boolean(*alibi)) {
-        read_alibi_family(r, top, entry->family, cfg);
+        read_alibi_family(r, top, *entry, cfg);
         // The kv heads do not change ALiBi; record them as HF computes them.
         read_falcon_kv_heads(r, Scope{{root}}, cfg);
       } else {
-        read_rope_family(r, top, entry->family, cfg.model_type, cfg);
+        read_rope_family(r, top, *entry, cfg.model_type, cfg);
       }
       break;
     }
     case Family::kBloom:
     case Family::kMpt:
-      read_alibi_family(r, top, entry->family, cfg);
+      read_alibi_family(r, top, *entry, cfg);
       break;
     case Family::kT5:
-      read_t5(r, top, cfg);
+      read_t5(r, top, *entry, cfg);
       break;
     case Family::kDeberta:
     case Family::kDebertaV2:
-      read_deberta(r, top, entry->family, cfg);
+      read_deberta(r, top, *entry, cfg);
       break;
     case Family::kGpt2:
     case Family::kBert:
-      read_learned(r, top, entry->family, cfg);
+      read_learned(r, top, *entry, cfg);
       break;
   }
   return cfg;
@@ -1017,6 +1705,156 @@ RopeFrequencies model_rope_frequencies(const ModelConfig& cfg, int64_t seq_len, 
                      "' does not use RoPE");
   }
   return rope_frequencies(cfg.rope, seq_len, angles);
+}
+
+namespace {
+
+std::string scaling_summary(const RopeScaling& s);
+
+// One line for a layer's position handling (without its index): equal lines, equal layers.
+std::string layer_summary(const ModelLayer& l) {
+  std::string out = l.attention;
+  if (l.sliding_window) out += ", window " + fmt(*l.sliding_window);
+  if (l.attention_chunk) out += ", chunk " + fmt(*l.attention_chunk);
+  if (l.rope) {
+    const RopeConfig& r = l.rope_config;
+    out += ", rope theta " + fmt(r.base) + " " + scaling_summary(r.scaling);
+  } else {
+    out += ", no RoPE (NoPE)";
+  }
+  if (l.temperature) {
+    out += ", temperature tuning (floor_scale " + fmt(l.temperature->floor_scale) +
+           ", attn_scale " + fmt(l.temperature->attn_scale) + ")";
+  }
+  if (l.attention_sinks) out += ", attention sinks";
+  out += ", scale " + fmt(l.softmax_scale);
+  return out;
+}
+
+// "0-4, 6-10, 12" for sorted indices.
+std::string index_ranges(const std::vector<int64_t>& idx) {
+  std::string out;
+  for (std::size_t i = 0; i < idx.size();) {
+    std::size_t j = i;
+    while (j + 1 < idx.size() && idx[j + 1] == idx[j] + 1) ++j;
+    if (!out.empty()) out += ", ";
+    out += fmt(idx[i]);
+    if (j > i) {
+      out += '-';
+      out += fmt(idx[j]);
+    }
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+bool ModelConfig::layers_differ() const {
+  for (const ModelLayer& l : layers) {
+    if (layer_summary(l) != layer_summary(layers.front())) return true;
+  }
+  return false;
+}
+
+double attention_temperature(const AttentionTemperature& t, int64_t pos) {
+  // log(floor((p + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0 on float32 tensors.
+  const float p = static_cast<float>(pos) + 1.0f;
+  const float f = std::floor(p / static_cast<float>(t.floor_scale));
+  return static_cast<double>(std::log(f + 1.0f) * static_cast<float>(t.attn_scale) + 1.0f);
+}
+
+const ModelLayer& model_layer(const ModelConfig& cfg, int64_t layer) {
+  if (cfg.layers.empty()) {
+    throw ValueError("model_layer: model_type '" + cfg.model_type + "' lists no layers");
+  }
+  if (layer < 0 || layer >= static_cast<int64_t>(cfg.layers.size())) {
+    throw ValueError("layer " + std::to_string(layer) + " is out of range: model_type '" +
+                     cfg.model_type + "' has " + std::to_string(cfg.layers.size()) +
+                     " layers (0.." + std::to_string(cfg.layers.size() - 1) + ")");
+  }
+  return cfg.layers[static_cast<std::size_t>(layer)];
+}
+
+RopeFrequencies layer_rope_frequencies(const ModelConfig& cfg, int64_t layer, int64_t seq_len,
+                                       RopeAngles angles) {
+  if (cfg.scheme != ModelScheme::kRope) {
+    throw ValueError("layer_rope_frequencies: model_type '" + cfg.model_type +
+                     "' does not use RoPE");
+  }
+  const ModelLayer& l = model_layer(cfg, layer);
+  if (!l.rope) {
+    throw ValueError("layer " + std::to_string(layer) + " of model_type '" + cfg.model_type +
+                     "' uses no RoPE (a NoPE layer)");
+  }
+  return rope_frequencies(l.rope_config, seq_len, angles);
+}
+
+void apply_model_rope(const ModelConfig& cfg, const RopeFrequencies& freqs, View<const float, 4> x,
+                      View<float, 4> out, const Positions* positions, Direction direction) {
+  const int64_t rd = freqs.rotary_dim();
+  const int64_t d = x.shape[3];
+  if (x.shape != out.shape) {
+    throw ShapeError("apply_model_rope: out shape " + shape_str(out.shape) +
+                     " differs from x shape " + shape_str(x.shape));
+  }
+  // The rotary part: at rope_offset in a full head, or the whole of a rotary-only input.
+  int64_t offset = 0;
+  if (cfg.rope_offset > 0 && d >= cfg.rope_offset + rd) {
+    offset = cfg.rope_offset;
+  } else if (cfg.rope_offset > 0 && d != rd) {
+    throw ShapeError("apply_model_rope: head_dim " + std::to_string(d) + " of x fits neither the " +
+                     "full head (" + std::to_string(cfg.rope_offset + rd) +
+                     ", rotary part from dim " + std::to_string(cfg.rope_offset) +
+                     ") nor the rotary part alone (" + std::to_string(rd) + ") of model_type '" +
+                     cfg.model_type + "'");
+  }
+  View<const float, 4> xr = x;
+  View<float, 4> outr = out;
+  xr.data = x.data + offset * x.stride[3];
+  outr.data = out.data + offset * out.stride[3];
+  xr.shape[3] = outr.shape[3] = d - offset;
+  // Dims before the rotary part pass through.
+  if (offset > 0) {
+    for (int64_t b = 0; b < x.shape[0]; ++b) {
+      for (int64_t i = 0; i < x.shape[1]; ++i) {
+        for (int64_t h = 0; h < x.shape[2]; ++h) {
+          for (int64_t c = 0; c < offset; ++c) out(b, i, h, c) = x(b, i, h, c);
+        }
+      }
+    }
+  }
+  if (!cfg.rope_deinterleave) {
+    apply_rope(freqs, cfg.rope.style, xr, outr, positions, direction);
+    return;
+  }
+  // DeepSeek-V3: pair (2k, 2k + 1) rotates by inv_freq[k] and is written to (k, k + R/2).
+  // Forward: rotate interleaved, then de-interleave. Inverse: re-interleave, then rotate back.
+  const int64_t pairs = rd / 2;
+  std::vector<float> tmp(static_cast<std::size_t>(rd));
+  auto permute = [&](const View<const float, 4>& src, const View<float, 4>& dst, bool forward) {
+    for (int64_t b = 0; b < src.shape[0]; ++b) {
+      for (int64_t i = 0; i < src.shape[1]; ++i) {
+        for (int64_t h = 0; h < src.shape[2]; ++h) {
+          for (int64_t k = 0; k < pairs; ++k) {
+            const int64_t a = forward ? 2 * k : k, bb = forward ? 2 * k + 1 : k + pairs;
+            const int64_t ta = forward ? k : 2 * k, tb = forward ? k + pairs : 2 * k + 1;
+            tmp[static_cast<std::size_t>(ta)] = src(b, i, h, a);
+            tmp[static_cast<std::size_t>(tb)] = src(b, i, h, bb);
+          }
+          for (int64_t c = 0; c < rd; ++c) dst(b, i, h, c) = tmp[static_cast<std::size_t>(c)];
+        }
+      }
+    }
+  };
+  if (direction == Direction::kForward) {
+    apply_rope(freqs, RopeStyle::kInterleaved, xr, outr, positions, direction);
+    permute(View<const float, 4>(outr), outr, true);
+  } else {
+    permute(xr, outr, false);
+    apply_rope(freqs, RopeStyle::kInterleaved, View<const float, 4>(outr), outr, positions,
+               direction);
+  }
 }
 
 const char* style_name(RopeStyle s) {
@@ -1056,6 +1894,48 @@ std::string list_summary(const std::vector<double>& v) {
          ", min " + fmt(*lo) + ", max " + fmt(*hi) + "]";
 }
 
+std::string scaling_summary(const RopeScaling& s) {
+  std::string sc = scaling_name(s.type);
+  switch (s.type) {
+    case RopeScalingType::kDefault:
+      break;
+    case RopeScalingType::kLinear:
+      sc += ": factor " + fmt(s.factor);
+      if (s.original_max_position_embeddings > 0) {
+        sc += ", original_max_position_embeddings " + fmt(s.original_max_position_embeddings);
+      }
+      break;
+    case RopeScalingType::kDynamic:
+      sc += ": factor " + fmt(s.factor) + ", original_max_position_embeddings " +
+            fmt(s.original_max_position_embeddings);
+      break;
+    case RopeScalingType::kLlama3:
+      sc += ": factor " + fmt(s.factor) + ", original_max_position_embeddings " +
+            fmt(s.original_max_position_embeddings) + ", low_freq_factor " +
+            fmt(s.low_freq_factor) + ", high_freq_factor " + fmt(s.high_freq_factor);
+      break;
+    case RopeScalingType::kYarn:
+      sc += ": factor " + fmt(s.factor) + ", original_max_position_embeddings " +
+            fmt(s.original_max_position_embeddings) + ", beta_fast " + fmt(s.beta_fast) +
+            ", beta_slow " + fmt(s.beta_slow) + ", truncate " + (s.truncate ? "true" : "false") +
+            (s.mscale > 0 ? ", mscale " + fmt(s.mscale) : std::string()) +
+            (s.mscale_all_dim > 0 ? ", mscale_all_dim " + fmt(s.mscale_all_dim) : std::string()) +
+            (s.attention_factor > 0 ? ", attention_factor " + fmt(s.attention_factor)
+                                    : std::string());
+      break;
+    case RopeScalingType::kLongRope:
+      sc += ": original_max_position_embeddings " + fmt(s.original_max_position_embeddings) +
+            ", max_position_embeddings " + fmt(s.max_position_embeddings) +
+            (s.factor != 1.0 ? ", factor " + fmt(s.factor) : std::string()) +
+            (s.attention_factor > 0 ? ", attention_factor " + fmt(s.attention_factor)
+                                    : std::string()) +
+            ", short_factor " + list_summary(s.short_factor) + ", long_factor " +
+            list_summary(s.long_factor);
+      break;
+  }
+  return sc;
+}
+
 }  // namespace
 
 std::string describe(const ModelConfig& cfg) {
@@ -1077,47 +1957,7 @@ std::string describe(const ModelConfig& cfg) {
       const int64_t rd = r.rotary_dim == 0 ? r.head_dim : r.rotary_dim;
       line("rotary_dim", fmt(rd) + " of " + fmt(r.head_dim) + ", style " + style_name(r.style));
       line("rope_theta", fmt(r.base));
-      const RopeScaling& s = r.scaling;
-      std::string sc = scaling_name(s.type);
-      switch (s.type) {
-        case RopeScalingType::kDefault:
-          break;
-        case RopeScalingType::kLinear:
-          sc += ": factor " + fmt(s.factor);
-          if (s.original_max_position_embeddings > 0) {
-            sc += ", original_max_position_embeddings " + fmt(s.original_max_position_embeddings);
-          }
-          break;
-        case RopeScalingType::kDynamic:
-          sc += ": factor " + fmt(s.factor) + ", original_max_position_embeddings " +
-                fmt(s.original_max_position_embeddings);
-          break;
-        case RopeScalingType::kLlama3:
-          sc += ": factor " + fmt(s.factor) + ", original_max_position_embeddings " +
-                fmt(s.original_max_position_embeddings) + ", low_freq_factor " +
-                fmt(s.low_freq_factor) + ", high_freq_factor " + fmt(s.high_freq_factor);
-          break;
-        case RopeScalingType::kYarn:
-          sc +=
-              ": factor " + fmt(s.factor) + ", original_max_position_embeddings " +
-              fmt(s.original_max_position_embeddings) + ", beta_fast " + fmt(s.beta_fast) +
-              ", beta_slow " + fmt(s.beta_slow) + ", truncate " + (s.truncate ? "true" : "false") +
-              (s.mscale > 0 ? ", mscale " + fmt(s.mscale) : std::string()) +
-              (s.mscale_all_dim > 0 ? ", mscale_all_dim " + fmt(s.mscale_all_dim) : std::string()) +
-              (s.attention_factor > 0 ? ", attention_factor " + fmt(s.attention_factor)
-                                      : std::string());
-          break;
-        case RopeScalingType::kLongRope:
-          sc += ": original_max_position_embeddings " + fmt(s.original_max_position_embeddings) +
-                ", max_position_embeddings " + fmt(s.max_position_embeddings) +
-                (s.factor != 1.0 ? ", factor " + fmt(s.factor) : std::string()) +
-                (s.attention_factor > 0 ? ", attention_factor " + fmt(s.attention_factor)
-                                        : std::string()) +
-                ", short_factor " + list_summary(s.short_factor) + ", long_factor " +
-                list_summary(s.long_factor);
-          break;
-      }
-      line("rope_scaling", sc);
+      line("rope_scaling", scaling_summary(r.scaling));
       if (cfg.mrope) {
         const auto& m = *cfg.mrope;
         line("mrope",
@@ -1164,7 +2004,55 @@ std::string describe(const ModelConfig& cfg) {
       line("learned", "table of " + fmt(cfg.max_position_embeddings) + " positions");
       break;
   }
+  if (cfg.scheme == ModelScheme::kRope) {
+    if (cfg.rope_offset > 0) {
+      line("rope_layout", "rotary part = dims " + fmt(cfg.rope_offset) + ".." +
+                              fmt(cfg.head_dim - 1) + " of each q / k head (qk_nope_head_dim " +
+                              fmt(cfg.rope_offset) + " + qk_rope_head_dim " +
+                              fmt(cfg.rope.head_dim) + "), v_head_dim " + fmt(cfg.v_head_dim));
+    }
+    if (cfg.rope_deinterleave) {
+      line("rope_pairs",
+           "interleaved pairs (2i, 2i+1) rotated and written de-interleaved to "
+           "(i, i + R/2) (rope_interleave)");
+    }
+  }
+  if (!cfg.layers.empty()) {
+    if (!cfg.layers_differ()) {
+      line("layers", fmt(static_cast<int64_t>(cfg.layers.size())) + ", all " +
+                         layer_summary(cfg.layers.front()));
+    } else {
+      // Group equal layers; groups in the order of their first layer.
+      std::vector<std::pair<std::string, std::vector<int64_t>>> groups;
+      for (const ModelLayer& l : cfg.layers) {
+        const std::string sig = layer_summary(l);
+        auto it = std::find_if(groups.begin(), groups.end(),
+                               [&](const auto& g) { return g.first == sig; });
+        if (it == groups.end()) {
+          groups.push_back({sig, {l.index}});
+        } else {
+          it->second.push_back(l.index);
+        }
+      }
+      std::string pattern;
+      for (const ModelLayer& l : cfg.layers) {
+        for (std::size_t g = 0; g < groups.size(); ++g) {
+          if (groups[g].first == layer_summary(l)) pattern += static_cast<char>('A' + g % 26);
+        }
+      }
+      line("layers", fmt(static_cast<int64_t>(cfg.layers.size())) + ", pattern " + pattern);
+      for (std::size_t g = 0; g < groups.size(); ++g) {
+        out += "  " + std::string(1, static_cast<char>('A' + g % 26)) + ": layers " +
+               index_ranges(groups[g].second) + ": " + groups[g].first + "\n";
+      }
+    }
+  }
   line("effective_context", fmt(cfg.effective_context()));
+  if (!cfg.defaults.empty()) {
+    std::string d;
+    for (const auto& [k, v] : cfg.defaults) d += (d.empty() ? "" : ", ") + k + " " + v;
+    line("defaults", "(" + cfg.default_source + ", absent from the file) " + d);
+  }
   return out;
 }
 

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <utility>
 
 #include "common.h"
 
@@ -11,6 +13,14 @@ namespace posenc {
 
 void validate(const DebertaBuckets& cfg) {
   detail::require_positive(cfg.max_relative_positions, "deberta: max_relative_positions");
+  // The span K bounds the table's 2K rows and rho + K: at most 2^48, like positions.
+  for (const auto& [name, v] : {std::pair{"max_relative_positions", cfg.max_relative_positions},
+                                std::pair{"position_buckets", cfg.position_buckets}}) {
+    if (v > kMaxPosition) {
+      detail::fail(std::string("deberta: ") + name + " must be <= 2^48 (got " + std::to_string(v) +
+                   ")");
+    }
+  }
   if (cfg.position_buckets < 0) {
     detail::fail("deberta: position_buckets must be >= 0 (got " +
                  std::to_string(cfg.position_buckets) + ")");
@@ -60,7 +70,7 @@ int64_t deberta_c2p_index(int64_t pos_q, int64_t pos_k, const DebertaBuckets& cf
 int64_t deberta_p2c_index(int64_t pos_q, int64_t pos_k, const DebertaBuckets& cfg) {
   const int64_t k = cfg.span();
   const int64_t rho = deberta_bucket(pos_q - pos_k, cfg);
-  return std::clamp<int64_t>((cfg.p2c == DebertaP2c::kModel ? rho : -rho) + k, 0, 2 * k - 1);
+  return std::clamp<int64_t>((cfg.p2c == DebertaP2c::kPaper ? -rho : rho) + k, 0, 2 * k - 1);
 }
 
 }  // namespace posenc

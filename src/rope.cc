@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <vector>
 
 #include "common.h"
 #include "kernels/parallel.h"
@@ -43,6 +44,127 @@ void require_original(const RopeScaling& s, const char* type) {
 int64_t effective_rotary_dim(const RopeConfig& cfg) {
   return cfg.rotary_dim == 0 ? cfg.head_dim : cfg.rotary_dim;
 }
+
+// The float32 recipe of the reference frameworks (Hugging Face's rope init functions run by
+// PyTorch on CPU), step by step: every tensor operation rounds to float32 in the reference's
+// order, and the Python scalars it mixes in (factor, 2 pi, lengths) are rounded to float32 where
+// a tensor operation takes them. Scalar arithmetic the reference does in Python (the YaRN
+// correction range, llama3's wavelength bounds) stays in double. Two PyTorch details matter:
+// `scalar / tensor` is `tensor.reciprocal() * scalar`, and `base ** tensor` is a float32 pow.
+// The pow here is the C library's powf; PyTorch's vectorised pow (SLEEF, 1 ulp) agrees with it on
+// most but not all inputs, so the table is bit-identical where the two pows agree.
+namespace f32 {
+
+float cast(double v) { return static_cast<float>(v); }
+float recip(float x) { return 1.0f / x; }
+
+// arange(0, R, 2).float() / R
+std::vector<float> exponents(int64_t r) {
+  std::vector<float> e(static_cast<std::size_t>(r / 2));
+  for (std::size_t i = 0; i < e.size(); ++i) {
+    e[i] = static_cast<float>(2 * static_cast<int64_t>(i)) / static_cast<float>(r);
+  }
+  return e;
+}
+
+// base ** exponents (float32 pow), base already a float32 value.
+std::vector<float> powers(float base, const std::vector<float>& e) {
+  std::vector<float> p(e.size());
+  for (std::size_t i = 0; i < e.size(); ++i) p[i] = std::pow(base, e[i]);
+  return p;
+}
+
+// 1.0 / (base ** (arange(0, R, 2).float() / R))
+std::vector<float> default_inv(float base, int64_t r) {
+  std::vector<float> inv = powers(base, exponents(r));
+  for (float& v : inv) v = recip(v);
+  return inv;
+}
+
+void frequencies(const RopeConfig& cfg, int64_t r, int64_t seq_len, RopeFrequencies& out) {
+  const RopeScaling& s = cfg.scaling;
+  const double lo = static_cast<double>(s.original_max_position_embeddings);
+  std::vector<float> inv;
+  switch (s.type) {
+    case RopeScalingType::kDefault:
+      inv = default_inv(cast(cfg.base), r);
+      break;
+    case RopeScalingType::kLinear:
+      inv = default_inv(cast(cfg.base), r);
+      for (float& v : inv) v /= cast(s.factor);  // inv_freq /= factor
+      break;
+    case RopeScalingType::kDynamic: {
+      if (static_cast<double>(seq_len) > lo) {
+        // The update path passes seq_len as an int64 tensor, so the new base is a float32
+        // 0-dim tensor: base * ((factor * L / Lo) - (factor - 1)) ** (R / (R - 2)); the
+        // tensor ** Python-float power runs pow(float, double).
+        const float t = cast(s.factor) * static_cast<float>(seq_len) / static_cast<float>(lo) -
+                        cast(s.factor - 1.0);
+        const double ex = static_cast<double>(r) / static_cast<double>(r - 2);
+        const float grown = cast(std::pow(static_cast<double>(t), ex));
+        inv = default_inv(cast(cfg.base) * grown, r);
+      } else {
+        inv = default_inv(cast(cfg.base), r);
+      }
+      break;
+    }
+    case RopeScalingType::kLlama3: {
+      inv = default_inv(cast(cfg.base), r);
+      const double low_wl = lo / s.low_freq_factor, high_wl = lo / s.high_freq_factor;
+      const float low_f = cast(low_wl), high_f = cast(high_wl);
+      const float factor = cast(s.factor);
+      const float two_pi = cast(2.0 * std::numbers::pi);
+      const float band = cast(s.high_freq_factor - s.low_freq_factor);
+      for (float& v : inv) {
+        const float wl = recip(v) * two_pi;                     // 2 * math.pi / inv_freq
+        const float scaled = wl > low_f ? v / factor : v;       // where(wl > low, inv / f, inv)
+        if (!(wl < high_f) && !(wl > low_f) && band != 0.0f) {  // is_medium_freq
+          const float smooth = (recip(wl) * cast(lo) - cast(s.low_freq_factor)) / band;
+          v = (1.0f - smooth) * scaled / factor + smooth * scaled;
+        } else {
+          v = scaled;
+        }
+      }
+      break;
+    }
+    case RopeScalingType::kYarn: {
+      const std::vector<float> pos = powers(cast(cfg.base), exponents(r));
+      const double rd = static_cast<double>(r);
+      // find_correction_dim / find_correction_range, in Python doubles.
+      auto corr = [&](double n) {
+        return rd * std::log(lo / (n * 2.0 * std::numbers::pi)) / (2.0 * std::log(cfg.base));
+      };
+      double low = corr(s.beta_fast), high = corr(s.beta_slow);
+      if (s.truncate) {
+        low = std::floor(low);
+        high = std::ceil(high);
+      }
+      low = std::max(low, 0.0);
+      high = std::min(high, rd - 1.0);
+      if (low == high) high += 0.001;
+      const float span = cast(high - low);
+      inv.resize(pos.size());
+      for (std::size_t i = 0; i < pos.size(); ++i) {
+        const float extrapolation = recip(pos[i]);
+        const float interpolation = recip(cast(s.factor) * pos[i]);
+        const float ramp = std::clamp((static_cast<float>(i) - cast(low)) / span, 0.0f, 1.0f);
+        const float extra_factor = 1.0f - ramp;  // 1 - linear_ramp_factor(...)
+        inv[i] = interpolation * (1.0f - extra_factor) + extrapolation * extra_factor;
+      }
+      break;
+    }
+    case RopeScalingType::kLongRope: {
+      const auto& ext = static_cast<double>(seq_len) > lo ? s.long_factor : s.short_factor;
+      const std::vector<float> pos = powers(cast(cfg.base), exponents(r));
+      inv.resize(pos.size());
+      for (std::size_t i = 0; i < pos.size(); ++i) inv[i] = recip(cast(ext[i]) * pos[i]);
+      break;
+    }
+  }
+  for (std::size_t i = 0; i < inv.size(); ++i) out.inv_freq[i] = static_cast<double>(inv[i]);
+}
+
+}  // namespace f32
 
 }  // namespace
 
@@ -122,19 +244,13 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len, RopeAng
   const double rd = static_cast<double>(r);
   const RopeScaling& s = cfg.scaling;
   RopeFrequencies out;
-  out.inv_freq.resize(static_cast<std::size_t>(pairs));
+  out.inv_freq.resize(static_cast<std::size_t>(
+      checked_elements("rope_frequencies: inv_freq", {{"rotary_dim / 2", pairs}}, 8)));
   out.angles = angles;
   auto base_inv = [&](double theta) {
     for (int64_t i = 0; i < pairs; ++i) {
-      if (angles == RopeAngles::kFloat32) {
-        // The frameworks' float32 recipe: 1 / theta ** (arange(0, R, 2).float() / R).
-        const float e = static_cast<float>(2 * i) / static_cast<float>(r);
-        out.inv_freq[static_cast<std::size_t>(i)] =
-            static_cast<double>(1.0f / std::pow(static_cast<float>(theta), e));
-      } else {
-        out.inv_freq[static_cast<std::size_t>(i)] =
-            std::pow(theta, -2.0 * static_cast<double>(i) / rd);
-      }
+      out.inv_freq[static_cast<std::size_t>(i)] =
+          std::pow(theta, -2.0 * static_cast<double>(i) / rd);
     }
   };
   const double lo = static_cast<double>(s.original_max_position_embeddings);
@@ -172,7 +288,7 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len, RopeAng
       base_inv(cfg.base);
       const double log_theta = std::log(cfg.base);
       auto corr = [&](double n) {
-        return rd * std::log(lo / (2.0 * std::numbers::pi * n)) / (2.0 * log_theta);
+        return rd * std::log(lo / (n * 2.0 * std::numbers::pi)) / (2.0 * log_theta);
       };
       double low = corr(s.beta_fast), high = corr(s.beta_slow);
       if (s.truncate) {
@@ -214,7 +330,9 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len, RopeAng
     }
   }
   if (angles == RopeAngles::kFloat32) {
-    for (auto& f : out.inv_freq) f = static_cast<double>(static_cast<float>(f));
+    // Same attention factor (a Python float in the reference, applied to float32 cos / sin);
+    // the table follows the reference's float32 steps.
+    f32::frequencies(cfg, r, seq_len, out);
     out.attention_factor = static_cast<double>(static_cast<float>(out.attention_factor));
   }
   return out;

@@ -87,7 +87,8 @@ std::vector<float> sinusoidal_table(const SinusoidalConfig& cfg, int64_t length)
     detail::fail("sinusoidal: positions up to origin + length - 1 exceed 2^48");
   }
   const auto w = sinusoidal_frequencies(cfg);
-  std::vector<float> out(static_cast<std::size_t>(length * cfg.dim));
+  std::vector<float> out(static_cast<std::size_t>(
+      checked_elements("sinusoidal: the table", {{"length", length}, {"dim", cfg.dim}}, 4)));
   for (int64_t r = 0; r < length; ++r) {
     write_row(cfg, w, cfg.origin + r, out.data() + r * cfg.dim, 1);
   }
@@ -152,7 +153,8 @@ double sinusoidal_value(const SinusoidalConfig& cfg, int64_t p, int64_t k) {
 std::vector<double> sinusoidal_table(const SinusoidalConfig& cfg, int64_t length) {
   const auto w = sinusoidal_frequencies(cfg);
   if (length < 0) detail::fail("sinusoidal: length must be >= 0");
-  std::vector<double> out(static_cast<std::size_t>(length * cfg.dim));
+  std::vector<double> out(static_cast<std::size_t>(
+      checked_elements("sinusoidal: the table", {{"length", length}, {"dim", cfg.dim}}, 8)));
   for (int64_t r = 0; r < length; ++r) {
     for (int64_t k = 0; k < cfg.dim; ++k) {
       out[static_cast<std::size_t>(r * cfg.dim + k)] = angle_value(cfg, w, cfg.origin + r, k);

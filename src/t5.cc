@@ -83,7 +83,8 @@ std::vector<int64_t> t5_bucket_map(const T5BucketConfig& cfg, int64_t seq_q, int
   }
   qp.validate(1, seq_q, "t5_bucket_map: query positions");
   kp.validate(1, seq_k, "t5_bucket_map: key positions");
-  std::vector<int64_t> out(static_cast<std::size_t>(seq_q * seq_k));
+  std::vector<int64_t> out(static_cast<std::size_t>(
+      checked_elements("t5_bucket_map", {{"seq_q", seq_q}, {"seq_k", seq_k}}, 8)));
   for (int64_t i = 0; i < seq_q; ++i) {
     for (int64_t j = 0; j < seq_k; ++j) {
       out[static_cast<std::size_t>(i * seq_k + j)] = t5_bucket(kp.at(0, j) - qp.at(0, i), cfg);

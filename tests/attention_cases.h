@@ -65,7 +65,7 @@ inline std::unique_ptr<SchemeBox> make_scheme(const std::string& name, int64_t h
     DebertaBuckets cfg = variant % 2
                              ? DebertaBuckets{.max_relative_positions = 24, .position_buckets = 8}
                              : DebertaBuckets{.max_relative_positions = 5};
-    if (variant >= 2) cfg.p2c = DebertaP2c::kModel;
+    cfg.p2c = variant >= 2 ? DebertaP2c::kModel : DebertaP2c::kPaper;
     const int64_t k = cfg.span();
     box->a = randn_f(rng, 2 * k * heads * dim, 0.5);
     box->b = randn_f(rng, 2 * k * heads * dim, 0.5);

@@ -281,7 +281,7 @@ OwnedPtr fd_deberta(Rng& rng, int64_t heads, int64_t dim, DebertaBuckets cfg) {
   const int64_t k = cfg.span();
   o->a = table_values(rng, 2 * k * heads * dim, 0.5);
   o->b = table_values(rng, 2 * k * heads * dim, 0.5);
-  o->label = std::string("deberta ") + (cfg.p2c == DebertaP2c::kModel ? "kModel" : "kSpec") +
+  o->label = std::string("deberta ") + (cfg.p2c == DebertaP2c::kModel ? "kModel" : "kPaper") +
              " max_relative_positions " + std::to_string(cfg.max_relative_positions) +
              " position_buckets " + std::to_string(cfg.position_buckets);
   o->scheme = DeBERTa{View<const float, 3>::contiguous(o->a.data(), {2 * k, heads, dim}),
@@ -570,20 +570,25 @@ std::vector<FdCase> fd_cases() {
   add("per-row positions window", {2, 4, 6, 2, 2, 4}, fd_xl(rng, 2, 4, 4),
       {.window = 12, .allow_fully_masked = true}, qrow, krow);
   // DeBERTa: both p2c forms, plain and log buckets, distances beyond the span.
-  add("plain", {2, 4, 7, 2, 2, 4}, fd_deberta(rng, 2, 4, {.max_relative_positions = 3}), {});
+  add("plain", {2, 4, 7, 2, 2, 4},
+      fd_deberta(rng, 2, 4, {.max_relative_positions = 3, .p2c = DebertaP2c::kPaper}), {});
   add("plain causal GQA", {2, 4, 7, 2, 1, 4},
       fd_deberta(rng, 2, 4, {.max_relative_positions = 3, .p2c = DebertaP2c::kModel}),
       {.causal = true});
   add("log buckets, sparse positions", {2, 4, 6, 2, 1, 4},
-      fd_deberta(rng, 2, 4, {.max_relative_positions = 12, .position_buckets = 6}), {},
-      shared({0, 7, 16, 30}), shared({1, 2, 9, 15, 25, 40}));
+      fd_deberta(rng, 2, 4,
+                 {.max_relative_positions = 12, .position_buckets = 6, .p2c = DebertaP2c::kPaper}),
+      {}, shared({0, 7, 16, 30}), shared({1, 2, 9, 15, 25, 40}));
   add("log buckets causal per-row", {2, 4, 6, 2, 2, 4},
       fd_deberta(rng, 2, 4,
                  {.max_relative_positions = 12, .position_buckets = 6, .p2c = DebertaP2c::kModel}),
       {.causal = true, .allow_fully_masked = true}, qrow, krow);
   add("log buckets float64 log, window", {2, 4, 6, 2, 2, 4},
       fd_deberta(rng, 2, 4,
-                 {.max_relative_positions = 10, .position_buckets = 4, .float64_log = true}),
+                 {.max_relative_positions = 10,
+                  .position_buckets = 4,
+                  .float64_log = true,
+                  .p2c = DebertaP2c::kPaper}),
       {.window = 20}, shared({0, 7, 16, 30}), shared({1, 2, 9, 15, 25, 40}));
   return cs;
 }
@@ -998,7 +1003,7 @@ TEST(AttentionBackward, OddGroupsAndLongRelativeTables) {
         check_backward(s, shaw, {.causal = causal}, rng);
         // DeBERTa with 2K = 100 rows (log buckets past 20) in both p2c forms.
         DebertaBuckets cfg{.max_relative_positions = 50, .position_buckets = variant < 2 ? 0 : 40};
-        if (variant % 2) cfg.p2c = DebertaP2c::kModel;
+        cfg.p2c = variant % 2 ? DebertaP2c::kModel : DebertaP2c::kPaper;
         const int64_t span = cfg.span();
         const auto pk = cases::randn_f(e, 2 * span * s.heads_q * s.dim, 0.5);
         const auto pq = cases::randn_f(e, 2 * span * s.heads_q * s.dim, 0.5);

@@ -198,9 +198,9 @@ TEST(FusedAttention, EveryCompiledSimdTarget) {
 // threads) and the all-heads tables (3 threads), and every compiled SIMD target.
 TEST(FusedAttention, DebertaWideSpans) {
   const std::vector<DebertaBuckets> configs = {
-      {.max_relative_positions = 256, .position_buckets = 64},
+      {.max_relative_positions = 256, .position_buckets = 64, .p2c = DebertaP2c::kPaper},
       {.max_relative_positions = 256, .position_buckets = 64, .p2c = DebertaP2c::kModel},
-      {.max_relative_positions = 40},
+      {.max_relative_positions = 40, .p2c = DebertaP2c::kPaper},
       {.max_relative_positions = 40, .p2c = DebertaP2c::kModel},
   };
   const std::vector<Shape> shapes = {{1, 520, 530, 2, 2, 16}, {2, 100, 300, 4, 2, 8}};
@@ -218,7 +218,7 @@ TEST(FusedAttention, DebertaWideSpans) {
                              cfg};
         const auto c = make_case(s, rng);
         SCOPED_TRACE(str(s) + (causal ? " causal" : " bidirectional") + " K " + std::to_string(k) +
-                     (cfg.p2c == DebertaP2c::kModel ? " model p2c" : " spec p2c"));
+                     (cfg.p2c == DebertaP2c::kModel ? " model p2c" : " paper p2c"));
         std::vector<float> first;
         for (int threads : {1, 2, 3}) {
           const AttentionOptions opt{.causal = causal, .num_threads = threads};

@@ -589,7 +589,7 @@ TEST_F(CliAttentionTest, DeBERTa) {
            {"--max-relative-positions 4", DebertaBuckets{4, 0}},
            {"--position-buckets 4 --max-relative-positions 16", DebertaBuckets{16, 4}},
            {"--max-relative-positions 6 --deberta-p2c paper --deberta-float64-log",
-            DebertaBuckets{6, 0, true, DebertaP2c::kSpec}}}) {
+            DebertaBuckets{6, 0, true, DebertaP2c::kPaper}}}) {
     const int64_t rows = 2 * buckets.span();
     const std::vector<float> pk = random_floats(rows * kHq * kD, 60);
     const std::vector<float> pq = random_floats(rows * kHq * kD, 61);

@@ -798,5 +798,111 @@ TEST_F(CliModelsTest, RopePrecision) {
   expect_error_result(run("rope-precision --head-dim 7"), "rope-precision", "--head-dim");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Per-layer models (issue 12 item 3) and the DeBERTa p2c default (item 2).
+
+TEST_F(CliModelsTest, RopeFreqsLayer) {
+  const ModelConfig g = load("gemma-3-4b-it.json");
+  // Gemma 3's local and global layers differ: --layer is required, and picks the layer's RoPE.
+  expect_error("rope-freqs", "--config " + config("gemma-3-4b-it.json"), "--layer");
+  for (const int64_t layer : {int64_t{0}, int64_t{5}}) {
+    const Tensor t = run_ok(
+        "rope-freqs --config " + config("gemma-3-4b-it.json") + " --layer " + std::to_string(layer),
+        path("f" + std::to_string(layer) + ".npy"));
+    const RopeFrequencies want = layer_rope_frequencies(g, layer);
+    ASSERT_EQ(t.to_f64("f"), want.inv_freq) << layer;
+  }
+  expect_error("rope-freqs", "--config " + config("gemma-3-4b-it.json") + " --layer 34",
+               "out of range");
+  // Llama 4: the RoPE layers agree, so no --layer is needed; a NoPE layer has no frequencies.
+  const RunResult r = run("rope-freqs --config " + config("llama-4-scout-17b-16e-instruct.json") +
+                          " --details --layer 0 --out " + quote(path("l4.npy")));
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("\"layer\": 0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"style\": \"interleaved\""), std::string::npos) << r.out;
+  (void)run_ok("rope-freqs --config " + config("llama-4-scout-17b-16e-instruct.json"),
+               path("l4b.npy"));
+  expect_error("rope-freqs",
+               "--config " + config("llama-4-scout-17b-16e-instruct.json") + " --layer 3", "NoPE");
+  expect_error("rope-freqs", "--head-dim 64 --layer 1", "--layer needs --config");
+}
+
+TEST_F(CliModelsTest, RopeDeepseekLayout) {
+  const ModelConfig c = load("deepseek-v3.json");
+  for (const int64_t d : {int64_t{192}, int64_t{64}}) {
+    const std::vector<int64_t> shape = {1, 4, 2, d};
+    const std::vector<float> x = random_floats(count(shape), 9);
+    const std::string in = write_f32("x" + std::to_string(d) + ".npy", shape, x);
+    const Tensor t = run_ok(
+        "rope --config " + config("deepseek-v3.json") + " --in " + quote(in) + " --offset 4000",
+        path("y" + std::to_string(d) + ".npy"));
+    std::vector<float> want(x.size());
+    const Positions pos = Positions::offset(4000);
+    apply_model_rope(c, model_rope_frequencies(c, 4004),
+                     View<const float, 4>::contiguous(x.data(), dims4(shape)),
+                     View<float, 4>::contiguous(want.data(), dims4(shape)), &pos);
+    expect_tensor_eq(t, shape, want);
+  }
+  const std::string bad = write_f32("bad.npy", {1, 2, 1, 96}, random_floats(192, 3));
+  expect_error("rope", "--config " + config("deepseek-v3.json") + " --in " + quote(bad),
+               "head_dim 96");
+}
+
+TEST_F(CliModelsTest, DescribeLayersAndDefaults) {
+  RunResult r = run("describe " + config("gemma-3-4b-it.json"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  for (const char* s :
+       {"pattern AAAAAB", "sliding_attention, window 1024, rope theta 10000",
+        "full_attention, rope theta 1000000 linear: factor 8", "defaults: (Gemma3TextConfig"}) {
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << " in:\n" << r.out;
+  }
+  r = run("describe --json " + config("gpt-oss-20b.json"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["layers"].size(), 24u);
+  EXPECT_TRUE(j["layers_differ"].get<bool>());
+  EXPECT_EQ(j["layers"][0]["attention"], "sliding_attention");
+  EXPECT_EQ(j["layers"][0]["sliding_window"], 128);
+  EXPECT_TRUE(j["layers"][1]["attention_sinks"].get<bool>());
+  EXPECT_TRUE(j["layers"][1]["sliding_window"].is_null());
+  r = run("describe --json " + config("gemma-3-4b-it.json"));
+  const nlohmann::json g = nlohmann::json::parse(r.out);
+  EXPECT_EQ(g["defaults"]["head_dim"], "256");
+  EXPECT_EQ(g["default_source"], "Gemma3TextConfig");
+  r = run("describe --json " + config("deepseek-v3.json"));
+  const nlohmann::json d = nlohmann::json::parse(r.out);
+  EXPECT_EQ(d["rope"]["offset"], 128);
+  EXPECT_TRUE(d["rope"]["deinterleave"].get<bool>());
+  EXPECT_EQ(d["v_head_dim"], 128);
+}
+
+TEST_F(CliModelsTest, DebertaP2cDefaultIsTheCheckpoints) {
+  // Default p2c = clamp(rho + K): the same map as c2p; --p2c paper gives clamp(-rho + K).
+  const Tensor c2p = run_ok(
+      "deberta-buckets --query-length 5 --key-length 7 "
+      "--max-relative-positions 4 --index c2p",
+      path("c2p.npy"));
+  const Tensor p2c = run_ok(
+      "deberta-buckets --query-length 5 --key-length 7 "
+      "--max-relative-positions 4 --index p2c",
+      path("p2c.npy"));
+  EXPECT_EQ(p2c.to_i64("p2c"), c2p.to_i64("c2p"));
+  const Tensor paper = run_ok(
+      "deberta-buckets --query-length 5 --key-length 7 "
+      "--max-relative-positions 4 --index p2c --p2c paper",
+      path("paper.npy"));
+  const std::vector<int64_t> pv = paper.to_i64("paper"), cv = c2p.to_i64("c2p");
+  // Unclamped (|rho| < K = 4): rho + K and -rho + K add up to 2K.
+  for (std::size_t i = 0; i < pv.size(); ++i) {
+    if (cv[i] > 0 && cv[i] < 7) {
+      EXPECT_EQ(pv[i] + cv[i], 8) << i;
+    }
+  }
+  EXPECT_NE(pv, cv);
+  // (query 4 at position 6, key 0): rho = 6 -> c2p clamps to 7, paper p2c to 0.
+  EXPECT_EQ(cv[4 * 7 + 0], 7);
+  EXPECT_EQ(pv[4 * 7 + 0], 0);
+  expect_error("deberta-buckets", "--query-length 2 --key-length 2 --p2c spec", "spec");
+}
 }  // namespace
 }  // namespace posenc

@@ -425,6 +425,7 @@ TEST(ModelConfig, AcceptedVariants) {
   EXPECT_EQ(c.rope.scaling.factor, 2.0);
   // Both dicts, agreeing (type / rope_type aliases too); the same theta at the top level.
   c = parse_model_config(R"({"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4,
+      "max_position_embeddings": 512,
       "rope_theta": 20000, "rope_scaling": {"type": "dynamic", "factor": 2.0},
       "rope_parameters": {"rope_type": "dynamic", "factor": 2, "rope_theta": 20000,
                           "original_max_position_embeddings": 512}})",
@@ -509,8 +510,14 @@ TEST(ModelConfigErrors, JsonAndTopLevel) {
 }
 
 TEST(ModelConfigErrors, Dimensions) {
-  expect_error(R"({"model_type": "llama", "hidden_size": 256})", {"missing num_attention_heads"});
-  expect_error(R"({"model_type": "llama", "num_attention_heads": 4})", {"missing hidden_size"});
+  // Absent dimensions take LlamaConfig's defaults (32 heads, hidden 4096); a division that is
+  // not exact is still an error.
+  EXPECT_EQ(parse_model_config(R"({"model_type": "llama", "hidden_size": 256})", "x").heads_q, 32);
+  EXPECT_EQ(
+      parse_model_config(R"({"model_type": "llama", "num_attention_heads": 4})", "x").head_dim,
+      1024);
+  expect_error(R"({"model_type": "llama", "hidden_size": 100})",
+               {"hidden_size (100) is not divisible by num_attention_heads (32)"});
   expect_error(R"({"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3})",
                {"hidden_size (100) is not divisible by num_attention_heads (3)"});
   expect_error(llama_with(R"("num_key_value_heads": 3)"),
@@ -526,7 +533,11 @@ TEST(ModelConfigErrors, Dimensions) {
   expect_error(
       R"({"model_type": "bloom", "hidden_size": 256, "n_head": 4, "num_attention_heads": 8})",
       {"num_attention_heads", "n_head", "contradicts"});
-  expect_error(R"({"model_type": "t5", "d_model": 512, "num_heads": 8})", {"d_kv"});
+  // T5Config's d_kv default (64) fills an absent d_kv.
+  EXPECT_EQ(
+      parse_model_config(R"({"model_type": "t5", "d_model": 512, "num_heads": 8})", "x").head_dim,
+      64);
+  expect_error(R"({"model_type": "t5", "d_model": 512, "num_heads": 8, "d_kv": 0})", {"d_kv"});
 }
 
 TEST(ModelConfigErrors, ThetaAndRotaryDim) {
@@ -600,9 +611,13 @@ TEST(ModelConfigErrors, Scaling) {
 }
 
 TEST(ModelConfigErrors, Llama3AndLongRope) {
-  expect_error(llama_with(R"("rope_scaling": {"rope_type": "llama3", "factor": 8,
+  // Without an original length the configuration class standardises it to
+  // max_position_embeddings; with neither it is an error.
+  EXPECT_EQ(parse_model_config(llama_with(R"("rope_scaling": {"rope_type": "llama3", "factor": 8,
       "low_freq_factor": 1, "high_freq_factor": 4})"),
-               {"rope_scaling.original_max_position_embeddings", "required", "llama3"});
+                               "x")
+                .rope.scaling.original_max_position_embeddings,
+            2048);
   expect_error(llama_with(R"("rope_scaling": {"rope_type": "llama3", "factor": 8,
       "original_max_position_embeddings": 8192, "low_freq_factor": 4, "high_freq_factor": 1})"),
                {"high_freq_factor (1) must exceed low_freq_factor (4)"});
@@ -621,20 +636,27 @@ TEST(ModelConfigErrors, Llama3AndLongRope) {
   expect_error(head + R"("rope_scaling": {"type": "longrope",
       "short_factor": [1, 1, 1, 1, 1, 1, 1, 1]}})",
                {"rope_scaling.long_factor is required"});
-  expect_error(R"({"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4,
-      "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1, 1, 1, 1, 1, 1],
-      "long_factor": [1, 1, 1, 1, 1, 1, 1, 1]}})",
-               {"original_max_position_embeddings", "required", "longrope"});
+  // Phi3Config's original_max_position_embeddings default (4096) fills an absent one; a llama
+  // without any length is an error.
+  const ModelConfig phi3 = parse_model_config(R"({"model_type": "phi3", "hidden_size": 64,
+      "num_attention_heads": 4, "rope_scaling": {"type": "longrope",
+      "short_factor": [1, 1, 1, 1, 1, 1, 1, 1], "long_factor": [1, 1, 1, 1, 1, 1, 1, 1]}})",
+                                              "x");
+  EXPECT_EQ(phi3.rope.scaling.original_max_position_embeddings, 4096);
+  EXPECT_EQ(phi3.max_position_embeddings, 4096);
 }
 
 TEST(ModelConfigErrors, MRope) {
   expect_error(R"({"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28,
+      "num_key_value_heads": 4,
       "rope_scaling": {"type": "mrope", "mrope_section": [16, 24]}})",
                {"rope_scaling.mrope_section must be a list of 3 integers in [0, rotary_dim / 2]"});
   expect_error(R"({"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28,
+      "num_key_value_heads": 4,
       "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 20]}})",
                {"rope_scaling.mrope_section: mrope", "add up to rotary_dim / 2 = 64"});
-  expect_error(R"({"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28})",
+  expect_error(R"({"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28,
+      "num_key_value_heads": 4})",
                {"mrope_section is required", "qwen2_vl"});
   expect_error(R"({"model_type": "qwen3_vl", "text_config": {"hidden_size": 4096,
       "num_attention_heads": 32, "head_dim": 128,
@@ -674,7 +696,281 @@ TEST(ModelConfigErrors, OtherSchemes) {
   expect_error(R"({"model_type": "bert", "hidden_size": 768, "num_attention_heads": 12,
       "max_position_embeddings": 512, "position_embedding_type": "relative_key"})",
                {"position_embedding_type 'relative_key' is not supported"});
-  expect_error(R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12})", {"n_positions"});
+  // GPT2Config's n_positions default (1024) sizes an absent table.
+  EXPECT_EQ(parse_model_config(R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12})", "x")
+                .max_position_embeddings,
+            1024);
+  expect_error(R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12, "n_positions": 0})",
+               {"n_positions"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Defaults of each model type's configuration class (issue 12 item 1).
+
+// The value of `key` in cfg.defaults, or "" when it was not defaulted.
+std::string defaulted(const ModelConfig& c, const std::string& key) {
+  for (const auto& [k, v] : c.defaults) {
+    if (k == key) return v;
+  }
+  return "";
+}
+
+TEST(ModelConfigDefaults, PartialRotaryFromTheClass) {
+  // GPTNeoXConfig rotary_pct 0.25, PhiConfig partial_rotary_factor 0.5, StableLmConfig 0.25.
+  const ModelConfig neox = parse_model_config(
+      R"({"model_type": "gpt_neox", "hidden_size": 6144, "num_attention_heads": 64})", "x");
+  EXPECT_EQ(neox.rope.rotary_dim, 24);
+  EXPECT_EQ(defaulted(neox, "rotary_pct"), "0.25");
+  const ModelConfig phi = parse_model_config(
+      R"({"model_type": "phi", "hidden_size": 2560, "num_attention_heads": 32})", "x");
+  EXPECT_EQ(phi.rope.rotary_dim, 40);
+  EXPECT_EQ(defaulted(phi, "partial_rotary_factor"), "0.5");
+  const ModelConfig st = parse_model_config(
+      R"({"model_type": "stablelm", "hidden_size": 2560, "num_attention_heads": 32})", "x");
+  EXPECT_EQ(st.rope.rotary_dim, 20);
+  // An explicit value wins and is not marked.
+  const ModelConfig full = parse_model_config(
+      R"({"model_type": "phi", "hidden_size": 2560, "num_attention_heads": 32,
+          "partial_rotary_factor": 1.0})",
+      "x");
+  EXPECT_EQ(full.rope.rotary_dim, 80);
+  EXPECT_EQ(defaulted(full, "partial_rotary_factor"), "");
+  // The frequencies follow: R = 24 means 12 pairs with theta^(-2i/24).
+  const RopeFrequencies f = model_rope_frequencies(neox);
+  ASSERT_EQ(f.inv_freq.size(), 12u);
+  EXPECT_DOUBLE_EQ(f.inv_freq[1], std::pow(1e4, -2.0 / 24.0));
+}
+
+TEST(ModelConfigDefaults, HeadDimThetaAndKvHeads) {
+  // Qwen3Config head_dim 128 (not 4096 / 64), Gemma / Gemma2 256, Qwen2-VL theta 1e6.
+  const ModelConfig q3 = parse_model_config(
+      R"({"model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 64})", "x");
+  EXPECT_EQ(q3.head_dim, 128);
+  EXPECT_EQ(defaulted(q3, "head_dim"), "128");
+  EXPECT_EQ(q3.heads_kv, 32);  // Qwen3Config num_key_value_heads 32
+  for (const char* t : {"gemma", "gemma2"}) {
+    const ModelConfig g = parse_model_config(
+        std::string(R"({"model_type": ")") + t +
+            R"(", "hidden_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 16})",
+        "x");
+    EXPECT_EQ(g.head_dim, 256) << t;
+  }
+  const ModelConfig vl = parse_model_config(
+      R"({"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28,
+          "num_key_value_heads": 4, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}})",
+      "x");
+  EXPECT_EQ(vl.rope.base, 1e6);
+  EXPECT_EQ(defaulted(vl, "rope_theta"), "1000000");
+  // null is the class's None, not its default: head_dim null = hidden / heads, kv null = heads,
+  // sliding_window null = none.
+  const ModelConfig qn = parse_model_config(
+      R"({"model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 64,
+          "head_dim": null, "num_key_value_heads": null})",
+      "x");
+  EXPECT_EQ(qn.head_dim, 64);
+  EXPECT_EQ(qn.heads_kv, 64);
+  const ModelConfig mi = parse_model_config(
+      R"({"model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32})", "x");
+  EXPECT_EQ(mi.heads_kv, 8);  // MistralConfig num_key_value_heads 8
+  EXPECT_EQ(mi.sliding_window, 4096);
+  EXPECT_EQ(mi.max_position_embeddings, 131072);
+  const ModelConfig mn = parse_model_config(
+      R"({"model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32,
+          "sliding_window": null})",
+      "x");
+  EXPECT_FALSE(mn.sliding_window.has_value());
+  // Mixtral's theta default is 1e6, Llama's 1e4.
+  EXPECT_EQ(parse_model_config(R"({"model_type": "mixtral"})", "x").rope.base, 1e6);
+  EXPECT_EQ(parse_model_config(R"({"model_type": "llama"})", "x").rope.base, 1e4);
+}
+
+TEST(ModelConfigDefaults, DescribeMarksDefaults) {
+  const ModelConfig g = load("gemma-3-4b-it.json");
+  EXPECT_EQ(g.default_source, "Gemma3TextConfig");
+  const std::string d = describe(g);
+  for (const char* s : {"defaults: (Gemma3TextConfig", "head_dim 256", "num_attention_heads 8",
+                        "rope_local_base_freq 10000", "sliding_window_pattern 6"}) {
+    EXPECT_TRUE(contains(d, s)) << "missing '" << s << "' in:\n" << d;
+  }
+  // A config that states everything has no defaults line for those keys.
+  EXPECT_EQ(defaulted(load("llama-3.1-8b.json"), "rope_theta"), "");
+}
+
+// ---------------------------------------------------------------------------------------------
+// New families and per-layer descriptions (issue 12 item 3).
+
+TEST(ModelConfigLayers, DeepseekV3) {
+  const ModelConfig c = load("deepseek-v3.json");
+  EXPECT_EQ(c.model_type, "deepseek_v3");
+  EXPECT_EQ(c.head_dim, 192);  // qk_nope_head_dim 128 + qk_rope_head_dim 64
+  EXPECT_EQ(c.rope_offset, 128);
+  EXPECT_EQ(c.v_head_dim, 128);
+  EXPECT_EQ(c.rope.head_dim, 64);
+  EXPECT_EQ(c.rope.rotary_dim, 64);
+  EXPECT_EQ(c.rope.style, RopeStyle::kInterleaved);
+  EXPECT_TRUE(c.rope_deinterleave);
+  EXPECT_EQ(c.rope.scaling.type, RopeScalingType::kYarn);
+  EXPECT_EQ(c.rope.scaling.factor, 40.0);
+  EXPECT_EQ(c.rope.scaling.mscale, 1.0);
+  EXPECT_EQ(c.rope.scaling.mscale_all_dim, 1.0);
+  ASSERT_EQ(c.layers.size(), 61u);
+  EXPECT_FALSE(c.layers_differ());
+  // mscale / mscale_all_dim = 1 on cos / sin; the softmax scale carries mscale(40, 1)^2.
+  EXPECT_DOUBLE_EQ(model_rope_frequencies(c).attention_factor, 1.0);
+  const double m = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_NEAR(c.layers[0].softmax_scale, m * m / std::sqrt(192.0), 1e-15);
+  // rope_interleave: false gives the half style without the permutation.
+  const ModelConfig h =
+      parse_model_config(R"({"model_type": "deepseek_v3", "rope_interleave": false})", "x");
+  EXPECT_EQ(h.rope.style, RopeStyle::kHalf);
+  EXPECT_FALSE(h.rope_deinterleave);
+  EXPECT_NEAR(h.layers[0].softmax_scale, 1.0 / std::sqrt(192.0), 1e-15);  // no scaling
+  // The class's head_dim is qk_rope_head_dim: another value contradicts it.
+  expect_error(R"({"model_type": "deepseek_v3", "head_dim": 128})",
+               {"head_dim (128) contradicts qk_rope_head_dim (64)"});
+}
+
+TEST(ModelConfigLayers, DeepseekV2Lite) {
+  const ModelConfig c = load("deepseek-v2-lite.json");
+  EXPECT_EQ(c.rope.style, RopeStyle::kInterleaved);
+  EXPECT_FALSE(c.rope_deinterleave);  // complex multiplication: pairs stay in place
+  EXPECT_EQ(c.heads_q, 16);
+  EXPECT_DOUBLE_EQ(model_rope_frequencies(c, c.effective_context()).attention_factor, 1.0);
+  const double m = 0.1 * 0.707 * std::log(40.0) + 1.0;
+  EXPECT_NEAR(c.layers[0].softmax_scale, m * m / std::sqrt(192.0), 1e-15);
+}
+
+TEST(ModelConfigLayers, Llama4Scout) {
+  const ModelConfig c = load("llama-4-scout-17b-16e-instruct.json");
+  EXPECT_EQ(c.model_type, "llama4");
+  EXPECT_EQ(c.heads_q, 40);
+  EXPECT_EQ(c.heads_kv, 8);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.rope.style, RopeStyle::kInterleaved);
+  EXPECT_EQ(c.rope.scaling.type, RopeScalingType::kLlama3);
+  EXPECT_EQ(c.rope.scaling.low_freq_factor, c.rope.scaling.high_freq_factor);
+  ASSERT_EQ(c.layers.size(), 48u);
+  EXPECT_TRUE(c.layers_differ());
+  for (const ModelLayer& l : c.layers) {
+    const bool nope = l.index % 4 == 3;
+    EXPECT_EQ(l.rope, !nope) << l.index;
+    EXPECT_EQ(l.attention, nope ? "full_attention" : "chunked_attention") << l.index;
+    EXPECT_EQ(l.attention_chunk.has_value(), !nope) << l.index;
+    EXPECT_EQ(l.temperature.has_value(), nope) << l.index;
+  }
+  EXPECT_EQ(*c.layers[0].attention_chunk, 8192);
+  EXPECT_THROW((void)layer_rope_frequencies(c, 3), ValueError);
+  // Equal low / high factors: every frequency is either unscaled or divided by the factor.
+  const RopeFrequencies f = layer_rope_frequencies(c, 0);
+  for (std::size_t i = 0; i < f.inv_freq.size(); ++i) {
+    const double base = std::pow(5e5, -2.0 * static_cast<double>(i) / 128.0);
+    EXPECT_TRUE(f.inv_freq[i] == base || std::fabs(f.inv_freq[i] - base / 16.0) < 1e-18 * base)
+        << i;
+  }
+  // Temperature: log(floor((p + 1) / 8192) + 1) * 0.1 + 1.
+  const AttentionTemperature& t = *c.layers[3].temperature;
+  EXPECT_DOUBLE_EQ(attention_temperature(t, 0), 1.0);
+  EXPECT_DOUBLE_EQ(attention_temperature(t, 8190), 1.0);
+  EXPECT_NEAR(attention_temperature(t, 8191), 0.1 * std::log(2.0) + 1.0, 1e-6);
+  EXPECT_NEAR(attention_temperature(t, 3 * 8192 - 1), 0.1 * std::log(4.0) + 1.0, 1e-6);
+  // The default pattern (no_rope_layers empty): every 4th layer NoPE; bad lists are errors.
+  const ModelConfig d = parse_model_config(
+      R"({"model_type": "llama4_text", "num_hidden_layers": 8, "no_rope_layers": []})", "x");
+  EXPECT_FALSE(d.layers[3].rope);
+  EXPECT_FALSE(d.layers[7].rope);
+  EXPECT_TRUE(d.layers[4].rope);
+  expect_error(R"({"model_type": "llama4_text", "num_hidden_layers": 4,
+                   "no_rope_layers": [1, 1, 2, 0]})",
+               {"no_rope_layers[2] must be 0 or 1"});
+  expect_error(R"({"model_type": "llama4_text", "num_hidden_layers": 4, "no_rope_layers": [1]})",
+               {"no_rope_layers must be a list of 0 / 1"});
+  // No chunking when the config says null.
+  const ModelConfig nc = parse_model_config(
+      R"({"model_type": "llama4_text", "num_hidden_layers": 4, "attention_chunk_size": null})",
+      "x");
+  EXPECT_EQ(nc.layers[0].attention, "full_attention");
+  EXPECT_FALSE(nc.layers[0].attention_chunk.has_value());
+  expect_error(R"({"model_type": "llama4", "text_config": {"model_type": "llama"}})",
+               {"text_config.model_type 'llama' does not belong to model_type 'llama4'"});
+}
+
+TEST(ModelConfigLayers, GptOss) {
+  const ModelConfig c = load("gpt-oss-20b.json");
+  EXPECT_EQ(c.head_dim, 64);
+  EXPECT_EQ(c.rope.style, RopeStyle::kHalf);
+  EXPECT_EQ(c.rope.scaling.type, RopeScalingType::kYarn);
+  EXPECT_FALSE(c.rope.scaling.truncate);
+  ASSERT_EQ(c.layers.size(), 24u);
+  for (const ModelLayer& l : c.layers) {
+    EXPECT_TRUE(l.attention_sinks);
+    EXPECT_EQ(l.attention, l.index % 2 == 0 ? "sliding_attention" : "full_attention");
+    EXPECT_EQ(l.sliding_window.has_value(), l.index % 2 == 0);
+    EXPECT_DOUBLE_EQ(l.softmax_scale, 0.125);
+  }
+  EXPECT_EQ(*c.layers[0].sliding_window, 128);
+  // Without layer_types the class alternates the same way, sliding first.
+  const ModelConfig d =
+      parse_model_config(R"({"model_type": "gpt_oss", "num_hidden_layers": 4})", "x");
+  EXPECT_EQ(d.layers[0].attention, "sliding_attention");
+  EXPECT_EQ(d.layers[1].attention, "full_attention");
+  EXPECT_EQ(d.rope.base, 150000.0);
+  EXPECT_EQ(defaulted(d, "rope_theta"), "150000");
+  expect_error(R"({"model_type": "gpt_oss", "num_hidden_layers": 2,
+                   "layer_types": ["sliding_attention"]})",
+               {"layer_types has 1 entries; num_hidden_layers is 2"});
+  expect_error(R"({"model_type": "gpt_oss", "num_hidden_layers": 1,
+                   "layer_types": ["local_attention"]})",
+               {"layer_types[0]: unknown layer type 'local_attention'"});
+}
+
+TEST(ModelConfigLayers, Gemma3LocalAndGlobal) {
+  const ModelConfig c = load("gemma-3-4b-it.json");
+  ASSERT_EQ(c.layers.size(), 34u);
+  EXPECT_TRUE(c.layers_differ());
+  for (const ModelLayer& l : c.layers) {
+    const bool global = (l.index + 1) % 6 == 0;
+    EXPECT_EQ(l.attention, global ? "full_attention" : "sliding_attention") << l.index;
+    EXPECT_EQ(l.rope_config.base, global ? 1e6 : 1e4) << l.index;
+    EXPECT_EQ(l.rope_config.scaling.type,
+              global ? RopeScalingType::kLinear : RopeScalingType::kDefault)
+        << l.index;
+    EXPECT_EQ(l.sliding_window.has_value(), !global);
+    EXPECT_DOUBLE_EQ(l.softmax_scale, 1.0 / 16.0);  // query_pre_attn_scalar 256
+  }
+  // Layer 5 (global): theta 1e6 and linear 8; layer 0 (local): theta 1e4, unscaled.
+  const RopeFrequencies g = layer_rope_frequencies(c, 5);
+  const RopeFrequencies l = layer_rope_frequencies(c, 0);
+  EXPECT_DOUBLE_EQ(g.inv_freq[1], std::pow(1e6, -2.0 / 256.0) / 8.0);
+  EXPECT_DOUBLE_EQ(l.inv_freq[1], std::pow(1e4, -2.0 / 256.0));
+  EXPECT_THROW((void)model_layer(c, 34), ValueError);
+  EXPECT_THROW((void)model_layer(c, -1), ValueError);
+  const ModelConfig t = load("gemma-3-1b-it.json");
+  EXPECT_EQ(t.model_type, "gemma3_text");
+  EXPECT_EQ(*t.layers[0].sliding_window, 512);
+  EXPECT_EQ(t.layers[5].attention, "full_attention");
+  // Gemma 2 alternates, sliding first.
+  const ModelConfig g2 =
+      parse_model_config(R"({"model_type": "gemma2", "num_hidden_layers": 4})", "x");
+  EXPECT_EQ(g2.layers[0].attention, "sliding_attention");
+  EXPECT_EQ(g2.layers[1].attention, "full_attention");
+  EXPECT_EQ(*g2.layers[0].sliding_window, 4096);
+}
+
+TEST(ModelConfigLayers, UniformModelsAndQwenWindows) {
+  const ModelConfig l = load("llama-3.1-8b.json");
+  EXPECT_EQ(l.layers.size(), 32u);
+  EXPECT_FALSE(l.layers_differ());
+  EXPECT_DOUBLE_EQ(l.layers[0].softmax_scale, 1.0 / std::sqrt(128.0));
+  EXPECT_TRUE(contains(describe(l), "layers: 32, all full_attention"));
+  // Qwen2 slides only from max_window_layers on, and only with use_sliding_window.
+  const ModelConfig q = parse_model_config(
+      R"({"model_type": "qwen2", "num_hidden_layers": 4, "use_sliding_window": true,
+          "sliding_window": 64, "max_window_layers": 2})",
+      "x");
+  EXPECT_EQ(q.layers[1].attention, "full_attention");
+  EXPECT_EQ(q.layers[2].attention, "sliding_attention");
+  EXPECT_EQ(*q.layers[2].sliding_window, 64);
+  EXPECT_TRUE(contains(describe(q), "pattern AABB"));
 }
 
 }  // namespace

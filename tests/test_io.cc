@@ -18,11 +18,14 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "posenc/error.h"
 #include "posenc/io.h"
+#include "posenc/size.h"
 
 namespace posenc {
 namespace {
@@ -788,6 +791,36 @@ TEST(SafetensorsTest, AcceptsForeignLayouts) {
   EXPECT_TRUE(g.tensors.at("e").bytes.empty());
 }
 
+TEST(SafetensorsTest, RejectsDuplicateKeys) {
+  // nlohmann keeps the last of duplicate keys; a repeated tensor name must be an error instead.
+  const Bytes data = bytes_of(std::vector<float>{1, 2});
+  EXPECT_IO_ERROR(parse_st_bytes(make_st(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                                         R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                                         data)),
+                  "p.safetensors: malformed header: duplicate tensor name 'a'");
+  // Inside a tensor's object and inside the metadata too.
+  EXPECT_IO_ERROR(
+      parse_st_bytes(
+          make_st(R"({"a":{"dtype":"F32","dtype":"I32","shape":[1],"data_offsets":[0,4]}})", data)),
+      "duplicate key 'dtype'");
+  EXPECT_IO_ERROR(parse_st_bytes(make_st(R"({"__metadata__":{"k":"1","k":"2"}})", {})),
+                  "duplicate key 'k'");
+  // The same key in different objects is fine.
+  const SafetensorsFile f =
+      parse_st_bytes(make_st(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                             R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                             data));
+  EXPECT_EQ(f.tensors.size(), 2u);
+}
+
+TEST(SafetensorsTest, DataSectionIsBoundedByTheHeader) {
+  const std::string header = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  // Up to kSafetensorsSlack unused bytes are accepted; one more is an error.
+  EXPECT_NO_THROW(parse_st_bytes(make_st(header, Bytes(4 + kSafetensorsSlack))));
+  EXPECT_IO_ERROR(parse_st_bytes(make_st(header, Bytes(5 + kSafetensorsSlack))),
+                  "the data section has 65541 bytes, but the tensors declare only 4");
+}
+
 TEST(SafetensorsTest, RejectsTruncationAtEveryCut) {
   SafetensorsFile f;
   f.tensors["a"] = Tensor::from_f32({2, 3}, {1, 2, 3, 4, 5, 6});
@@ -977,14 +1010,33 @@ TEST(FileTest, ReadFile) {
   EXPECT_EQ(read_file(path, 3000), content);
   EXPECT_IO_ERROR(read_file(path, 2999), path + ": file is larger than the limit of 2999 bytes");
   EXPECT_IO_ERROR(read_file(dir.file("none")), dir.file("none") + ": cannot open");
-  EXPECT_IO_ERROR(read_file(dir.path().string()), dir.path().string() + ": cannot read");
+  EXPECT_IO_ERROR(read_file(dir.path().string()), dir.path().string() + ": is a directory");
   // Empty file.
   write_file_atomic(dir.file("empty"), nullptr, 0);
   EXPECT_TRUE(read_file(dir.file("empty")).empty());
-  // Non-regular files are read to the end.
-  if (fs::exists("/dev/null")) {
-    EXPECT_TRUE(read_file("/dev/null").empty());
+  // Inputs must be regular files: devices and FIFOs are refused by name, without reading (a
+  // FIFO without a writer would otherwise block, /dev/zero never end).
+  if (fs::exists("/dev/zero")) {
+    EXPECT_IO_ERROR(read_file("/dev/zero"), "/dev/zero: is a character device, not a regular file");
+    EXPECT_IO_ERROR(MappedFile::map("/dev/zero"), "/dev/zero: is a character device");
   }
+  ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0600), 0);
+  EXPECT_IO_ERROR(read_file(dir.file("fifo")), dir.file("fifo") + ": is a FIFO");
+  EXPECT_IO_ERROR(read_npy(dir.file("fifo")), dir.file("fifo") + ": is a FIFO");
+  EXPECT_IO_ERROR(read_safetensors(dir.file("fifo")), dir.file("fifo") + ": is a FIFO");
+}
+
+TEST(FileTest, MappedFileIsTheFile) {
+  TempDir dir;
+  const Bytes content = pattern(10000, 3);
+  write_file_atomic(dir.file("m.bin"), content.data(), content.size());
+  const std::shared_ptr<const MappedFile> m = MappedFile::map(dir.file("m.bin"));
+  ASSERT_EQ(m->size(), content.size());
+  EXPECT_TRUE(std::equal(content.begin(), content.end(), m->data()));
+  EXPECT_EQ(m->path(), dir.file("m.bin"));
+  EXPECT_IO_ERROR(MappedFile::map(dir.file("m.bin"), 9999), "larger than the limit of 9999");
+  write_file_atomic(dir.file("empty"), nullptr, 0);
+  EXPECT_EQ(MappedFile::map(dir.file("empty"))->size(), 0u);
 }
 
 TEST(FileTest, AtomicWriteIntoMissingDirectoryLeavesNothing) {
@@ -1011,11 +1063,11 @@ TEST(FileTest, AtomicWriteReplacesAndLeavesNoTempFiles) {
   EXPECT_EQ(slurp(path), second);
   EXPECT_EQ(dir.entries(), std::vector<std::string>{"out.safetensors"});
 
-  // A failing rename (the destination is a directory) removes the temporary file.
+  // A destination that is not a regular file (here a directory) is refused, and nothing is left.
   fs::create_directory(dir.path() / "adir");
   fs::create_directory(dir.path() / "adir" / "inner");
   EXPECT_IO_ERROR(write_file_atomic(dir.file("adir"), first.data(), first.size()),
-                  dir.file("adir") + ": cannot rename into place");
+                  dir.file("adir") + ": exists and is a directory");
   EXPECT_EQ(dir.entries(), (std::vector<std::string>{"adir", "out.safetensors"}));
 
   // Relative paths write into the current directory.
@@ -1061,7 +1113,7 @@ TEST(FileTest, FailedWriteRemovesTemporaryFile) {
     const Bytes big(100000, 1);
     const std::string msg =
         io_error_message([&] { write_file_atomic(path, big.data(), big.size()); });
-    ::_exit(msg.rfind(path + ": write error (File too large)", 0) == 0 ? 0 : 1);
+    ::_exit(msg.rfind(path + ": file too large: the process's file-size limit", 0) == 0 ? 0 : 1);
   }
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
@@ -1084,6 +1136,112 @@ TEST(FileTest, AtomicWriteIntoReadOnlyDirectory) {
                   "cannot create a temporary file");
   fs::permissions(ro, fs::perms::owner_all);
   EXPECT_EQ(slurp((ro / "f.bin").string()), old);  // untouched
+}
+
+// ---------------------------------------------------------------------------------------------
+// Zero-copy .npy reads and streamed writes
+
+TEST(NpyViewTest, MappedFloat32IsTheFilesBytes) {
+  TempDir dir;
+  const std::vector<float> v = {1.5f, -2.0f, 3.25f, 0.0f, 7.0f, 8.0f};
+  write_npy(dir.file("x.npy"), DType::kF32, {2, 3}, v.data());
+  const NpyView m = map_npy(dir.file("x.npy"));
+  EXPECT_EQ(m.dtype, DType::kF32);
+  EXPECT_EQ(m.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(m.numel(), 6);
+  ASSERT_NE(m.file, nullptr);
+  const float* p = m.as<float>();
+  ASSERT_NE(p, nullptr);
+  // No copy: the elements live inside the mapping, 64-byte aligned like np.save's.
+  EXPECT_EQ(reinterpret_cast<const unsigned char*>(p), m.file->data() + m.file->size() - 24);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 64, 0u);
+  EXPECT_EQ(std::vector<float>(p, p + 6), v);
+  EXPECT_EQ(m.as<double>(), nullptr);  // another dtype: no typed view
+  EXPECT_EQ(m.to_tensor().to_f32(), v);
+  EXPECT_EQ(read_npy(dir.file("x.npy")).to_f32(), v);
+}
+
+TEST(NpyViewTest, MisalignedDataHasNoTypedView) {
+  // A hand-made header of odd length puts the data at an odd offset: still readable by copy.
+  const std::string h = "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }";
+  const Bytes file = make_npy(h + std::string((h.size() % 2 == 0) ? 1 : 2, ' '),
+                              bytes_of(std::vector<float>{1, 2}));
+  const NpyView m = parse_npy_view(file.data(), file.size(), "odd.npy");
+  if ((reinterpret_cast<std::uintptr_t>(m.data) % alignof(float)) != 0) {
+    EXPECT_EQ(m.as<float>(), nullptr);
+  }
+  EXPECT_EQ(m.to_tensor().to_f32(), (std::vector<float>{1, 2}));
+}
+
+TEST(NpyViewTest, EmptyTensorsHaveNonNullViews) {
+  TempDir dir;
+  write_npy(dir.file("e.npy"), Tensor::from_f32({0, 4}, {}));
+  const NpyView m = map_npy(dir.file("e.npy"));
+  EXPECT_EQ(m.numel(), 0);
+  EXPECT_NE(m.as<float>(), nullptr);
+}
+
+TEST(NpyViewTest, StreamedWriteEqualsEncode) {
+  TempDir dir;
+  const Tensor t = Tensor::from_i64({3}, {1, -2, 3});
+  write_npy(dir.file("a.npy"), DType::kI64, t.shape, t.to_i64().data());
+  EXPECT_EQ(slurp(dir.file("a.npy")), encode_npy(t));
+  EXPECT_IO_ERROR(write_npy(dir.file("b.npy"), DType::kBF16, {1}, t.bytes.data()), "bfloat16");
+  EXPECT_TRUE(!fs::exists(dir.file("b.npy")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checked sizes (posenc/size.h)
+
+TEST(SizeTest, CheckedArithmetic) {
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(checked_mul(3, 4), 12);
+  EXPECT_EQ(checked_mul(int64_t{1} << 31, int64_t{1} << 31), int64_t{1} << 62);
+  EXPECT_EQ(checked_mul(int64_t{1} << 32, int64_t{1} << 31), std::nullopt);
+  EXPECT_EQ(checked_mul(-1, std::numeric_limits<int64_t>::min()), std::nullopt);
+  EXPECT_EQ(checked_add(max - 1, 1), max);
+  EXPECT_EQ(checked_add(max, 1), std::nullopt);
+}
+
+TEST(SizeTest, CheckedElementsNamesTheFactors) {
+  EXPECT_EQ(checked_elements("t", {{"a", 3}, {"b", 5}}, 4), 15);
+  EXPECT_EQ(checked_elements("t", {{"a", 0}, {"b", int64_t{1} << 62}}, 8), 0);  // empty
+  try {
+    checked_elements("sinusoidal: the table", {{"--length", int64_t{1} << 40}, {"--dim", 1 << 24}},
+                     4);
+    ADD_FAILURE() << "no SizeError";
+  } catch (const SizeError& e) {
+    EXPECT_STREQ(e.what(),
+                 "sinusoidal: the table: --length (1099511627776) x --dim (16777216) x 4 bytes "
+                 "overflows a 64-bit size");
+  }
+  try {
+    checked_elements("m", {{"n", -2}}, 1);
+    ADD_FAILURE() << "no SizeError";
+  } catch (const SizeError& e) {
+    EXPECT_NE(std::string(e.what()).find("n must be >= 0 (got -2)"), std::string::npos);
+  }
+}
+
+TEST(SizeTest, LimitComesFromTheEnvironment) {
+  const char* old = std::getenv("POSENC_MAX_BYTES");
+  const std::string saved = old ? old : "";
+  ::setenv("POSENC_MAX_BYTES", "2K", 1);
+  EXPECT_EQ(max_allocation_bytes(), 2048);
+  EXPECT_EQ(checked_elements("t", {{"n", 512}}, 4), 512);
+  try {
+    checked_elements("t", {{"n", 513}}, 4);
+    ADD_FAILURE() << "no SizeError";
+  } catch (const SizeError& e) {
+    EXPECT_STREQ(e.what(),
+                 "t: n (513) x 4 bytes = 2052 bytes (2 KiB), more than the limit of 2 KiB "
+                 "(POSENC_MAX_BYTES)");
+  }
+  ::setenv("POSENC_MAX_BYTES", "12x", 1);
+  EXPECT_THROW(max_allocation_bytes(), ValueError);
+  ::unsetenv("POSENC_MAX_BYTES");
+  EXPECT_GT(max_allocation_bytes(), int64_t{1} << 20);  // physical memory
+  if (old) ::setenv("POSENC_MAX_BYTES", saved.c_str(), 1);
 }
 
 }  // namespace

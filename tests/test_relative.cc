@@ -169,10 +169,14 @@ TEST(Deberta, PlainSpanClipsRho) {
   EXPECT_EQ(deberta_c2p_index(10, 7, b), 7);
   EXPECT_EQ(deberta_c2p_index(10, 2, b), 7);  // rho = 8 clamps to 2K - 1
   EXPECT_EQ(deberta_c2p_index(2, 10, b), 0);  // rho = -8 clamps to 0
-  EXPECT_EQ(deberta_p2c_index(10, 7, b), 1);  // default, SPEC §8: -rho + K
-  DebertaBuckets model = b;
-  model.p2c = DebertaP2c::kModel;
-  EXPECT_EQ(deberta_p2c_index(10, 7, model), 7);  // trained checkpoints: same as c2p
+  // Default (SPEC §8 as amended): the checkpoints' index, rho + K, the same row as c2p.
+  EXPECT_EQ(b.p2c, DebertaP2c::kModel);
+  EXPECT_EQ(deberta_p2c_index(10, 7, b), 7);
+  EXPECT_EQ(deberta_p2c_index(2, 10, b), 0);
+  DebertaBuckets paper = b;
+  paper.p2c = DebertaP2c::kPaper;
+  EXPECT_EQ(deberta_p2c_index(10, 7, paper), 1);  // the paper's delta(j, i): -rho + K
+  EXPECT_EQ(deberta_p2c_index(2, 10, paper), 7);
 }
 
 // SPEC §8: "they differ first at |rho| = 1643 for 512 buckets / 4096 positions (427 vs 428)".

@@ -2,6 +2,7 @@
 // mode vs accurate angles at long positions, re-rotation of cached keys, M-RoPE.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <complex>
 #include <numbers>
@@ -277,6 +278,169 @@ TEST(MRope, Validation) {
   EXPECT_THROW(apply_mrope(freqs, RopeStyle::kHalf, MRope{},
                            View<const float, 4>::contiguous(x.data(), {1, 1, 1, 128}),
                            View<float, 4>::contiguous(y.data(), {1, 1, 1, 128}), {p, short_ids, p}),
+               ShapeError);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The float32 recipe (issue 12 item 4): rope_frequencies(..., kFloat32) follows the reference's
+// float32 steps. The evaluations below are written independently from the spelled-out formulas
+// of Hugging Face's rope init functions, one float32 operation per tensor operation.
+
+float f32pow(float b, float e) { return std::pow(b, e); }
+std::vector<float> f32_base(float theta, int r) {
+  std::vector<float> v;
+  for (int i = 0; i < r; i += 2) v.push_back(1.0f / f32pow(theta, static_cast<float>(i) / r));
+  return v;
+}
+
+TEST(RopeFloat32Recipe, Llama3BlendStepByStep) {
+  RopeConfig cfg{.head_dim = 128, .base = 5e5};
+  cfg.scaling = {
+      .type = RopeScalingType::kLlama3, .factor = 8, .original_max_position_embeddings = 8192};
+  const RopeFrequencies f = rope_frequencies(cfg, 0, RopeAngles::kFloat32);
+  const std::vector<float> inv = f32_base(5e5f, 128);
+  int blended = 0;
+  for (std::size_t i = 0; i < inv.size(); ++i) {
+    // wavelen = 2 pi / inv is inv.reciprocal() * float(2 pi) in PyTorch.
+    const float wl = (1.0f / inv[i]) * static_cast<float>(2 * std::numbers::pi);
+    float want = wl > 8192.0f ? inv[i] / 8.0f : inv[i];
+    if (!(wl < 2048.0f) && !(wl > 8192.0f)) {
+      const float sm = ((1.0f / wl) * 8192.0f - 1.0f) / 3.0f;
+      want = (1.0f - sm) * want / 8.0f + sm * want;
+      ++blended;
+    }
+    EXPECT_EQ(static_cast<float>(f.inv_freq[i]), want) << i;
+    // Double-valued storage holds exactly the float32 value.
+    EXPECT_EQ(f.inv_freq[i], static_cast<double>(static_cast<float>(f.inv_freq[i])));
+  }
+  EXPECT_GT(blended, 0);
+}
+
+TEST(RopeFloat32Recipe, YarnRampStepByStep) {
+  for (const bool truncate : {true, false}) {
+    RopeConfig cfg{.head_dim = 64, .base = 150000};
+    cfg.scaling = {.type = RopeScalingType::kYarn,
+                   .factor = 32,
+                   .original_max_position_embeddings = 4096,
+                   .truncate = truncate};
+    const RopeFrequencies f = rope_frequencies(cfg, 0, RopeAngles::kFloat32);
+    // Correction range in double, as the reference computes it in Python.
+    auto corr = [](double n) {
+      return 64.0 * std::log(4096.0 / (n * 2 * std::numbers::pi)) / (2 * std::log(150000.0));
+    };
+    double lo = corr(32), hi = corr(1);
+    if (truncate) lo = std::floor(lo), hi = std::ceil(hi);
+    lo = std::max(lo, 0.0), hi = std::min(hi, 63.0);
+    for (int i = 0; i < 32; ++i) {
+      const float pos = f32pow(150000.0f, static_cast<float>(2 * i) / 64);
+      const float ramp =
+          std::clamp((static_cast<float>(i) - static_cast<float>(lo)) / static_cast<float>(hi - lo),
+                     0.0f, 1.0f);
+      const float ef = 1.0f - ramp;
+      const float want = (1.0f / (32.0f * pos)) * (1.0f - ef) + (1.0f / pos) * ef;
+      EXPECT_EQ(static_cast<float>(f.inv_freq[i]), want) << i << " truncate " << truncate;
+    }
+    // Accurate and float32 tables stay within a few float32 ulps of each other.
+    const RopeFrequencies a = rope_frequencies(cfg, 0);
+    for (int i = 0; i < 32; ++i) EXPECT_NEAR(f.inv_freq[i], a.inv_freq[i], 4e-7 * a.inv_freq[i]);
+  }
+}
+
+TEST(RopeFloat32Recipe, LongRopeAndDynamicStepByStep) {
+  RopeConfig lr{.head_dim = 16, .base = 1e4};
+  lr.scaling = {.type = RopeScalingType::kLongRope,
+                .original_max_position_embeddings = 4096,
+                .max_position_embeddings = 131072,
+                .short_factor = {1, 1.1, 1.3, 1.7, 2.3, 3.1, 4.9, 7.7},
+                .long_factor = {1.01, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5}};
+  for (const int64_t len : {int64_t{0}, int64_t{5000}}) {
+    const RopeFrequencies f = rope_frequencies(lr, len, RopeAngles::kFloat32);
+    const auto& ext = len > 4096 ? lr.scaling.long_factor : lr.scaling.short_factor;
+    for (int i = 0; i < 8; ++i) {
+      const float want =
+          1.0f / (static_cast<float>(ext[i]) * f32pow(1e4f, static_cast<float>(2 * i) / 16));
+      EXPECT_EQ(static_cast<float>(f.inv_freq[i]), want) << i;
+    }
+  }
+  // Dynamic NTK: the grown base is a float32 value (the update passes seq_len as a tensor).
+  RopeConfig dy{.head_dim = 128, .base = 1e4};
+  dy.scaling = {
+      .type = RopeScalingType::kDynamic, .factor = 2, .original_max_position_embeddings = 4096};
+  const RopeFrequencies f = rope_frequencies(dy, 8195, RopeAngles::kFloat32);
+  const float t = 2.0f * 8195.0f / 4096.0f - 1.0f;
+  const float grown = 1e4f * static_cast<float>(std::pow(static_cast<double>(t), 128.0 / 126.0));
+  const std::vector<float> want = f32_base(grown, 128);
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(static_cast<float>(f.inv_freq[i]), want[i]) << i;
+  // Below the original length: the unscaled table.
+  const RopeFrequencies s = rope_frequencies(dy, 100, RopeAngles::kFloat32);
+  const std::vector<float> base = f32_base(1e4f, 128);
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(static_cast<float>(s.inv_freq[i]), base[i]) << i;
+}
+
+// Phi-3-vision's published LongRoPE lists, float32 recipe. Measured once against PyTorch 1.13
+// (CPU) running Hugging Face's longrope init on this config: 47 of the 48 entries are
+// bit-identical, the other differs by 1 ulp where PyTorch's vectorised pow differs from powf;
+// the former posenc recipe (double math, one rounding) was off by up to 3 ulp on 37 entries.
+TEST(RopeFloat32Recipe, Phi3VisionLongRopeStepByStep) {
+  const ModelConfig c =
+      read_model_config(std::string(POSENC_TEST_CONFIGS_DIR) + "/phi-3-vision-128k.json");
+  const RopeFrequencies f = model_rope_frequencies(c, 0, RopeAngles::kFloat32);
+  const RopeFrequencies a = model_rope_frequencies(c, 0);
+  ASSERT_EQ(f.inv_freq.size(), 48u);
+  for (std::size_t i = 0; i < 48; ++i) {
+    const float want = 1.0f / (static_cast<float>(c.rope.scaling.short_factor[i]) *
+                               f32pow(1e4f, static_cast<float>(2 * i) / 96.0f));
+    EXPECT_EQ(static_cast<float>(f.inv_freq[i]), want) << i;
+    EXPECT_NEAR(f.inv_freq[i], a.inv_freq[i], 5e-7 * a.inv_freq[i]) << i;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeepSeek's layout (issue 12 item 3): rotary part at the head's end, pairs de-interleaved.
+
+TEST(ModelRope, DeepseekV3LayoutAndInverse) {
+  const ModelConfig c =
+      read_model_config(std::string(POSENC_TEST_CONFIGS_DIR) + "/deepseek-v3.json");
+  const RopeFrequencies f = model_rope_frequencies(c, 4096);
+  std::mt19937_64 rng(5);
+  const std::array<int64_t, 4> shape = {1, 3, 2, 192};
+  const std::vector<float> x = randn_f(rng, 1 * 3 * 2 * 192);
+  std::vector<float> y(x.size()), back(x.size());
+  const Positions pos = Positions::offset(1000);
+  apply_model_rope(c, f, View<const float, 4>::contiguous(x.data(), shape),
+                   View<float, 4>::contiguous(y.data(), shape), &pos);
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t h = 0; h < 2; ++h) {
+      const float* xr = x.data() + (i * 2 + h) * 192;
+      const float* yr = y.data() + (i * 2 + h) * 192;
+      for (int c0 = 0; c0 < 128; ++c0) EXPECT_EQ(yr[c0], xr[c0]);  // the nope part
+      for (int k = 0; k < 32; ++k) {
+        // Pair (2k, 2k + 1) of the rope part rotates by inv_freq[k] into (k, k + 32).
+        const double a = static_cast<double>(1000 + i) * f.inv_freq[k];
+        const double x0 = xr[128 + 2 * k], x1 = xr[128 + 2 * k + 1];
+        EXPECT_NEAR(yr[128 + k], x0 * std::cos(a) - x1 * std::sin(a), 1e-5);
+        EXPECT_NEAR(yr[128 + 32 + k], x1 * std::cos(a) + x0 * std::sin(a), 1e-5);
+      }
+    }
+  }
+  apply_model_rope(c, f, View<const float, 4>::contiguous(y.data(), shape),
+                   View<float, 4>::contiguous(back.data(), shape), &pos, Direction::kInverse);
+  for (std::size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(back[i], x[i], 1e-5) << i;
+  // The rotary part alone gives the same numbers as the tail of the full head.
+  const std::array<int64_t, 4> rshape = {1, 3, 2, 64};
+  std::vector<float> xr(1 * 3 * 2 * 64), yr(xr.size());
+  for (int64_t t = 0; t < 6; ++t) {
+    std::copy_n(x.data() + t * 192 + 128, 64, xr.data() + t * 64);
+  }
+  apply_model_rope(c, f, View<const float, 4>::contiguous(xr.data(), rshape),
+                   View<float, 4>::contiguous(yr.data(), rshape), &pos);
+  for (int64_t t = 0; t < 6; ++t) {
+    for (int k = 0; k < 64; ++k) EXPECT_EQ(yr[t * 64 + k], y[t * 192 + 128 + k]);
+  }
+  // Any other head dim is a ShapeError.
+  std::vector<float> bad(1 * 3 * 2 * 100);
+  EXPECT_THROW(apply_model_rope(c, f, View<const float, 4>::contiguous(bad.data(), {1, 3, 2, 100}),
+                                View<float, 4>::contiguous(bad.data(), {1, 3, 2, 100}), &pos),
                ShapeError);
 }
 

@@ -149,8 +149,21 @@ void attention_backward_naive(View<const float, 4> q, View<const float, 4> k,
                               const Positions* key_positions = nullptr);
 
 namespace ref {
+// Float64 parameter tables for the oracle, by their SPEC §9 names. A view with data replaces the
+// scheme's float32 table of the same name (which may then be empty, data == nullptr): the oracle
+// computes with float64 parameters end to end, and ref::attention_backward's table gradients are
+// with respect to these tables. Same shapes and rules as the scheme's views (any strides); a table
+// the scheme does not have is a ValueError.
+struct SchemeTables {
+  View<const double, 2> relative_attention_bias;  // T5 [num_buckets, heads_q]
+  View<const double, 3> rel_k, rel_v;             // Shaw [2K+1, 1 or heads_q, head_dim]
+  View<const double, 2> r_w_bias, r_r_bias;       // Transformer-XL u, v [heads_q, head_dim]
+  View<const double, 2> r_net;                    // Transformer-XL [heads_q * head_dim, d_model]
+  View<const double, 3> pos_key, pos_query;       // DeBERTa [2K, heads_q, head_dim]
+};
+
 // The float64 oracle: materialized scores, straight from SPEC. Same contract and validation;
-// scheme tables are float32 (exactly promoted).
+// scheme tables are float32 (exactly promoted) unless float64 `tables` replace them.
 void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
                const PositionScheme& scheme, const AttentionOptions& options, View<double, 4> out,
                const Positions* query_positions = nullptr,
@@ -177,6 +190,30 @@ void attention_backward(View<const double, 4> q, View<const double, 4> k, View<c
 std::vector<double> attention_scores(View<const double, 4> q, View<const double, 4> k,
                                      const PositionScheme& scheme, const AttentionOptions& options,
                                      int64_t batch_index, int64_t head,
+                                     const Positions* query_positions = nullptr,
+                                     const Positions* key_positions = nullptr);
+
+// The same four functions with float64 parameter tables (SchemeTables) replacing the scheme's.
+void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options,
+               const SchemeTables& tables, View<double, 4> out,
+               const Positions* query_positions = nullptr,
+               const Positions* key_positions = nullptr);
+void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options,
+               const SchemeTables& tables, View<double, 4> out, View<double, 3> lse,
+               const Positions* query_positions = nullptr,
+               const Positions* key_positions = nullptr);
+void attention_backward(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
+                        View<const double, 4> out, View<const double, 3> lse,
+                        View<const double, 4> dout, const PositionScheme& scheme,
+                        const AttentionOptions& options, const SchemeTables& tables,
+                        const AttentionGradsOf<double>& grads,
+                        const Positions* query_positions = nullptr,
+                        const Positions* key_positions = nullptr);
+std::vector<double> attention_scores(View<const double, 4> q, View<const double, 4> k,
+                                     const PositionScheme& scheme, const AttentionOptions& options,
+                                     const SchemeTables& tables, int64_t batch_index, int64_t head,
                                      const Positions* query_positions = nullptr,
                                      const Positions* key_positions = nullptr);
 }  // namespace ref

@@ -5,11 +5,12 @@
 //                                                             : max_relative_positions
 //   s_ij = (q_i.k_j + q_i.pos_key[c2p_ij, h] + k_j.pos_query[p2c_ij, h]) / sqrt(3 D)
 //
-// The p2c index. SPEC §8 and the paper write the position-to-content term with delta(j, i),
-// p2c = clamp(-rho + K): the default (DebertaP2c::kSpec). The released model code (original and
-// HF) gathers k.pos_query with clamp(-rho + K) along the *key* axis and then transposes, so the
-// index trained models see is clamp(rho + K), the same as c2p: DebertaP2c::kModel, which is what
-// checkpoints need (CLI: --deberta-p2c model).
+// The p2c index (SPEC §8, amended). The released model code (the authors' and Hugging Face's
+// DebertaV2 attention) gathers k.pos_query with clamp(-rho + K) along the *key* axis and then
+// transposes, so the index every trained checkpoint saw is clamp(rho + K, 0, 2K-1), the same as
+// c2p: DebertaP2c::kModel, the default (CLI: --deberta-p2c model). The paper writes the term with
+// delta(j, i), p2c = clamp(-rho + K, 0, 2K-1): DebertaP2c::kPaper (--deberta-p2c paper), for
+// comparison with the paper only; no released checkpoint computes it.
 #pragma once
 
 #include <cstdint>
@@ -18,14 +19,18 @@
 
 namespace posenc {
 
-enum class DebertaP2c { kSpec, kModel };
+enum class DebertaP2c {
+  kModel,          // clamp(rho + K): the released code and every trained checkpoint (default)
+  kPaper,          // clamp(-rho + K): the paper's delta(j, i)
+  kSpec = kPaper,  // deprecated spelling of kPaper, kept for source compatibility
+};
 
 struct DebertaBuckets {
   int64_t max_relative_positions = 512;  // `max_relative_positions` (>= 1)
   int64_t position_buckets = 0;          // `position_buckets`; 0 = no log bucketing
   bool float64_log = false;  // evaluate the log bucketing in double (the authors' code) instead
                              // of float32 (HF); they first differ at |rho| = 1643 for 512/4096
-  DebertaP2c p2c = DebertaP2c::kSpec;
+  DebertaP2c p2c = DebertaP2c::kModel;
   // K, the attention span: the table has 2K rows.
   int64_t span() const { return position_buckets > 0 ? position_buckets : max_relative_positions; }
 };

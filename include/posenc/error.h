@@ -29,6 +29,13 @@ class ValueError : public Error {
   using Error::Error;
 };
 
+// A requested size overflows int64 or exceeds the allocation limit (posenc/size.h); the message
+// names the arguments and the bytes they would need.
+class SizeError : public ValueError {
+ public:
+  using ValueError::ValueError;
+};
+
 // A file could not be read or written, or is malformed (.npy, .safetensors, config.json).
 class IoError : public Error {
  public:

@@ -5,10 +5,18 @@
 // that names the file and the problem. Writers are atomic: the data goes to a temporary file in
 // the destination's folder which is renamed over the destination only once complete, so a failed
 // write never leaves a partial or stale file behind.
+//
+// Hostile input (docs/reliability.md): inputs must be regular files (FIFOs, devices, sockets and
+// directories are refused by name, without blocking) no larger than their header declares plus a
+// bounded slack; .npy files are memory-mapped read-only rather than copied. Outputs must be new
+// names or existing regular files (a symlink, FIFO or device is refused, never replaced); a
+// file-size limit (EFBIG) or a full disk fails the write with the temporary file removed.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,29 +58,99 @@ struct Tensor {
   static Tensor from_i64(std::vector<int64_t> shape, const std::vector<int64_t>& values);
 };
 
+// A whole regular file mapped read-only into memory (zero copy). The mapping lives as long as the
+// last shared_ptr to it. Thread-safe to read. If another process truncates the file while it is
+// mapped, reading the lost pages raises SIGBUS: posenc reads its inputs, it does not lock them.
+class MappedFile {
+ public:
+  // Throws IoError: missing or unreadable, not a regular file (named: "a FIFO", "a character
+  // device", ...), or larger than `max_bytes`.
+  static std::shared_ptr<const MappedFile> map(const std::string& path,
+                                               std::size_t max_bytes = std::size_t{1} << 40);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const unsigned char* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  MappedFile() = default;
+  const unsigned char* data_ = nullptr;
+  std::size_t size_ = 0;
+  void* map_ = nullptr;  // nullptr for an empty file
+  std::string path_;
+};
+
+// A .npy tensor whose element bytes stay where they are (in a mapped file or a caller's buffer).
+struct NpyView {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  const unsigned char* data = nullptr;  // dtype x shape bytes, little-endian, C order
+  std::size_t nbytes = 0;
+  std::shared_ptr<const MappedFile> file;  // keeps `data` alive (null when parsed from a buffer)
+
+  int64_t numel() const;
+  // The elements as T (float for kF32, double for kF64, int64_t for kI64, int32_t for kI32)
+  // without a copy, or nullptr when the dtype differs, the host is big-endian or `data` is not
+  // aligned for T (NumPy and posenc align the data to 64 bytes; a hand-made header may not).
+  template <class T>
+  const T* as() const;
+  // An owning copy.
+  Tensor to_tensor() const;
+  // Element conversions straight from the mapped bytes, as Tensor's (IoError naming `what`).
+  std::vector<float> to_f32(const std::string& what = "tensor") const;
+  std::vector<double> to_f64(const std::string& what = "tensor") const;
+  std::vector<int64_t> to_i64(const std::string& what = "tensor") const;
+};
+
 // .npy (format versions 1.0, 2.0 and 3.0; dtypes <f2 <f4 <f8 <i4 <i8 only, so no big-endian or
 // |-prefixed single-byte types; C order only). The writer emits version 1.0 like np.save (2.0
 // only for a header over 64 KiB) and throws IoError for bfloat16, which NumPy lacks.
+// map_npy maps the file and validates it (the file must hold exactly the declared data);
+// read_npy copies the elements out of that mapping into an owning Tensor.
+NpyView map_npy(const std::string& path);
 Tensor read_npy(const std::string& path);
+NpyView parse_npy_view(const unsigned char* data, std::size_t size, const std::string& what);
 Tensor parse_npy(const unsigned char* data, std::size_t size, const std::string& what);
 std::vector<unsigned char> encode_npy(const Tensor& t);
 void write_npy(const std::string& path, const Tensor& t);  // atomic
+// Writes `data` (dtype x shape bytes, host order) as a .npy without copying it (atomic).
+void write_npy(const std::string& path, DType dtype, const std::vector<int64_t>& shape,
+               const void* data);
 
 // .safetensors: 8-byte little-endian header length, JSON header, data. Tensors F16, BF16, F32,
-// F64, I32, I64. Offsets must lie inside the data, match dtype x shape and not overlap.
+// F64, I32, I64. Offsets must lie inside the data, match dtype x shape and not overlap; names
+// (and keys inside every object of the header) must be unique; the data section may exceed the
+// tensors' bytes by at most kSafetensorsSlack bytes (padding, gaps).
 struct SafetensorsFile {
   std::map<std::string, Tensor> tensors;
   std::map<std::string, std::string> metadata;  // "__metadata__"
 };
+inline constexpr std::size_t kSafetensorsSlack = std::size_t{1} << 16;
 SafetensorsFile read_safetensors(const std::string& path);
 SafetensorsFile parse_safetensors(const unsigned char* data, std::size_t size,
                                   const std::string& what);
 std::vector<unsigned char> encode_safetensors(const SafetensorsFile& f);
 void write_safetensors(const std::string& path, const SafetensorsFile& f);  // atomic
 
-// Whole-file helpers. read_file throws IoError (missing, unreadable, larger than max_bytes).
+// Whole-file helpers. read_file throws IoError (missing, unreadable, not a regular file, larger
+// than max_bytes).
 std::vector<unsigned char> read_file(const std::string& path,
                                      std::size_t max_bytes = std::size_t{1} << 36);
+// Atomic write of the concatenation of `parts` (or of one buffer). The temporary file is
+// ".<name>.tmpXXXXXX" beside `path`, with <name> shortened so the temporary name always fits the
+// folder's file-name limit. Throws IoError when `path` exists and is not a regular file, and on
+// any write error (EFBIG names the file-size limit), removing the temporary file.
+struct ByteSpan {
+  const void* data;
+  std::size_t size;
+};
+void write_file_atomic(const std::string& path, const std::vector<ByteSpan>& parts);
 void write_file_atomic(const std::string& path, const unsigned char* data, std::size_t size);
+// Throws IoError unless `path` is absent or a regular file (what write_file_atomic may replace);
+// lets a command refuse a bad --out before it computes anything.
+void check_output_path(const std::string& path);
 
 }  // namespace posenc

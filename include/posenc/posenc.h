@@ -10,6 +10,7 @@
 #include "posenc/io.h"
 #include "posenc/learned.h"
 #include "posenc/rope.h"
+#include "posenc/scheme.h"
 #include "posenc/shaw.h"
 #include "posenc/sinusoidal.h"
 #include "posenc/t5.h"

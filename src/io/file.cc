@@ -1,5 +1,6 @@
 // Whole-file reads, atomic writes, and the owning Tensor's element conversions (SPEC §9).
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include "io/io_util.h"
 #include "posenc/error.h"
 #include "posenc/io.h"
+#include "posenc/size.h"
 
 namespace posenc {
 
@@ -163,27 +165,38 @@ std::string Tensor::shape_str() const { return io_detail::dims_str(shape); }
 
 namespace {
 
-// Checks that `t.bytes` holds exactly dtype x shape and returns the element count.
-std::size_t checked_count(const Tensor& t, const std::string& what) {
+// Element bytes of some dtype and shape (a Tensor's or an NpyView's), not owned.
+struct Raw {
+  DType dtype;
+  const std::vector<int64_t>& shape;
+  const unsigned char* data;
+  std::size_t size;
+};
+
+// Checks that `r` holds exactly dtype x shape and returns the element count; the output buffer
+// of that many `out_bytes`-byte elements must fit the allocation limit.
+std::size_t checked_count(const Raw& r, const std::string& what, int64_t out_bytes) {
   int64_t n = 0;
   int64_t nbytes = 0;
-  if (!io_detail::checked_nbytes(t.shape, dtype_size(t.dtype), &n, &nbytes)) {
-    throw IoError(what + ": shape " + t.shape_str() + " has a negative or too large dimension");
+  if (!io_detail::checked_nbytes(r.shape, dtype_size(r.dtype), &n, &nbytes)) {
+    throw IoError(what + ": shape " + io_detail::dims_str(r.shape) +
+                  " has a negative or too large dimension");
   }
-  if (static_cast<uint64_t>(nbytes) != t.bytes.size()) {
-    throw IoError(what + ": " + std::to_string(t.bytes.size()) + " bytes do not match " +
-                  dtype_name(t.dtype) + " x shape " + t.shape_str() + " (" +
+  if (static_cast<uint64_t>(nbytes) != r.size) {
+    throw IoError(what + ": " + std::to_string(r.size) + " bytes do not match " +
+                  dtype_name(r.dtype) + " x shape " + io_detail::dims_str(r.shape) + " (" +
                   std::to_string(nbytes) + " bytes)");
   }
+  checked_elements(what + ": converting", {{"elements", n}}, out_bytes);
   return static_cast<std::size_t>(n);
 }
 
 template <class Out>
-std::vector<Out> float_values(const Tensor& t, const std::string& what) {
-  const std::size_t n = checked_count(t, what);
-  const unsigned char* p = t.bytes.data();
+std::vector<Out> float_values(const Raw& r, const std::string& what) {
+  const std::size_t n = checked_count(r, what, sizeof(Out));
+  const unsigned char* p = r.data;
   std::vector<Out> out(n);
-  switch (t.dtype) {
+  switch (r.dtype) {
     case DType::kF16:
       for (std::size_t i = 0; i < n; ++i) {
         out[i] = static_cast<Out>(half_to_float(load_le<uint16_t>(p + 2 * i)));
@@ -205,10 +218,33 @@ std::vector<Out> float_values(const Tensor& t, const std::string& what) {
       }
       break;
     default:
-      throw IoError(what + ": expected a floating-point tensor, got " + dtype_name(t.dtype));
+      throw IoError(what + ": expected a floating-point tensor, got " + dtype_name(r.dtype));
   }
   return out;
 }
+
+std::vector<int64_t> int_values(const Raw& r, const std::string& what) {
+  if (r.dtype != DType::kI32 && r.dtype != DType::kI64) {
+    throw IoError(what + ": expected an integer tensor (int32 or int64), got " +
+                  dtype_name(r.dtype));
+  }
+  const std::size_t n = checked_count(r, what, 8);
+  const unsigned char* p = r.data;
+  std::vector<int64_t> out(n);
+  if (r.dtype == DType::kI32) {
+    for (std::size_t i = 0; i < n; ++i) {
+      out[i] = std::bit_cast<int32_t>(load_le<uint32_t>(p + 4 * i));
+    }
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      out[i] = std::bit_cast<int64_t>(load_le<uint64_t>(p + 8 * i));
+    }
+  }
+  return out;
+}
+
+Raw raw(const Tensor& t) { return {t.dtype, t.shape, t.bytes.data(), t.bytes.size()}; }
+Raw raw(const NpyView& v) { return {v.dtype, v.shape, v.data, v.nbytes}; }
 
 template <class In, class U>
 Tensor from_values(DType dtype, std::vector<int64_t> shape, const std::vector<In>& values,
@@ -237,29 +273,27 @@ Tensor from_values(DType dtype, std::vector<int64_t> shape, const std::vector<In
 }  // namespace
 
 std::vector<float> Tensor::to_f32(const std::string& what) const {
-  return float_values<float>(*this, what);
+  return float_values<float>(raw(*this), what);
 }
 
 std::vector<double> Tensor::to_f64(const std::string& what) const {
-  return float_values<double>(*this, what);
+  return float_values<double>(raw(*this), what);
 }
 
 std::vector<int64_t> Tensor::to_i64(const std::string& what) const {
-  const std::size_t n = checked_count(*this, what);
-  const unsigned char* p = bytes.data();
-  std::vector<int64_t> out(n);
-  if (dtype == DType::kI32) {
-    for (std::size_t i = 0; i < n; ++i) {
-      out[i] = std::bit_cast<int32_t>(load_le<uint32_t>(p + 4 * i));
-    }
-  } else if (dtype == DType::kI64) {
-    for (std::size_t i = 0; i < n; ++i) {
-      out[i] = std::bit_cast<int64_t>(load_le<uint64_t>(p + 8 * i));
-    }
-  } else {
-    throw IoError(what + ": expected an integer tensor (int32 or int64), got " + dtype_name(dtype));
-  }
-  return out;
+  return int_values(raw(*this), what);
+}
+
+std::vector<float> NpyView::to_f32(const std::string& what) const {
+  return float_values<float>(raw(*this), what);
+}
+
+std::vector<double> NpyView::to_f64(const std::string& what) const {
+  return float_values<double>(raw(*this), what);
+}
+
+std::vector<int64_t> NpyView::to_i64(const std::string& what) const {
+  return int_values(raw(*this), what);
 }
 
 Tensor Tensor::from_f32(std::vector<int64_t> shape, const std::vector<float>& values) {
@@ -313,52 +347,127 @@ mode_t current_umask() {
   return 022;
 }
 
+// The kind of a non-regular file, for messages.
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+// Opens `path` for reading, refusing anything but a regular file no larger than `max_bytes`.
+// O_NONBLOCK: opening a FIFO without a writer must not hang before fstat can refuse it.
+int open_regular(const std::string& path, std::size_t max_bytes, std::size_t* size) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) throw IoError(path + ": cannot open (" + errno_text(errno) + ")");
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw IoError(path + ": cannot stat (" + errno_text(err) + ")");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw IoError(path + ": is " + file_kind(st.st_mode) +
+                  ", not a regular file; inputs must be regular files with a known size");
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    ::close(fd);
+    throw IoError(path + ": file is larger than the limit of " + std::to_string(max_bytes) +
+                  " bytes (it has " + std::to_string(st.st_size) + ")");
+  }
+  *size = static_cast<std::size_t>(st.st_size);
+  return fd;
+}
+
 }  // namespace
 
 std::vector<unsigned char> read_file(const std::string& path, std::size_t max_bytes) {
-  int fd_raw;
-  do {
-    fd_raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  } while (fd_raw < 0 && errno == EINTR);
-  if (fd_raw < 0) throw IoError(path + ": cannot open (" + errno_text(errno) + ")");
-  Fd fd(fd_raw);
-
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) {
-    throw IoError(path + ": cannot stat (" + errno_text(errno) + ")");
-  }
-  if (S_ISDIR(st.st_mode)) throw IoError(path + ": cannot read (Is a directory)");
-  const auto too_large = [&] {
-    return IoError(path + ": file is larger than the limit of " + std::to_string(max_bytes) +
-                   " bytes");
-  };
-  // Read until end of file rather than trusting st_size: the file may change underneath us, and
-  // pipes have no size. One spare byte detects growth without a second allocation.
-  constexpr std::size_t kChunk = std::size_t{1} << 20;
-  std::vector<unsigned char> data;
-  if (S_ISREG(st.st_mode)) {
-    if (static_cast<uint64_t>(st.st_size) > max_bytes) throw too_large();
-    data.resize(static_cast<std::size_t>(st.st_size) + 1);
-  } else {
-    data.resize(kChunk);
-  }
+  std::size_t size = 0;
+  Fd fd(open_regular(path, max_bytes, &size));
+  require_allocation(path + ": reading the file", static_cast<int64_t>(size));
+  // One spare byte detects a file that grew since fstat.
+  std::vector<unsigned char> data(size + 1);
   std::size_t used = 0;
   for (;;) {
-    if (used == data.size()) data.resize(used + std::max(kChunk, used / 2));
     const ssize_t got = ::read(fd.get(), data.data() + used, data.size() - used);
     if (got < 0) {
-      if (errno == EINTR) continue;
+      if (errno == EINTR || errno == EAGAIN) continue;
       throw IoError(path + ": read error (" + errno_text(errno) + ")");
     }
     if (got == 0) break;
     used += static_cast<std::size_t>(got);
-    if (used > max_bytes) throw too_large();
+    if (used > size) throw IoError(path + ": the file grew while it was read");
   }
   data.resize(used);
   return data;
 }
 
+std::shared_ptr<const MappedFile> MappedFile::map(const std::string& path, std::size_t max_bytes) {
+  std::size_t size = 0;
+  Fd fd(open_regular(path, max_bytes, &size));
+  std::shared_ptr<MappedFile> m(new MappedFile());
+  m->path_ = path;
+  if (size > 0) {
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd.get(), 0);
+    if (p == MAP_FAILED) throw IoError(path + ": cannot map the file (" + errno_text(errno) + ")");
+    m->map_ = p;
+    m->data_ = static_cast<const unsigned char*>(p);
+    m->size_ = size;
+    // Inputs are read front to back once.
+    ::madvise(p, size, MADV_SEQUENTIAL);
+  }
+  return m;
+}
+
+MappedFile::~MappedFile() {
+  if (map_ != nullptr) ::munmap(map_, size_);
+}
+
+namespace {
+
+// Throws IoError when `path` exists and is not a regular file (lstat: a symlink counts).
+void require_replaceable(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    throw IoError(path + ": exists and is " + file_kind(st.st_mode) +
+                  "; outputs only create or replace regular files");
+  }
+}
+
+// The longest file name the folder `dir` accepts (NAME_MAX, usually 255).
+std::size_t name_max(const std::string& dir) {
+  const long n = ::pathconf(dir.c_str(), _PC_NAME_MAX);
+  return n > 0 ? static_cast<std::size_t>(n) : 255;
+}
+
+std::string write_error_text(int err, std::size_t size) {
+  if (err == EFBIG) {
+    return "file too large: the process's file-size limit (ulimit -f) is below the " +
+           std::to_string(size) + " bytes to write";
+  }
+  if (err == ENOSPC) return "no space left on the device for " + std::to_string(size) + " bytes";
+  return "write error (" + errno_text(err) + ")";
+}
+
+}  // namespace
+
+void check_output_path(const std::string& path) {
+  if (path.empty()) throw IoError("write: empty output path");
+  require_replaceable(path);
+}
+
 void write_file_atomic(const std::string& path, const unsigned char* data, std::size_t size) {
+  write_file_atomic(path, std::vector<ByteSpan>{{data, size}});
+}
+
+void write_file_atomic(const std::string& path, const std::vector<ByteSpan>& parts) {
   if (path.empty()) throw IoError("write: empty output path");
   const std::size_t slash = path.find_last_of('/');
   const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
@@ -366,7 +475,15 @@ void write_file_atomic(const std::string& path, const unsigned char* data, std::
   if (name.empty() || name == "." || name == "..") {
     throw IoError(path + ": not a file name");
   }
-  std::string tmp = (slash == std::string::npos ? std::string() : dir) + "." + name + ".tmpXXXXXX";
+  require_replaceable(path);
+  std::size_t size = 0;
+  for (const ByteSpan& p : parts) size += p.size;
+  // "." + stem + ".tmpXXXXXX" within the folder's name limit.
+  constexpr std::size_t kFixed = 1 + 10;  // "." and ".tmpXXXXXX"
+  const std::size_t limit = name_max(dir);
+  const std::string stem =
+      name.substr(0, limit > kFixed ? std::min(name.size(), limit - kFixed) : 0);
+  std::string tmp = (slash == std::string::npos ? std::string() : dir) + "." + stem + ".tmpXXXXXX";
   std::vector<char> tmpl(tmp.begin(), tmp.end());
   tmpl.push_back('\0');
   const int fd_raw = ::mkstemp(tmpl.data());
@@ -376,9 +493,9 @@ void write_file_atomic(const std::string& path, const unsigned char* data, std::
   }
   tmp.assign(tmpl.data());
   Fd fd(fd_raw);
-  const auto fail = [&](const std::string& what, int err) {
+  const auto fail = [&](const std::string& what) {
     ::unlink(tmp.c_str());
-    return IoError(path + ": " + what + " (" + errno_text(err) + ")");
+    return IoError(path + ": " + what);
   };
 
   // mkstemp creates mode 0600; give the file the mode an ordinary create would, or keep the
@@ -386,21 +503,35 @@ void write_file_atomic(const std::string& path, const unsigned char* data, std::
   struct stat st;
   mode_t mode = 0666 & ~current_umask();
   if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) mode = st.st_mode & 07777;
-  if (::fchmod(fd.get(), mode) != 0) throw fail("cannot set permissions", errno);
-
-  std::size_t done = 0;
-  while (done < size) {
-    const std::size_t want = std::min<std::size_t>(size - done, std::size_t{1} << 30);
-    const ssize_t put = ::write(fd.get(), data + done, want);
-    if (put < 0) {
-      if (errno == EINTR) continue;
-      throw fail("write error", errno);
-    }
-    if (put == 0) throw fail("write error", EIO);
-    done += static_cast<std::size_t>(put);
+  if (::fchmod(fd.get(), mode) != 0) {
+    throw fail("cannot set permissions (" + errno_text(errno) + ")");
   }
-  if (const int err = fd.close(); err != 0) throw fail("write error on close", err);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) throw fail("cannot rename into place", errno);
+
+  for (const ByteSpan& part : parts) {
+    const auto* bytes = static_cast<const unsigned char*>(part.data);
+    std::size_t done = 0;
+    while (done < part.size) {
+      const std::size_t want = std::min<std::size_t>(part.size - done, std::size_t{1} << 30);
+      const ssize_t put = ::write(fd.get(), bytes + done, want);
+      if (put < 0) {
+        if (errno == EINTR) continue;
+        throw fail(write_error_text(errno, size));
+      }
+      if (put == 0) throw fail(write_error_text(EIO, size));
+      done += static_cast<std::size_t>(put);
+    }
+  }
+  if (const int err = fd.close(); err != 0) throw fail(write_error_text(err, size));
+  // Checked again: a symlink or FIFO may have appeared while we wrote.
+  try {
+    require_replaceable(path);
+  } catch (const IoError&) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    throw fail("cannot rename into place (" + errno_text(errno) + ")");
+  }
 }
 
 }  // namespace posenc

@@ -4,9 +4,11 @@
 // (2 bytes little-endian in 1.0; 4 bytes in 2.0 and 3.0), then a Python dict literal such as
 //   {'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }
 // padded with spaces and a final '\n', then the raw C-order element bytes.
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "io/io_util.h"
 #include "posenc/error.h"
 #include "posenc/io.h"
+#include "posenc/size.h"
 
 namespace posenc {
 
@@ -205,7 +208,7 @@ std::string shape_tuple(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-Tensor parse_npy(const unsigned char* data, std::size_t size, const std::string& what) {
+NpyView parse_npy_view(const unsigned char* data, std::size_t size, const std::string& what) {
   if (size < sizeof(kMagic) || std::memcmp(data, kMagic, sizeof(kMagic)) != 0) {
     throw IoError(what + ": not a .npy file (missing \\x93NUMPY magic)");
   }
@@ -247,13 +250,13 @@ Tensor parse_npy(const unsigned char* data, std::size_t size, const std::string&
     throw IoError(what + ": fortran_order True is not supported; save a C-order array " +
                   "(np.ascontiguousarray)");
   }
-  Tensor t;
+  NpyView t;
   t.dtype = *dtype;
   t.shape = *h.shape;
   int64_t numel = 0;
   int64_t nbytes = 0;
   if (!io_detail::checked_nbytes(t.shape, dtype_size(t.dtype), &numel, &nbytes)) {
-    throw IoError(what + ": shape " + t.shape_str() + " of " + dtype_name(t.dtype) +
+    throw IoError(what + ": shape " + io_detail::dims_str(t.shape) + " of " + dtype_name(t.dtype) +
                   " overflows the element count");
   }
   const std::size_t offset = prelude + header_len;
@@ -266,34 +269,83 @@ Tensor parse_npy(const unsigned char* data, std::size_t size, const std::string&
     throw IoError(what + ": trailing data: header declares " + std::to_string(nbytes) +
                   " bytes of data, file has " + std::to_string(have));
   }
-  t.bytes.assign(data + offset, data + size);
+  t.data = data + offset;
+  t.nbytes = static_cast<std::size_t>(nbytes);
   return t;
 }
 
-Tensor read_npy(const std::string& path) {
-  const std::vector<unsigned char> data = read_file(path);
-  return parse_npy(data.data(), data.size(), path);
+Tensor parse_npy(const unsigned char* data, std::size_t size, const std::string& what) {
+  return parse_npy_view(data, size, what).to_tensor();
+}
+
+NpyView map_npy(const std::string& path) {
+  std::shared_ptr<const MappedFile> file = MappedFile::map(path);
+  NpyView v = parse_npy_view(file->data(), file->size(), path);
+  v.file = std::move(file);
+  return v;
+}
+
+Tensor read_npy(const std::string& path) { return map_npy(path).to_tensor(); }
+
+int64_t NpyView::numel() const {
+  int64_t n = 0;
+  int64_t bytes = 0;
+  if (!io_detail::checked_nbytes(shape, 1, &n, &bytes)) {
+    throw ShapeError("tensor: shape " + io_detail::dims_str(shape) +
+                     " has a negative or too large dimension");
+  }
+  return n;
+}
+
+Tensor NpyView::to_tensor() const {
+  require_allocation(
+      "copying a " + io_detail::dims_str(shape) + " " + dtype_name(dtype) + " tensor",
+      static_cast<int64_t>(nbytes));
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = shape;
+  if (nbytes > 0) t.bytes.assign(data, data + nbytes);
+  return t;
 }
 
 namespace {
 
-std::vector<unsigned char> encode(const Tensor& t, const std::string& what) {
-  const char* descr = dtype_npy_descr(t.dtype);
-  if (!descr) {
-    throw IoError(what + ": " + dtype_name(t.dtype) + " has no .npy dtype; use .safetensors");
+template <class T>
+const T* typed(const NpyView& v, DType want) {
+  if (std::endian::native != std::endian::little || v.dtype != want) return nullptr;
+  if (v.nbytes == 0) {
+    static const T kEmpty{};
+    return &kEmpty;  // non-null: an empty tensor is present, not missing
   }
-  int64_t numel = 0;
-  int64_t nbytes = 0;
-  if (!io_detail::checked_nbytes(t.shape, dtype_size(t.dtype), &numel, &nbytes)) {
-    throw IoError(what + ": shape " + t.shape_str() + " has a negative or too large dimension");
-  }
-  if (static_cast<uint64_t>(nbytes) != t.bytes.size()) {
-    throw IoError(what + ": " + std::to_string(t.bytes.size()) + " bytes do not match " +
-                  dtype_name(t.dtype) + " x shape " + t.shape_str() + " (" +
-                  std::to_string(nbytes) + " bytes)");
-  }
+  if (reinterpret_cast<std::uintptr_t>(v.data) % alignof(T) != 0) return nullptr;
+  return reinterpret_cast<const T*>(v.data);
+}
+
+}  // namespace
+
+template <>
+const float* NpyView::as<float>() const {
+  return typed<float>(*this, DType::kF32);
+}
+template <>
+const double* NpyView::as<double>() const {
+  return typed<double>(*this, DType::kF64);
+}
+template <>
+const int64_t* NpyView::as<int64_t>() const {
+  return typed<int64_t>(*this, DType::kI64);
+}
+template <>
+const int32_t* NpyView::as<int32_t>() const {
+  return typed<int32_t>(*this, DType::kI32);
+}
+
+namespace {
+
+// The prelude and padded header of a .npy holding `shape` of `descr` (the data follows).
+std::vector<unsigned char> npy_header(const char* descr, const std::vector<int64_t>& shape) {
   std::string header = std::string("{'descr': '") + descr +
-                       "', 'fortran_order': False, 'shape': " + shape_tuple(t.shape) + ", }";
+                       "', 'fortran_order': False, 'shape': " + shape_tuple(shape) + ", }";
   // Like NumPy: pad with spaces and a final '\n' so the data starts at a multiple of 64 bytes;
   // fall back to version 2.0 only when the header does not fit a 16-bit length.
   std::size_t prelude = kPreludeV1;
@@ -305,7 +357,7 @@ std::vector<unsigned char> encode(const Tensor& t, const std::string& what) {
   header.append(total - prelude - header.size() - 1, ' ');
   header += '\n';
 
-  std::vector<unsigned char> out(total + t.bytes.size());
+  std::vector<unsigned char> out(total);
   std::memcpy(out.data(), kMagic, sizeof(kMagic));
   out[6] = prelude == kPreludeV1 ? 1 : 2;
   out[7] = 0;
@@ -313,7 +365,34 @@ std::vector<unsigned char> encode(const Tensor& t, const std::string& what) {
     out[i] = static_cast<unsigned char>(header.size() >> (8 * (i - 8)));
   }
   std::memcpy(out.data() + prelude, header.data(), header.size());
-  if (!t.bytes.empty()) std::memcpy(out.data() + total, t.bytes.data(), t.bytes.size());
+  return out;
+}
+
+// The descr of `dtype` and the byte count of `shape`, validated.
+const char* checked_descr(DType dtype, const std::vector<int64_t>& shape, const std::string& what,
+                          int64_t* nbytes) {
+  const char* descr = dtype_npy_descr(dtype);
+  if (!descr) {
+    throw IoError(what + ": " + dtype_name(dtype) + " has no .npy dtype; use .safetensors");
+  }
+  int64_t numel = 0;
+  if (!io_detail::checked_nbytes(shape, dtype_size(dtype), &numel, nbytes)) {
+    throw IoError(what + ": shape " + io_detail::dims_str(shape) +
+                  " has a negative or too large dimension");
+  }
+  return descr;
+}
+
+std::vector<unsigned char> encode(const Tensor& t, const std::string& what) {
+  int64_t nbytes = 0;
+  const char* descr = checked_descr(t.dtype, t.shape, what, &nbytes);
+  if (static_cast<uint64_t>(nbytes) != t.bytes.size()) {
+    throw IoError(what + ": " + std::to_string(t.bytes.size()) + " bytes do not match " +
+                  dtype_name(t.dtype) + " x shape " + t.shape_str() + " (" +
+                  std::to_string(nbytes) + " bytes)");
+  }
+  std::vector<unsigned char> out = npy_header(descr, t.shape);
+  out.insert(out.end(), t.bytes.begin(), t.bytes.end());
   return out;
 }
 
@@ -322,8 +401,26 @@ std::vector<unsigned char> encode(const Tensor& t, const std::string& what) {
 std::vector<unsigned char> encode_npy(const Tensor& t) { return encode(t, "encode_npy"); }
 
 void write_npy(const std::string& path, const Tensor& t) {
-  const std::vector<unsigned char> data = encode(t, path);
-  write_file_atomic(path, data.data(), data.size());
+  int64_t nbytes = 0;
+  checked_descr(t.dtype, t.shape, path, &nbytes);
+  if (static_cast<uint64_t>(nbytes) != t.bytes.size()) {
+    throw IoError(path + ": " + std::to_string(t.bytes.size()) + " bytes do not match " +
+                  dtype_name(t.dtype) + " x shape " + t.shape_str() + " (" +
+                  std::to_string(nbytes) + " bytes)");
+  }
+  write_npy(path, t.dtype, t.shape, t.bytes.data());
+}
+
+void write_npy(const std::string& path, DType dtype, const std::vector<int64_t>& shape,
+               const void* data) {
+  int64_t nbytes = 0;
+  const char* descr = checked_descr(dtype, shape, path, &nbytes);
+  if (std::endian::native != std::endian::little) {
+    throw IoError(path + ": writing .npy files needs a little-endian host");
+  }
+  const std::vector<unsigned char> header = npy_header(descr, shape);
+  write_file_atomic(path,
+                    {{header.data(), header.size()}, {data, static_cast<std::size_t>(nbytes)}});
 }
 
 const char* dtype_npy_descr(DType t) {

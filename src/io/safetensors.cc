@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -86,8 +87,28 @@ SafetensorsFile parse_safetensors(const unsigned char* data, std::size_t size,
                   std::to_string(size - 8) + " bytes after the length field");
   }
   json header;
+  // Keys seen in each open object: nlohmann keeps the last of duplicate keys silently, and a
+  // repeated tensor name (or a repeated "dtype" inside one) must be an error.
+  std::vector<std::vector<std::string>> open_objects;
+  const json::parser_callback_t unique_keys = [&](int depth, json::parse_event_t event,
+                                                  json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      if (!open_objects.empty()) open_objects.pop_back();
+    } else if (event == json::parse_event_t::key && !open_objects.empty()) {
+      std::vector<std::string>& keys = open_objects.back();
+      const std::string& key = parsed.get_ref<const std::string&>();
+      if (std::find(keys.begin(), keys.end(), key) != keys.end()) {
+        throw IoError(what + ": malformed header: duplicate " +
+                      (depth == 1 ? "tensor name " : "key ") + quoted(key));
+      }
+      keys.push_back(key);
+    }
+    return true;
+  };
   try {
-    header = json::parse(data + 8, data + 8 + n);
+    header = json::parse(data + 8, data + 8 + n, unique_keys);
   } catch (const json::exception& e) {
     throw IoError(what + ": malformed JSON header: " + io_detail::printable(e.what()));
   }
@@ -174,6 +195,16 @@ SafetensorsFile parse_safetensors(const unsigned char* data, std::size_t size,
     ranges.push_back({begin, end, &out.tensors.emplace(name, std::move(t)).first->first});
   }
 
+  // The data section holds the tensors and at most kSafetensorsSlack other bytes, so a small
+  // header cannot make posenc accept (and map) an arbitrarily large file.
+  uint64_t used = 0;
+  for (const Range& r : ranges) used += r.end - r.begin;
+  if (section_size > used + kSafetensorsSlack) {
+    throw IoError(what + ": the data section has " + std::to_string(section_size) +
+                  " bytes, but the tensors declare only " + std::to_string(used) + " (more than " +
+                  std::to_string(kSafetensorsSlack) + " bytes of slack)");
+  }
+
   // No two tensors may share bytes. Empty tensors occupy nothing.
   std::erase_if(ranges, [](const Range& r) { return r.begin == r.end; });
   std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
@@ -193,8 +224,8 @@ SafetensorsFile parse_safetensors(const unsigned char* data, std::size_t size,
 }
 
 SafetensorsFile read_safetensors(const std::string& path) {
-  const std::vector<unsigned char> data = read_file(path);
-  return parse_safetensors(data.data(), data.size(), path);
+  const std::shared_ptr<const MappedFile> file = MappedFile::map(path);
+  return parse_safetensors(file->data(), file->size(), path);
 }
 
 namespace {

@@ -9,17 +9,20 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "posenc/size.h"
+
 #ifdef POSENC_WITH_OPENMP
 #include <omp.h>
 #endif
 
 namespace posenc::kernels {
 
-// Threads to use: `requested` if > 0, else what OpenMP offers (1 without OpenMP).
+// Threads to use: `requested` if > 0, else what OpenMP offers (1 without OpenMP); never more
+// than kMaxThreads (posenc/size.h), whatever OMP_NUM_THREADS says.
 inline int resolve_threads(int requested) {
-  if (requested > 0) return requested;
+  if (requested > 0) return std::min(requested, kMaxThreads);
 #ifdef POSENC_WITH_OPENMP
-  return std::max(1, omp_get_max_threads());
+  return std::clamp(omp_get_max_threads(), 1, kMaxThreads);
 #else
   return 1;
 #endif
@@ -28,7 +31,7 @@ inline int resolve_threads(int requested) {
 template <class F>
 void parallel_for(int64_t n, int threads, F&& f) {
   if (n <= 0) return;
-  const int t = static_cast<int>(std::min<int64_t>(std::max(threads, 1), n));
+  const int t = static_cast<int>(std::min<int64_t>(std::clamp(threads, 1, kMaxThreads), n));
 #ifdef POSENC_WITH_OPENMP
   if (t > 1 && !omp_in_parallel()) {
 #pragma omp parallel for num_threads(t) schedule(dynamic, 1)

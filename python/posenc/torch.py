@@ -1,0 +1,515 @@
+"""posenc.torch: PyTorch autograd functions and modules over posenc's kernels (CPU tensors).
+
+``attention(q, k, v, scheme=..., **kwargs)`` takes the keywords of ``posenc.attention``; the
+forward runs the fused kernel and saves its per-row log-sum-exp, the backward runs the fused
+backward (FlashAttention-2 recomputation), giving gradients for q, k, v and every parameter table
+passed in ``params`` (tensors with requires_grad). float64 tensors run the float64 reference
+end to end, so ``torch.autograd.gradcheck`` applies to every scheme. ``rope(x, ...)`` is RoPE
+with its exact transpose as backward.
+
+Layout: q [batch, seq_q, heads_q, head_dim], k and v [batch, seq_k, heads_kv, head_dim]; any
+strides whose last dimension is contiguous are used without a copy (so ``x.transpose(1, 2)`` of
+a [batch, heads, seq, head_dim] tensor works as is).
+
+Modules own their learnable tables and can be made from a model's config.json:
+SinusoidalPositions, LearnedPositions, Rope, Alibi, T5RelativeBias, ShawRelative, XLRelative,
+DebertaRelative, and PositionalAttention(scheme, heads, kv_heads, head_dim, ...), which a
+transformer layer calls in place of softmax(QK^T)V.
+"""
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _posenc
+
+__all__ = [
+    "attention", "rope", "apply_rope", "SinusoidalPositions", "LearnedPositions", "Rope", "Alibi",
+    "T5RelativeBias", "ShawRelative", "XLRelative", "DebertaRelative", "NoPositions",
+    "PositionalAttention",
+]
+
+
+def _np(t, what="tensor"):
+    """A CPU tensor as a NumPy array sharing its memory (no copy)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    try:
+        return t.detach().numpy()
+    except (TypeError, RuntimeError) as e:  # not on the CPU, complex, ...
+        raise ValueError(f"{what}: posenc takes real CPU tensors ({e})") from None
+
+
+def _np_kw(kw):
+    """Keyword arguments with tensors (positions) converted to NumPy."""
+    return {k: (_np(v, k) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+
+def _split_params(params):
+    """params dict -> (names, tensors) in a fixed order."""
+    if params is None:
+        return (), ()
+    if isinstance(params, dict):
+        names = tuple(sorted(params))
+        tensors = tuple(params[n] if isinstance(params[n], torch.Tensor)
+                        else torch.as_tensor(np.asarray(params[n])) for n in names)
+        return names, tensors
+    raise TypeError("params: a dict {name: tensor}")
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kw, names, q, k, v, *tables):
+        params = {n: _np(t, n) for n, t in zip(names, tables)} or None
+        out, lse = _posenc.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"), params=params,
+                                     return_lse=True, **kw)
+        out_t = torch.from_numpy(out)
+        lse_t = torch.from_numpy(lse)
+        ctx.kw = kw
+        ctx.names = names
+        ctx.save_for_backward(q, k, v, out_t, lse_t, *tables)
+        ctx.mark_non_differentiable(lse_t)
+        return out_t, lse_t
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *tables = ctx.saved_tensors
+        if dout.stride(-1) != 1:  # e.g. the expanded ones of .sum(): the fused kernel wants rows
+            dout = dout.contiguous()
+        params = {n: _np(t, n) for n, t in zip(ctx.names, tables)} or None
+        g = _posenc.attention_grad(_np(q), _np(k), _np(v), _np(dout, "dout"), params=params,
+                                   out=_np(out), lse=_np(lse), **ctx.kw)
+
+        def back(name, like):
+            return torch.from_numpy(g[name]).to(like.dtype)
+
+        grads = [None, None, back("dq", q), back("dk", k), back("dv", v)]
+        grads += [back("d" + n, t) if t.requires_grad else None
+                  for n, t in zip(ctx.names, tables)]
+        return tuple(grads)
+
+
+def attention(q, k, v, scheme=None, *, params=None, return_lse=False, **kwargs):
+    """Attention with a positional scheme, differentiable (see posenc.attention for keywords).
+
+    params: {name: tensor} (SPEC §9 names); tables with requires_grad get gradients. Returns
+    out [batch, seq_q, heads_q, head_dim] (and lse [batch, heads_q, seq_q], not differentiable,
+    with return_lse=True). q's dtype decides: float32 runs the fused kernels, float64 the float64
+    reference. Tensors must be on the CPU.
+    """
+    if "out" in kwargs:
+        raise TypeError("attention() got an unexpected keyword argument 'out'")
+    kw = _np_kw(kwargs)
+    if scheme is not None:
+        kw["scheme"] = scheme
+    names, tables = _split_params(params)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError("q: a torch.Tensor (use posenc.attention for NumPy arrays)")
+    dtype = q.dtype
+    if dtype not in (torch.float32, torch.float64):
+        q = q.float()
+        dtype = torch.float32
+    k = k.to(dtype)
+    v = v.to(dtype)
+    if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad
+                                           or any(t.requires_grad for t in tables)):
+        # Nothing to differentiate: the forward alone, without autograd's bookkeeping.
+        params = {n: _np(t, n) for n, t in zip(names, tables)} or None
+        r = _posenc.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"), params=params,
+                              return_lse=return_lse, **kw)
+        return (torch.from_numpy(r[0]), torch.from_numpy(r[1])) if return_lse else \
+            torch.from_numpy(r)
+    out, lse = _AttentionFunction.apply(kw, names, q, k, v, *tables)
+    return (out, lse) if return_lse else out
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kw, x):
+        y = _posenc.apply_rope(_np(x, "x"), **kw)
+        ctx.kw = kw
+        return torch.from_numpy(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        kw = dict(ctx.kw)
+        kw["inverse"] = not kw.get("inverse", False)
+        return None, torch.from_numpy(_posenc.apply_rope(_np(dy.contiguous(), "dy"), **kw))
+
+
+def rope(x, freqs=None, **kwargs):
+    """RoPE of x [batch, seq, heads, head_dim] (or [seq, heads, head_dim]), differentiable: the
+    keywords of posenc.apply_rope (style, positions, inverse, rotary_dim, base, scaling, seq_len,
+    angles, config). The backward is the inverse rotation (its exact transpose). float32 runs
+    the SIMD kernel, float64 the reference."""
+    for bad in ("inplace", "out"):
+        if bad in kwargs:
+            raise TypeError(f"rope() got an unexpected keyword argument '{bad}'")
+    kw = _np_kw(kwargs)
+    if freqs is not None:
+        kw["freqs"] = freqs
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
+    return _RopeFunction.apply(kw, x)
+
+
+apply_rope = rope
+
+
+# ---- modules ----------------------------------------------------------------------------------
+
+def _config(config):
+    return None if config is None else _posenc.read_model_config(config)
+
+
+class _Scheme(nn.Module):
+    """A positional scheme for attention: its settings and its (learnable) tables."""
+
+    scheme = "none"
+    _table_names = ()
+
+    def __init__(self):
+        super().__init__()
+        self._settings = {}
+
+    def settings(self):
+        """Keyword arguments for posenc attention (scheme settings, not tables)."""
+        return dict(self._settings)
+
+    def tables(self):
+        """The parameter tables by SPEC §9 name."""
+        return {n: getattr(self, n) for n in self._table_names if getattr(self, n) is not None}
+
+    def forward(self, q, k, v, **kwargs):
+        """attention(q, k, v) with this scheme; kwargs: causal, scale, window, positions, ..."""
+        kw = self.settings()
+        kw.update(kwargs)
+        return attention(q, k, v, self.scheme, params=self.tables() or None, **kw)
+
+    def extra_repr(self):
+        return ", ".join(f"{k}={v!r}" for k, v in self._settings.items())
+
+
+class NoPositions(_Scheme):
+    """Attention without positional information."""
+
+
+class Rope(_Scheme):
+    """RoPE: rotates q and k inside attention (scheme 'rope'), or tensors with rotate().
+
+    Rope(head_dim, rotary_dim=0, base=1e4, style='half', scaling=None) or Rope.from_config(
+    config): the model's theta, rotary dim, style and scaling (frequencies at the sequence's
+    length: dynamic NTK and LongRoPE follow the positions).
+    """
+
+    scheme = "rope"
+
+    def __init__(self, head_dim, rotary_dim=0, base=1e4, style="half", scaling=None, *,
+                 angles="accurate", config=None):
+        super().__init__()
+        self.head_dim = head_dim
+        if config is not None:
+            self._settings = {"config": _config(config), "angles": angles}
+        else:
+            self._settings = {"rotary_dim": rotary_dim, "base": base, "style": style,
+                              "angles": angles}
+        # Scaled frequencies depend on the sequence length: computed per call (forward, rotate).
+        self._scaling = None if config is not None else scaling
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        cfg = _config(config)
+        return cls(cfg.head_dim, config=cfg, **kwargs)
+
+    def _freqs(self, seq_len):
+        s = self._settings
+        if "config" in s:
+            return _posenc.rope_frequencies(config=s["config"], seq_len=seq_len,
+                                            angles=s["angles"])
+        return _posenc.rope_frequencies(self.head_dim, rotary_dim=s["rotary_dim"],
+                                        base=s["base"], scaling=self._scaling, seq_len=seq_len,
+                                        angles=s["angles"])
+
+    def settings(self):
+        s = dict(self._settings)
+        if self._scaling is not None:
+            s.pop("rotary_dim"), s.pop("base")
+        return s
+
+    def forward(self, q, k, v, **kwargs):
+        kw = self.settings()
+        if self._scaling is not None and "freqs" not in kwargs:
+            seq = max(q.shape[1], k.shape[1])
+            kw["freqs"] = self._freqs(kwargs.pop("seq_len", seq))
+        kw.update(kwargs)
+        return attention(q, k, v, "rope", **kw)
+
+    def rotate(self, x, positions=None, *, inverse=False):
+        """RoPE of x [batch, seq, heads, head_dim], differentiable."""
+        seq = x.shape[-3]
+        style = self._settings.get("style")
+        freqs = self._freqs(seq if positions is None else int(torch.as_tensor(positions).max()) + 1)
+        kw = {"positions": positions, "inverse": inverse}
+        if style is not None:
+            kw["style"] = style
+        elif "config" in self._settings:
+            kw["style"] = self._settings["config"].rope["style"]
+        return rope(x, freqs, **kw)
+
+
+class Alibi(_Scheme):
+    """ALiBi: linear biases with slopes for `heads` heads (SPEC §4), or the model's slopes.
+
+    learnable=True makes the slopes a Parameter (gradients through the fused backward).
+    """
+
+    scheme = "alibi"
+    _table_names = ("slopes",)
+
+    def __init__(self, heads, max_bias=8.0, *, learnable=False, config=None):
+        super().__init__()
+        if config is not None:
+            cfg = _config(config)
+            heads, max_bias = cfg.alibi["heads"], cfg.alibi["max_bias"]
+        slopes = torch.from_numpy(_posenc.alibi_slopes(heads, max_bias=max_bias))
+        if learnable:
+            self.slopes = nn.Parameter(slopes)
+        else:
+            self.register_buffer("slopes", slopes)
+        self.heads = heads
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        return cls(0, config=config, **kwargs)
+
+
+class T5RelativeBias(_Scheme):
+    """T5's bucketed relative bias: table relative_attention_bias [num_buckets, heads] (SPEC §5).
+
+    Score scale 1 by default, as T5 (pass scale= to override). bidirectional: None follows the
+    mask (encoder: bidirectional, causal decoder: causal buckets).
+    """
+
+    scheme = "t5"
+    _table_names = ("relative_attention_bias",)
+
+    def __init__(self, heads, num_buckets=32, max_distance=128, bidirectional=None, *,
+                 scale=1.0, init_std=0.02):
+        super().__init__()
+        self.relative_attention_bias = nn.Parameter(torch.randn(num_buckets, heads) * init_std)
+        self._settings = {"max_distance": max_distance, "scale": scale}
+        if bidirectional is not None:
+            self._settings["bidirectional"] = bidirectional
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        cfg = _config(config)
+        return cls(cfg.heads_q, cfg.t5["num_buckets"], cfg.t5["max_distance"], **kwargs)
+
+
+class ShawRelative(_Scheme):
+    """Shaw et al.'s clipped relative representations: rel_k, rel_v [2K+1, head_dim] shared by
+    the heads, or [2K+1, heads, head_dim] with heads= (SPEC §6). value=False: no rel_v."""
+
+    scheme = "shaw"
+    _table_names = ("rel_k", "rel_v")
+
+    def __init__(self, head_dim, max_relative_position, heads=None, *, value=True,
+                 init_std=0.02):
+        super().__init__()
+        shape = (2 * max_relative_position + 1,) + ((heads,) if heads else ()) + (head_dim,)
+        self.rel_k = nn.Parameter(torch.randn(*shape) * init_std)
+        self.rel_v = nn.Parameter(torch.randn(*shape) * init_std) if value else None
+
+
+class XLRelative(_Scheme):
+    """Transformer-XL's relative attention: r_w_bias (u), r_r_bias (v) [heads, head_dim] and the
+    projection r_net [heads * head_dim, d_model] of the distance sinusoid (SPEC §7)."""
+
+    scheme = "xl"
+    _table_names = ("r_w_bias", "r_r_bias", "r_net")
+
+    def __init__(self, heads, head_dim, d_model, base=1e4, *, init_std=0.02):
+        super().__init__()
+        self.r_w_bias = nn.Parameter(torch.randn(heads, head_dim) * init_std)
+        self.r_r_bias = nn.Parameter(torch.randn(heads, head_dim) * init_std)
+        self.r_net = nn.Parameter(torch.randn(heads * head_dim, d_model) / math.sqrt(d_model))
+        self._settings = {"base": base}
+
+
+class DebertaRelative(_Scheme):
+    """DeBERTa's disentangled attention: projected tables pos_key, pos_query [2K, heads,
+    head_dim] (SPEC §8; in the model they are the layer's key / query projections of its
+    relative embeddings). K = position_buckets if > 0, else max_relative_positions."""
+
+    scheme = "deberta"
+    _table_names = ("pos_key", "pos_query")
+
+    def __init__(self, heads, head_dim, max_relative_positions=512, position_buckets=0, *,
+                 p2c="model", float64_log=False, init_std=0.02, config=None):
+        super().__init__()
+        if config is not None:
+            cfg = _config(config)
+            d = cfg.deberta
+            max_relative_positions, position_buckets = (d["max_relative_positions"],
+                                                        d["position_buckets"])
+            p2c, float64_log = d["p2c"], d["float64_log"]
+        span = position_buckets if position_buckets > 0 else max_relative_positions
+        self.pos_key = nn.Parameter(torch.randn(2 * span, heads, head_dim) * init_std)
+        self.pos_query = nn.Parameter(torch.randn(2 * span, heads, head_dim) * init_std)
+        self._settings = {"max_relative_positions": max_relative_positions,
+                          "position_buckets": position_buckets, "deberta_p2c": p2c,
+                          "deberta_float64_log": float64_log}
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        cfg = _config(config)
+        return cls(cfg.heads_q, cfg.head_dim, config=cfg, **kwargs)
+
+
+class _AddPositions(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, positions, x, table):
+        y = _posenc.add_learned(_np(x, "x"), _np(table, "table"), positions=positions)
+        ctx.positions = positions
+        ctx.table_rows = table.shape[0]
+        ctx.table_dtype = table.dtype
+        return torch.from_numpy(y).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dtable = None
+        if ctx.needs_input_grad[2]:
+            dtable = torch.from_numpy(
+                _posenc.learned_backward(_np(dy, "dy"), ctx.table_rows,
+                                         positions=ctx.positions)).to(ctx.table_dtype)
+        return None, dy, dtable
+
+
+class LearnedPositions(nn.Module):
+    """Learned absolute positions (GPT-2 wpe, BERT): x + weight[position], weight
+    [max_positions, dim]. A position outside the table raises (no silent clamp)."""
+
+    def __init__(self, max_positions, dim, *, init_std=0.02):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(max_positions, dim) * init_std)
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        cfg = _config(config)
+        return cls(cfg.max_position_embeddings, cfg.hidden_size, **kwargs)
+
+    def forward(self, x, positions=None):
+        """x [batch, seq, dim] or [seq, dim]; positions None (0, 1, ...), an int offset, or ids."""
+        if isinstance(positions, torch.Tensor):
+            positions = _np(positions, "positions")
+        return _AddPositions.apply(positions, x, self.weight)
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoidal positions: x + PE[position] (SPEC §1; layout 'interleaved' as the paper,
+    'concat' as Transformer-XL / Marian; denominator, origin and odd_dim as posenc.add_sinusoidal).
+    Differentiable in x (the table is fixed)."""
+
+    def __init__(self, dim, base=1e4, layout="interleaved", *, denominator="dim", origin=0,
+                 odd_dim="error"):
+        super().__init__()
+        self.dim = dim
+        self._cfg = dict(base=base, layout=layout, denominator=denominator, origin=origin,
+                         odd_dim=odd_dim)
+
+    def encodings(self, positions):
+        """PE at the given positions: float32 [n, dim]."""
+        pos = np.asarray(_np(positions), dtype=np.int64).reshape(-1)
+        return torch.from_numpy(_posenc.sinusoidal_encode(pos, self.dim, **self._cfg))
+
+    def forward(self, x, positions=None):
+        """x [batch, seq, dim] or [seq, dim]; positions None (origin, origin + 1, ...), an int
+        offset, ids [seq] or [batch, seq]."""
+        seq = x.shape[-2]
+        if positions is None:
+            positions = self._cfg["origin"]
+        if isinstance(positions, int):
+            pe = self.encodings(np.arange(positions, positions + seq))
+        else:
+            ids = np.asarray(_np(positions), dtype=np.int64)
+            pe = self.encodings(ids).reshape(ids.shape + (self.dim,))
+        return x + pe.to(x.dtype)
+
+    def extra_repr(self):
+        return f"dim={self.dim}, " + ", ".join(f"{k}={v!r}" for k, v in self._cfg.items())
+
+
+_SCHEMES = {"none": NoPositions, "rope": Rope, "alibi": Alibi, "t5": T5RelativeBias,
+            "shaw": ShawRelative, "xl": XLRelative, "deberta": DebertaRelative}
+
+
+class PositionalAttention(nn.Module):
+    """softmax(QK^T)V with a positional scheme, in place of a layer's attention core.
+
+    PositionalAttention(scheme, heads, kv_heads=None, head_dim=64, *, causal=False,
+    layout='blhd', config=None, **scheme options) owns the scheme's module (`.positions`: its
+    learnable tables) and calls posenc.torch.attention: q [batch, seq, heads, head_dim], k and v
+    [batch, seq_k, kv_heads, head_dim] (layout='bhld': [batch, heads, seq, head_dim], PyTorch's
+    SDPA order, taken as strided views without copies). Scheme options: rope rotary_dim, base,
+    style, scaling; alibi max_bias, learnable; t5 num_buckets, max_distance, bidirectional; shaw
+    max_relative_position, value, shared (default True: tables shared by the heads); xl d_model,
+    base; deberta max_relative_positions, position_buckets, p2c. config (a config.json path, dict
+    or ModelConfig) gives the scheme and its settings.
+    """
+
+    def __init__(self, scheme=None, heads=None, kv_heads=None, head_dim=None, *, causal=False,
+                 layout="blhd", config=None, **options):
+        super().__init__()
+        cfg = _config(config)
+        if cfg is not None:
+            scheme = scheme or cfg.scheme
+            heads = heads or cfg.heads_q
+            kv_heads = kv_heads or cfg.heads_kv
+            head_dim = head_dim or cfg.head_dim
+        if scheme not in _SCHEMES:
+            raise ValueError(f"scheme: '{scheme}' ({', '.join(_SCHEMES)})")
+        if heads is None or head_dim is None:
+            raise TypeError("PositionalAttention: heads and head_dim are required (or config=)")
+        if layout not in ("blhd", "bhld"):
+            raise ValueError(f"layout: '{layout}' (blhd or bhld)")
+        self.scheme, self.heads, self.head_dim = scheme, heads, head_dim
+        self.kv_heads = kv_heads or heads
+        self.causal, self.layout = causal, layout
+        if scheme == "none":
+            self.positions = NoPositions()
+        elif scheme == "rope":
+            self.positions = (Rope.from_config(cfg, **options) if cfg is not None
+                              else Rope(head_dim, **options))
+        elif scheme == "alibi":
+            self.positions = (Alibi.from_config(cfg, **options) if cfg is not None
+                              else Alibi(heads, **options))
+        elif scheme == "t5":
+            self.positions = (T5RelativeBias.from_config(cfg, **options) if cfg is not None
+                              else T5RelativeBias(heads, **options))
+        elif scheme == "shaw":
+            opts = dict(options)
+            k = opts.pop("max_relative_position", 16)
+            shared = opts.pop("shared", True)
+            self.positions = ShawRelative(head_dim, k, None if shared else heads, **opts)
+        elif scheme == "xl":
+            opts = dict(options)
+            d_model = opts.pop("d_model", heads * head_dim)
+            self.positions = XLRelative(heads, head_dim, d_model, **opts)
+        else:
+            self.positions = (DebertaRelative.from_config(cfg, **options) if cfg is not None
+                              else DebertaRelative(heads, head_dim, **options))
+
+    def forward(self, q, k, v, *, causal=None, **kwargs):
+        """Attention output in the module's layout. kwargs: scale, window, query_positions,
+        key_positions, allow_fully_masked, num_threads, seq_len."""
+        if self.layout == "bhld":
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.positions(q, k, v, causal=self.causal if causal is None else causal, **kwargs)
+        return out.transpose(1, 2) if self.layout == "bhld" else out
+
+    def extra_repr(self):
+        return (f"scheme={self.scheme!r}, heads={self.heads}, kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim}, causal={self.causal}, layout={self.layout!r}")

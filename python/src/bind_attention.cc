@@ -1,0 +1,499 @@
+// python/src/bind_attention.cc - attention, its gradients and the float64 reference, for every
+// scheme: keyword arguments -> posenc::SchemeSettings + named parameter arrays ->
+// posenc::build_scheme (the library function the CLI uses too) -> posenc::attention /
+// attention_backward (float32) or posenc::ref:: (float64, with float64 parameter tables).
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "py_common.h"
+
+namespace posenc::py {
+
+namespace {
+
+using pb::arg;
+
+// Keyword arguments of the attention functions and the schemes each applies to ("" = all).
+struct Keyword {
+  const char* name;
+  const char* schemes;
+};
+constexpr Keyword kSchemeKeywords[] = {
+    {"base", "rope xl"},
+    {"rotary_dim", "rope"},
+    {"style", "rope"},
+    {"angles", "rope"},
+    {"seq_len", "rope"},
+    {"freqs", "rope"},
+    {"max_bias", "alibi"},
+    {"num_buckets", "t5"},
+    {"max_distance", "t5"},
+    {"bidirectional", "t5"},
+    {"position_buckets", "deberta"},
+    {"max_relative_positions", "deberta"},
+    {"deberta_p2c", "deberta"},
+    {"deberta_float64_log", "deberta"},
+};
+
+bool applies(const char* schemes, const std::string& scheme) {
+  const std::string s = std::string(" ") + schemes + " ";
+  return s.find(" " + scheme + " ") != std::string::npos;
+}
+
+// Everything one call computes from, parsed and converted.
+struct Call {
+  bool f64 = false;
+  pb::array q, k, v;
+  SchemeSettings settings;
+  ParamMap params;
+  std::vector<pb::array> keep;  // parameter arrays the views point into
+  std::optional<ModelConfig> model;
+  AttentionOptions opt;
+  std::optional<Positions> qp, kp;
+  bool return_lse = false;
+  pb::object out = pb::none(), lse = pb::none();
+  BuiltScheme built;
+  std::array<int64_t, 4> qshape{}, kshape{};
+
+  const Positions* pq() const { return qp ? &*qp : nullptr; }
+  const Positions* pk() const { return kp ? &*kp : nullptr; }
+};
+
+template <class T>
+View<const T, 4> view4(const pb::array& a, const char* what, const char* layout) {
+  return view_of<const T, 4>(a, what, layout);
+}
+
+void add_param(Call& c, const std::string& name, const pb::handle& value) {
+  pb::array a;
+  if (pb::isinstance<pb::array>(value)) a = pb::reinterpret_borrow<pb::array>(value);
+  const bool f32_ok = a && viewable<float>(a);
+  const bool f64_ok = a && viewable<double>(a);
+  if (!f32_ok && !f64_ok) {
+    a = c.f64 ? as_array<double>(value, ("params['" + name + "']").c_str())
+              : as_array<float>(value, ("params['" + name + "']").c_str());
+  }
+  ParamTensor t;
+  if (viewable<float>(a)) {
+    t.f32 = static_cast<const float*>(a.data());
+    for (pb::ssize_t d = 0; d < a.ndim(); ++d) t.stride.push_back(a.strides(d) / 4);
+  } else {
+    t.f64 = static_cast<const double*>(a.data());
+    for (pb::ssize_t d = 0; d < a.ndim(); ++d) t.stride.push_back(a.strides(d) / 8);
+  }
+  t.shape.assign(a.shape(), a.shape() + a.ndim());
+  c.keep.push_back(a);
+  c.params[name] = std::move(t);
+}
+
+// Parameters from a dict of arrays (or torch tensors / anything NumPy converts), or from a
+// .safetensors path (the tensors of the scheme only).
+void parse_params(Call& c, const pb::handle& obj) {
+  if (obj.is_none()) return;
+  if (pb::isinstance<pb::dict>(obj)) {
+    for (auto [k, v] : pb::reinterpret_borrow<pb::dict>(obj)) {
+      if (!pb::isinstance<pb::str>(k)) throw pb::type_error("params: keys must be strings");
+      add_param(c, k.cast<std::string>(), v);
+    }
+    return;
+  }
+  if (pb::isinstance<pb::str>(obj) || pb::hasattr(obj, "__fspath__")) {
+    static const pb::object& fspath = py_attr("os", "fspath");
+    const std::string path = fspath(obj).cast<std::string>();
+    const SafetensorsFile file = read_safetensors(path);
+    c.settings.params_name = path;
+    const std::string scheme = c.settings.scheme.empty() && c.model
+                                   ? model_attention_scheme(*c.model, c.settings.config_name)
+                                   : c.settings.scheme;
+    for (const std::string& name : scheme_param_names(scheme.empty() ? "none" : scheme)) {
+      const auto it = file.tensors.find(name);
+      if (it == file.tensors.end()) continue;
+      const Tensor& t = it->second;
+      std::vector<pb::ssize_t> shape(t.shape.begin(), t.shape.end());
+      if (t.dtype == DType::kF64 || c.f64) {
+        const auto v = t.to_f64(path + ": " + name);
+        pb::array_t<double> a(shape);
+        std::copy(v.begin(), v.end(), a.mutable_data());
+        add_param(c, name, a);
+      } else {
+        const auto v = t.to_f32(path + ": " + name);
+        pb::array_t<float> a(shape);
+        std::copy(v.begin(), v.end(), a.mutable_data());
+        add_param(c, name, a);
+      }
+    }
+    return;
+  }
+  throw pb::type_error("params: a dict {name: array} or a .safetensors path");
+}
+
+DebertaP2c parse_p2c(const std::string& s) {
+  if (s == "model") return DebertaP2c::kModel;
+  if (s == "paper") return DebertaP2c::kPaper;
+  throw ValueError("deberta_p2c: '" + s + "' (model or paper)");
+}
+
+// Parses (q, k, v, scheme, **kwargs). `extra` lists the function's own keywords (out, lse,
+// return_lse), left in c for the caller.
+Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, const pb::handle& v,
+           const pb::object& scheme, const pb::kwargs& kw, bool force_f64,
+           const std::set<std::string>& extra) {
+  Call c;
+  c.f64 = force_f64 || (pb::isinstance<pb::array>(q) &&
+                        pb::reinterpret_borrow<pb::array>(q).dtype().is(pb::dtype::of<double>()));
+  if (c.f64) {
+    c.q = as_array<double>(q, "q");
+    c.k = as_array<double>(k, "k");
+    c.v = as_array<double>(v, "v");
+  } else {
+    c.q = as_array<float>(q, "q");
+    c.k = as_array<float>(k, "k");
+    c.v = as_array<float>(v, "v");
+  }
+  for (const auto& [a, what] : {std::pair{&c.q, "q"}, std::pair{&c.k, "k"}, std::pair{&c.v, "v"}}) {
+    if (a->ndim() != 4) {
+      throw ShapeError(std::string(what) + ": expected 4 dimensions " +
+                       (what[0] == 'q' ? "[batch, seq_q, heads_q, head_dim]"
+                                       : "[batch, seq_k, heads_kv, head_dim]") +
+                       ", got " + std::to_string(a->ndim()));
+    }
+  }
+  for (int d = 0; d < 4; ++d) {
+    c.qshape[d] = c.q.shape(d);
+    c.kshape[d] = c.k.shape(d);
+  }
+  if (!scheme.is_none()) c.settings.scheme = scheme.cast<std::string>();
+  pb::object params = pb::none();
+  for (auto [key, value] : kw) {
+    const std::string name = key.cast<std::string>();
+    if (extra.count(name)) {
+      if (name == "out") c.out = pb::reinterpret_borrow<pb::object>(value);
+      if (name == "lse") c.lse = pb::reinterpret_borrow<pb::object>(value);
+      if (name == "return_lse") c.return_lse = value.cast<bool>();
+      continue;
+    }
+    if (value.is_none()) continue;  // None = not given
+    if (name == "causal") {
+      c.opt.causal = value.cast<bool>();
+    } else if (name == "scale") {
+      c.opt.scale = value.cast<double>();
+    } else if (name == "window") {
+      c.opt.window = value.cast<int64_t>();
+    } else if (name == "allow_fully_masked") {
+      c.opt.allow_fully_masked = value.cast<bool>();
+    } else if (name == "num_threads") {
+      c.opt.num_threads = value.cast<int>();
+    } else if (name == "query_positions") {
+      c.qp = positions_arg(value, "query_positions");
+    } else if (name == "key_positions") {
+      c.kp = positions_arg(value, "key_positions");
+    } else if (name == "params") {
+      params = pb::reinterpret_borrow<pb::object>(value);
+    } else if (name == "config") {
+      c.model = model_config_arg(value);
+      c.settings.config_name =
+          pb::isinstance<pb::str>(value) ? value.cast<std::string>() : std::string("config");
+    } else if (name == "base") {
+      c.settings.base = value.cast<double>();
+    } else if (name == "rotary_dim") {
+      c.settings.rotary_dim = value.cast<int64_t>();
+    } else if (name == "style") {
+      c.settings.style = parse_style(value.cast<std::string>());
+    } else if (name == "angles") {
+      c.settings.angles = parse_angles(value.cast<std::string>());
+    } else if (name == "seq_len") {
+      value.cast<int64_t>();  // read below, once positions are known
+    } else if (name == "freqs") {
+      c.settings.freqs = value.cast<RopeFrequencies>();
+    } else if (name == "max_bias") {
+      c.settings.max_bias = value.cast<double>();
+    } else if (name == "num_buckets") {
+      c.settings.num_buckets = value.cast<int64_t>();
+    } else if (name == "max_distance") {
+      c.settings.max_distance = value.cast<int64_t>();
+    } else if (name == "bidirectional") {
+      c.settings.bidirectional = value.cast<bool>();
+    } else if (name == "position_buckets") {
+      c.settings.position_buckets = value.cast<int64_t>();
+    } else if (name == "max_relative_positions") {
+      c.settings.max_relative_positions = value.cast<int64_t>();
+    } else if (name == "deberta_p2c") {
+      c.settings.deberta_p2c = parse_p2c(value.cast<std::string>());
+    } else if (name == "deberta_float64_log") {
+      c.settings.deberta_float64_log = value.cast<bool>();
+    } else {
+      unexpected_keyword(fn, name);
+    }
+  }
+  // Scheme-specific keywords must fit the scheme (a typo or a wrong scheme is an error).
+  const std::string s = !c.settings.scheme.empty() ? c.settings.scheme
+                        : c.model ? model_attention_scheme(*c.model, c.settings.config_name)
+                                  : std::string("none");
+  if (c.settings.scheme.empty() && !c.model) c.settings.scheme = "none";
+  for (const Keyword& k : kSchemeKeywords) {
+    if (kw.contains(k.name) && !kw[k.name].is_none() && !applies(k.schemes, s)) {
+      throw pb::type_error(fn + "(): keyword '" + k.name + "' does not apply to scheme '" + s +
+                           "' (it is for " + k.schemes + ")");
+    }
+  }
+  parse_params(c, params);
+  // Length for length-dependent RoPE scaling: seq_len=, else the largest position + 1.
+  int64_t seq_len = 0;
+  if (kw.contains("seq_len") && !kw["seq_len"].is_none()) {
+    seq_len = kw["seq_len"].cast<int64_t>();
+  } else {
+    if (c.qp) c.qp->validate(c.qshape[0], c.qshape[1], "attention: query positions");
+    if (c.kp) c.kp->validate(c.kshape[0], c.kshape[1], "attention: key positions");
+    seq_len = attention_seq_len(c.qshape[0], c.qshape[1], c.kshape[1], c.pq(), c.pk());
+  }
+  c.built = build_scheme(c.settings, c.params, c.model ? &*c.model : nullptr,
+                         SchemeDims{.heads_q = c.qshape[2],
+                                    .heads_kv = c.kshape[2],
+                                    .head_dim = c.qshape[3],
+                                    .seq_len = seq_len},
+                         c.f64 ? SchemePrecision::kFloat64 : SchemePrecision::kFloat32);
+  c.opt = c.built.options(c.opt);
+  return c;
+}
+
+template <class T>
+pb::object forward(Call& c) {
+  const std::array<int64_t, 3> lshape{c.qshape[0], c.qshape[2], c.qshape[1]};
+  pb::object out = c.out.is_none() ? pb::object(new_array<T, 4>(c.qshape)) : c.out;
+  const View<T, 4> ov = out_view<T, 4>(out, c.qshape, "out");
+  pb::object lse = pb::none();
+  View<T, 3> lv{};
+  if (c.return_lse) {
+    lse = new_array<T, 3>(lshape);
+    lv = out_view<T, 3>(lse, lshape, "lse");
+  }
+  const auto qv = view4<T>(c.q, "q", ""), kv = view4<T>(c.k, "k", ""), vv = view4<T>(c.v, "v", "");
+  {
+    pb::gil_scoped_release release;
+    if constexpr (std::is_same_v<T, double>) {
+      if (c.return_lse) {
+        ref::attention(qv, kv, vv, c.built.scheme, c.opt, c.built.tables64, ov, lv, c.pq(), c.pk());
+      } else {
+        ref::attention(qv, kv, vv, c.built.scheme, c.opt, c.built.tables64, ov, c.pq(), c.pk());
+      }
+    } else {
+      if (c.return_lse) {
+        attention(qv, kv, vv, c.built.scheme, c.opt, ov, lv, c.pq(), c.pk());
+      } else {
+        attention(qv, kv, vv, c.built.scheme, c.opt, ov, c.pq(), c.pk());
+      }
+    }
+  }
+  if (c.return_lse) return pb::make_tuple(out, lse);
+  return out;
+}
+
+template <class T>
+pb::dict backward(Call& c, const pb::handle& dout_obj) {
+  const std::array<int64_t, 3> lshape{c.qshape[0], c.qshape[2], c.qshape[1]};
+  pb::array dout = as_array<T>(dout_obj, "dout");
+  const auto dov = view4<T>(dout, "dout", "[batch, seq_q, heads_q, head_dim]");
+  const auto qv = view4<T>(c.q, "q", ""), kv = view4<T>(c.k, "k", ""), vv = view4<T>(c.v, "v", "");
+  // The forward's out and lse: given (as saved by a training framework), else computed here.
+  pb::array out, lse;
+  if (c.out.is_none() != c.lse.is_none()) {
+    throw pb::type_error("attention_grad(): give both out= and lse= (the forward's) or neither");
+  }
+  if (c.out.is_none()) {
+    out = new_array<T, 4>(c.qshape);
+    lse = new_array<T, 3>(lshape);
+    const View<T, 4> ov = out_view<T, 4>(out, c.qshape, "out");
+    const View<T, 3> lv = out_view<T, 3>(lse, lshape, "lse");
+    pb::gil_scoped_release release;
+    if constexpr (std::is_same_v<T, double>) {
+      ref::attention(qv, kv, vv, c.built.scheme, c.opt, c.built.tables64, ov, lv, c.pq(), c.pk());
+    } else {
+      attention(qv, kv, vv, c.built.scheme, c.opt, ov, lv, c.pq(), c.pk());
+    }
+  } else {
+    out = as_array<T>(c.out, "out");
+    lse = as_array<T>(c.lse, "lse");
+  }
+  const auto ov = view4<T>(out, "out", "[batch, seq_q, heads_q, head_dim]");
+  const auto lv = view_of<const T, 3>(lse, "lse", "[batch, heads_q, seq_q]");
+  pb::array_t<T> dq = new_array<T, 4>(c.qshape), dk = new_array<T, 4>(c.kshape),
+                 dv = new_array<T, 4>(c.kshape);
+  AttentionGradsOf<T> g;
+  g.dq = mutable_view<T, 4>(dq);
+  g.dk = mutable_view<T, 4>(dk);
+  g.dv = mutable_view<T, 4>(dv);
+  std::vector<pb::array_t<T>> dparams;
+  for (const LearnedParam& p : c.built.learned) {
+    std::vector<pb::ssize_t> shape(p.grad_shape.begin(), p.grad_shape.end());
+    dparams.emplace_back(shape);
+    bind_param_grad(g, p, dparams.back().mutable_data());
+  }
+  {
+    pb::gil_scoped_release release;
+    if constexpr (std::is_same_v<T, double>) {
+      ref::attention_backward(qv, kv, vv, ov, lv, dov, c.built.scheme, c.opt, c.built.tables64, g,
+                              c.pq(), c.pk());
+    } else {
+      attention_backward(qv, kv, vv, ov, lv, dov, c.built.scheme, c.opt, g, c.pq(), c.pk());
+    }
+  }
+  pb::dict result;
+  result["dq"] = dq;
+  result["dk"] = dk;
+  result["dv"] = dv;
+  for (std::size_t i = 0; i < dparams.size(); ++i) {
+    const LearnedParam& p = c.built.learned[i];
+    pb::object grad = dparams[i];
+    if (p.summed_over_heads) {
+      grad = dparams[i].attr("sum")(1);  // a shared table broadcast over the heads
+    } else {
+      grad = dparams[i].attr("reshape")(pb::cast(p.shape));
+    }
+    result[pb::str("d" + p.name)] = grad;
+  }
+  return result;
+}
+
+const char* kAttentionDoc =
+    R"doc(attention(q, k, v, scheme=None, *, causal=False, scale=None, window=None,
+          query_positions=None, key_positions=None, params=None, config=None,
+          allow_fully_masked=False, num_threads=0, return_lse=False, out=None,
+          **scheme settings) -> out, or (out, lse) with return_lse=True
+
+Scaled dot-product attention with a positional scheme (SPEC §0): q [batch, seq_q, heads_q,
+head_dim], k and v [batch, seq_k, heads_kv, head_dim] (heads_kv divides heads_q: MHA, GQA, MQA).
+float32 q runs the fused kernel (SIMD, threads, no [seq_q, seq_k] matrix); float64 q runs the
+float64 reference with float64 parameters. k, v, dout and params are converted to q's dtype if
+they differ; arrays of that dtype with non-negative strides are used without a copy.
+
+scheme: 'none', 'rope', 'alibi', 't5', 'shaw', 'xl', 'deberta' (default: config's, else none).
+params: {name: array} by SPEC §9 names, or a .safetensors path: t5 relative_attention_bias
+[num_buckets, heads_q]; alibi slopes [heads_q] (optional); shaw rel_k, rel_v [2K+1, head_dim] or
+[2K+1, heads_q, head_dim]; xl r_w_bias, r_r_bias [heads_q, head_dim], r_net [heads_q*head_dim,
+d_model]; deberta pos_key, pos_query [2K, heads_q, head_dim].
+config: a model config.json path, dict or ModelConfig: scheme and settings from the model.
+Scheme settings: rope base=1e4, rotary_dim=0 (= head_dim), style='half'|'interleaved',
+angles='accurate'|'float32', seq_len (default max position + 1), freqs=RopeFrequencies; alibi
+max_bias=8; t5 num_buckets, max_distance=128, bidirectional (default: not causal); xl base=1e4;
+deberta position_buckets=0, max_relative_positions=512, deberta_p2c='model'|'paper',
+deberta_float64_log=False. A setting for another scheme raises TypeError.
+Positions: None (SPEC defaults: key j at j, query i at seq_k - seq_q + i), an int offset, or int
+ids [seq] / [batch, seq]. lse [batch, heads_q, seq_q] is the per-row log-sum-exp.)doc";
+
+const char* kGradDoc =
+    R"doc(attention_grad(q, k, v, dout, scheme=None, *, out=None, lse=None, **attention's keywords)
+    -> {'dq', 'dk', 'dv', 'd<name>' for each parameter in params}
+
+Gradients of attention (the fused FlashAttention-2 backward for float32, the float64 reference
+for float64). out and lse: the forward's (attention(..., return_lse=True)); without them the
+forward runs first. Parameter gradients have the shape the parameter was given in.)doc";
+
+}  // namespace
+
+void bind_attention(pb::module_& m, pb::module_& ref) {
+  const std::set<std::string> fwd_extra = {"out", "return_lse"};
+  const std::set<std::string> grad_extra = {"out", "lse"};
+  m.def(
+      "attention",
+      [fwd_extra](const pb::object& q, const pb::object& k, const pb::object& v,
+                  const pb::object& scheme, const pb::kwargs& kw) {
+        Call c = parse("attention", q, k, v, scheme, kw, false, fwd_extra);
+        return c.f64 ? forward<double>(c) : forward<float>(c);
+      },
+      arg("q"), arg("k"), arg("v"), arg("scheme") = pb::none(), kAttentionDoc);
+  m.def(
+      "attention_grad",
+      [grad_extra](const pb::object& q, const pb::object& k, const pb::object& v,
+                   const pb::object& dout, const pb::object& scheme, const pb::kwargs& kw) {
+        Call c = parse("attention_grad", q, k, v, scheme, kw, false, grad_extra);
+        return c.f64 ? backward<double>(c, dout) : backward<float>(c, dout);
+      },
+      arg("q"), arg("k"), arg("v"), arg("dout"), arg("scheme") = pb::none(), kGradDoc);
+  ref.def(
+      "attention",
+      [fwd_extra](const pb::object& q, const pb::object& k, const pb::object& v,
+                  const pb::object& scheme, const pb::kwargs& kw) {
+        Call c = parse("attention", q, k, v, scheme, kw, true, fwd_extra);
+        return forward<double>(c);
+      },
+      arg("q"), arg("k"), arg("v"), arg("scheme") = pb::none(),
+      "ref.attention(q, k, v, scheme=None, **kwargs): attention in float64 (inputs and "
+      "parameters converted to float64): posenc::ref::attention, materialized from the SPEC.");
+  ref.def(
+      "attention_grad",
+      [grad_extra](const pb::object& q, const pb::object& k, const pb::object& v,
+                   const pb::object& dout, const pb::object& scheme, const pb::kwargs& kw) {
+        Call c = parse("attention_grad", q, k, v, scheme, kw, true, grad_extra);
+        return backward<double>(c, dout);
+      },
+      arg("q"), arg("k"), arg("v"), arg("dout"), arg("scheme") = pb::none(),
+      "ref.attention_grad(q, k, v, dout, scheme=None, **kwargs): attention_grad in float64.");
+  ref.def(
+      "attention_scores",
+      [](const pb::object& q, const pb::object& k, const pb::object& scheme, int64_t batch_index,
+         int64_t head, const pb::kwargs& kw) {
+        Call c = parse("attention_scores", q, k, k, scheme, kw, true, {});
+        std::vector<double> s;
+        {
+          const auto qv = view4<double>(c.q, "q", ""), kv = view4<double>(c.k, "k", "");
+          pb::gil_scoped_release release;
+          s = ref::attention_scores(qv, kv, c.built.scheme, c.opt, c.built.tables64, batch_index,
+                                    head, c.pq(), c.pk());
+        }
+        pb::array_t<double> a({c.qshape[1], c.kshape[1]});
+        std::copy(s.begin(), s.end(), a.mutable_data());
+        return a;
+      },
+      arg("q"), arg("k"), arg("scheme") = pb::none(), pb::kw_only(), arg("batch_index") = 0,
+      arg("head") = 0,
+      "ref.attention_scores(q, k, scheme=None, *, batch_index=0, head=0, **kwargs) -> float64 "
+      "[seq_q, seq_k]: the scores of one (batch row, query head) before masking and softmax, "
+      "scale and every positional term included.");
+  // Seconds per call of the C++ attention alone (arguments parsed once, `reps` calls, GIL
+  // released): what bench/python_attention.py subtracts to measure the Python calling overhead.
+  m.def(
+      "_time_attention",
+      [fwd_extra](const pb::object& q, const pb::object& k, const pb::object& v,
+                  const pb::object& scheme, int reps, const pb::kwargs& kw) {
+        Call c = parse("attention", q, k, v, scheme, kw, false, fwd_extra);
+        pb::array_t<float> out = new_array<float, 4>(c.qshape);
+        const View<float, 4> ov = mutable_view<float, 4>(out);
+        const auto qv = view4<float>(c.q, "q", ""), kv = view4<float>(c.k, "k", ""),
+                   vv = view4<float>(c.v, "v", "");
+        pb::gil_scoped_release release;
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < reps; ++i) {
+          attention(qv, kv, vv, c.built.scheme, c.opt, ov, c.pq(), c.pk());
+        }
+        const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+        return dt.count() / std::max(reps, 1);
+      },
+      arg("q"), arg("k"), arg("v"), arg("scheme") = pb::none(), arg("reps") = 1000);
+  m.def(
+      "attention_merge",
+      [](const pb::object& out_a, const pb::object& lse_a, const pb::object& out_b,
+         const pb::object& lse_b) {
+        pb::array oa = as_array<float>(out_a, "out_a"), la = as_array<float>(lse_a, "lse_a");
+        pb::array ob = as_array<float>(out_b, "out_b"), lb = as_array<float>(lse_b, "lse_b");
+        const auto oav = view_of<const float, 4>(oa, "out_a", "[batch, seq_q, heads_q, head_dim]");
+        std::array<int64_t, 4> os = oav.shape;
+        pb::array_t<float> out = new_array<float, 4>(os);
+        pb::array_t<float> lse = new_array<float, 3>({os[0], os[2], os[1]});
+        attention_merge(oav, view_of<const float, 3>(la, "lse_a", "[batch, heads_q, seq_q]"),
+                        view_of<const float, 4>(ob, "out_b", "[batch, seq_q, heads_q, head_dim]"),
+                        view_of<const float, 3>(lb, "lse_b", "[batch, heads_q, seq_q]"),
+                        mutable_view<float, 4>(out), mutable_view<float, 3>(lse));
+        return pb::make_tuple(out, lse);
+      },
+      arg("out_a"), arg("lse_a"), arg("out_b"), arg("lse_b"),
+      "attention_merge(out_a, lse_a, out_b, lse_b) -> (out, lse): the attention over the union "
+      "of two disjoint key sets from the two partial attentions (positions kept global).");
+}
+
+}  // namespace posenc::py

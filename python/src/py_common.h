@@ -1,0 +1,133 @@
+// python/src/py_common.h - what the binding files share: NumPy arrays as posenc views (without
+// copies when the dtype and strides allow), keyword parsing, positions, model configs.
+//
+// Conversion policy (docs/python.md): an input array is used in place when its dtype is the one
+// the computation runs in (float32 for the kernels, float64 for the reference) and its strides
+// are non-negative multiples of the element size; anything else (another dtype, negative or
+// unaligned strides) is converted once with numpy.ascontiguousarray(x, dtype). Outputs are new
+// C-contiguous arrays unless an `out=` array is given (then it must have the exact dtype and
+// shape; any non-negative strides).
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "posenc/posenc.h"
+
+namespace posenc::py {
+
+namespace pb = pybind11;
+
+// module.attr, looked up once and never released (a function-local static pb::object would be
+// destroyed after the interpreter finalizes).
+inline const pb::object& py_attr(const char* module, const char* name) {
+  return *new pb::object(pb::module_::import(module).attr(name));
+}
+
+// True when `a` can be viewed in place as elements of T: dtype T, strides non-negative multiples
+// of sizeof(T).
+template <class T>
+bool viewable(const pb::array& a) {
+  if (!pb::isinstance<pb::array_t<T>>(a)) return false;
+  if (reinterpret_cast<std::uintptr_t>(a.data()) % alignof(T) != 0) return false;
+  for (pb::ssize_t d = 0; d < a.ndim(); ++d) {
+    const pb::ssize_t s = a.strides(d);
+    if (s < 0 || s % static_cast<pb::ssize_t>(sizeof(T)) != 0) return false;
+  }
+  return true;
+}
+
+// `obj` as an array of T that can be viewed in place: itself when possible, else one converted
+// C-contiguous copy. TypeError (naming `what`) for objects NumPy cannot convert.
+template <class T>
+pb::array as_array(const pb::handle& obj, const char* what) {
+  if (pb::isinstance<pb::array>(obj)) {
+    pb::array a = pb::reinterpret_borrow<pb::array>(obj);
+    if (viewable<T>(a)) return a;
+  }
+  try {
+    static const pb::object& ascontig = py_attr("numpy", "ascontiguousarray");
+    return ascontig(obj, pb::dtype::of<T>());
+  } catch (pb::error_already_set& e) {
+    throw pb::type_error(std::string(what) + ": cannot be converted to a " +
+                         (sizeof(T) == 4 ? "float32" : "float64") + " array (" + e.what() + ")");
+  }
+}
+
+// A rank-R view of an array (viewable<T>), or ShapeError naming `what` and `layout`.
+template <class T, std::size_t R>
+View<T, R> view_of(const pb::array& a, const char* what, const char* layout) {
+  if (a.ndim() != static_cast<pb::ssize_t>(R)) {
+    throw ShapeError(std::string(what) + ": expected " + std::to_string(R) + " dimensions " +
+                     layout + ", got " + std::to_string(a.ndim()));
+  }
+  View<T, R> v;
+  v.data = static_cast<T*>(const_cast<void*>(a.data()));
+  for (std::size_t d = 0; d < R; ++d) {
+    v.shape[d] = a.shape(static_cast<pb::ssize_t>(d));
+    v.stride[d] = a.strides(static_cast<pb::ssize_t>(d)) / static_cast<pb::ssize_t>(sizeof(T));
+  }
+  return v;
+}
+
+// A writable view of an output array (exact dtype and shape required; no conversion).
+template <class T, std::size_t R>
+View<T, R> out_view(const pb::handle& obj, const std::array<int64_t, R>& shape, const char* what) {
+  if (!pb::isinstance<pb::array>(obj)) throw pb::type_error(std::string(what) + ": not an array");
+  pb::array a = pb::reinterpret_borrow<pb::array>(obj);
+  if (!pb::isinstance<pb::array_t<T>>(a)) {
+    throw pb::type_error(std::string(what) + ": dtype must be " +
+                         (sizeof(T) == 4 ? "float32" : "float64") + ", got " +
+                         pb::str(a.dtype()).cast<std::string>());
+  }
+  if (!a.writeable()) throw ValueError(std::string(what) + ": array is read-only");
+  if (!viewable<T>(a)) throw ValueError(std::string(what) + ": strides must be non-negative");
+  auto v = view_of<T, R>(a, what, "");
+  if (v.shape != shape) {
+    throw ShapeError(std::string(what) + ": shape " + shape_str(v.shape) + ", expected " +
+                     shape_str(shape));
+  }
+  return View<T, R>{static_cast<T*>(a.mutable_data()), v.shape, v.stride};
+}
+
+// A new C-contiguous array of `shape`.
+template <class T, std::size_t R>
+pb::array_t<T> new_array(const std::array<int64_t, R>& shape) {
+  std::vector<pb::ssize_t> s(shape.begin(), shape.end());
+  return pb::array_t<T>(s);
+}
+
+template <class T, std::size_t R>
+View<T, R> mutable_view(pb::array_t<T>& a) {
+  return view_of<T, R>(a, "out", "");
+}
+
+// Positions from None (nullopt), an int (offset) or an integer array [seq] (shared) or
+// [batch, seq] (per row). `what` names the argument.
+std::optional<Positions> positions_arg(const pb::handle& obj, const char* what);
+
+// A model config from a path (str / os.PathLike), a dict (the config.json contents) or a
+// ModelConfig.
+ModelConfig model_config_arg(const pb::handle& obj);
+
+// Enum spellings (ValueError listing the choices).
+RopeStyle parse_style(const std::string& s);
+RopeAngles parse_angles(const std::string& s);
+SinLayout parse_layout(const std::string& s);
+
+// Raises TypeError "<fn>() got an unexpected keyword argument '<key>'".
+[[noreturn]] void unexpected_keyword(const std::string& fn, const std::string& key);
+
+// Registration of each binding file.
+void bind_encodings(pb::module_& m, pb::module_& ref);
+void bind_attention(pb::module_& m, pb::module_& ref);
+void bind_extras(pb::module_& m);
+
+}  // namespace posenc::py

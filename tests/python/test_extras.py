@@ -1,0 +1,52 @@
+"""posenc.check(), rope_precision(), the figures, the demo page and the benchmark suite."""
+
+import os
+
+import numpy as np
+
+import posenc
+
+
+def test_check_rows_measure_the_seeds_claims():
+    rows = posenc.check()
+    assert len(rows) >= 10
+    assert all(isinstance(r, posenc.CheckRow) for r in rows)
+    assert all(r.passed for r in rows), [r for r in rows if not r.passed]
+    schemes = {r.scheme for r in rows}
+    assert {"none", "sinusoidal", "rope", "alibi", "t5"} <= schemes
+    dot = [r for r in rows if "7.4852" in r.expect]
+    assert dot and abs(dot[0].measured - 7.4852) < 5e-5
+
+
+def test_rope_precision_rows():
+    rows = posenc.rope_precision([1 << 16, 1 << 20])
+    assert [r.position for r in rows] == [1 << 16, 1 << 20]
+    assert all(r.accurate_error < 1e-6 for r in rows)
+    assert rows[1].float32_error > 10 * rows[1].accurate_error
+
+
+def test_plots_write_png_and_svg_and_return_bytes(tmp_path):
+    path = posenc.plot.heatmap(out=tmp_path / "h.png", length=16, dim=32)
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    svg = posenc.plot.bias(out=str(tmp_path / "b.svg"), scheme="t5", length=12, causal=True)
+    assert open(svg).read(200).lstrip().startswith("<?xml") or "<svg" in open(svg).read()
+    data = posenc.plot.similarity(scheme="alibi", max_offset=8, width=300)
+    assert data[:4] == b"\x89PNG"
+    for kind in (posenc.plot.clock, posenc.plot.rope_rotation, posenc.plot.attention,
+                 posenc.plot.extrapolation):
+        assert kind(width=300)[:4] == b"\x89PNG"
+    table = np.random.default_rng(0).standard_normal((20, 16)).astype(np.float32)
+    assert posenc.plot.heatmap_table(table, length=0)[:4] == b"\x89PNG"
+    assert set(posenc.plot.kinds) >= {"heatmap", "clock", "bias"}
+
+
+def test_demo_writes_the_page(tmp_path):
+    index = posenc.demo(tmp_path / "demo", skip_checks=True, format="svg")
+    assert os.path.exists(index)
+    assert len([f for f in os.listdir(tmp_path / "demo") if f.endswith(".svg")]) >= 5
+
+
+def test_bench_quick_entry():
+    rows = posenc.bench(quick=True, filter="rope_neox", threads=1)
+    assert rows and rows[0]["name"].startswith("rope_neox")
+    assert rows[0]["median_s"] > 0 and rows[0]["gbps"] > 0
