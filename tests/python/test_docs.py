@@ -39,7 +39,7 @@ def test_pytorch_decoder_example_trains():
 
 
 @pytest.mark.parametrize("page", ["sinusoidal", "learned", "rope", "alibi", "t5", "shaw",
-                                  "transformer-xl"])
+                                  "transformer-xl", "deberta"])
 def test_scheme_pages_python_sections_run(page, monkeypatch):
     root = os.path.abspath(os.path.join(os.path.dirname(DOC), ".."))
     with open(os.path.join(root, "docs", f"{page}.md")) as f:
