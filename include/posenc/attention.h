@@ -60,6 +60,13 @@ struct AttentionOptions {
   std::optional<int64_t> window;    // sliding window w >= 1: visible iff |rel| < w
   bool allow_fully_masked = false;  // a row with no visible key: output 0 instead of error
   int num_threads = 0;              // 0 = all available
+  // Chunked local attention (Llama 4): key visible only within the query's chunk,
+  // floor(pos_k / c) == floor(pos_q / c) (positions >= 0), on top of the other masks.
+  std::optional<int64_t> chunk;
+  // Attention sinks (gpt-oss): one learned logit per query head [heads_q], an extra entry in each
+  // row's softmax denominator with no value vector, added unscaled and never masked. Empty: none.
+  // With sinks a row with no visible key is well defined (out = 0, lse = sink) and not an error.
+  View<const float, 1> sinks;
 };
 
 // Float32 attention, fused: a flash-attention kernel (Highway SIMD, OpenMP threads over
@@ -120,6 +127,7 @@ struct AttentionGradsOf {
   View<T, 3> drel_k, drel_v;
   View<T, 2> dr_w_bias, dr_r_bias, dr_net;
   View<T, 3> dpos_key, dpos_query;
+  View<T, 1> dsinks;  // [heads_q], when AttentionOptions::sinks is given
 };
 using AttentionGrads = AttentionGradsOf<float>;
 
@@ -160,6 +168,7 @@ struct SchemeTables {
   View<const double, 2> r_w_bias, r_r_bias;       // Transformer-XL u, v [heads_q, head_dim]
   View<const double, 2> r_net;                    // Transformer-XL [heads_q * head_dim, d_model]
   View<const double, 3> pos_key, pos_query;       // DeBERTa [2K, heads_q, head_dim]
+  View<const double, 1> sinks;                    // replaces AttentionOptions::sinks [heads_q]
 };
 
 // The float64 oracle: materialized scores, straight from SPEC. Same contract and validation;
