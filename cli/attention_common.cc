@@ -98,6 +98,13 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
   } else if (a.scheme.empty()) {
     throw UsageError("--scheme is required (or --config config.json)");
   }
+  if (a.layer && !model) throw UsageError("--layer needs --config");
+  if (model && !a.layer && model->layers_differ()) {
+    throw UsageError(a.config + ": the layers of model_type '" + model->model_type +
+                     "' differ in position handling (window, chunk, RoPE, sinks; see posenc "
+                     "describe); pass --layer N");
+  }
+  if (a.chunk) require_at_least("--chunk", *a.chunk, 1);
   if (a.out_dtype == "float64" && !a.reference) {
     throw UsageError("--out-dtype float64 needs --reference (the float32 path computes float32)");
   }
@@ -149,6 +156,7 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
     s.deberta_p2c = a.deberta_p2c == "paper" ? DebertaP2c::kPaper : DebertaP2c::kModel;
   }
   if (a.deberta_float64_log) s.deberta_float64_log = true;
+  s.layer = a.layer;
   s.params_name = a.params.empty() ? "--params" : a.params;
   s.config_name = a.config;
   s.q_name = a.q;
@@ -175,9 +183,38 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
   opt.causal = a.causal;
   opt.scale = a.scale;
   opt.window = a.window;
+  opt.chunk = a.chunk;
   opt.allow_fully_masked = a.allow_fully_masked;
   opt.num_threads = a.threads;
-  opt = in.holder.built.options(opt);  // T5 configs: scale 1 unless --scale
+  // T5 configs: scale 1 unless --scale; --layer: the layer's scale, window, chunk unless given;
+  // sinks from --params.
+  opt = in.holder.built.options(opt);
+
+  // Llama 4 NoPE layers: the queries scaled by the attention temperature at their positions.
+  if (const auto& t = in.holder.built.query_temperature) {
+    const Positions qp = pos_q ? *pos_q : Positions::offset(seq_k - seq_q);
+    in.query_factor.resize(static_cast<std::size_t>(batch * seq_q));
+    const std::size_t row = static_cast<std::size_t>(q.shape[2] * q.shape[3]);
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t i = 0; i < seq_q; ++i) {
+        const auto r = static_cast<std::size_t>(b * seq_q + i);
+        in.query_factor[r] = attention_temperature(*t, qp.at(b, i));
+        const float f = static_cast<float>(in.query_factor[r]);
+        for (std::size_t c = 0; c < row; ++c) in.q.data[r * row + c] *= f;
+      }
+    }
+  }
+}
+
+std::vector<double> AttentionInputs::q64() const {
+  std::vector<double> x = q_file.to_f64(args.q);
+  if (!query_factor.empty()) {
+    const std::size_t row = x.size() / query_factor.size();
+    for (std::size_t r = 0; r < query_factor.size(); ++r) {
+      for (std::size_t c = 0; c < row; ++c) x[r * row + c] *= query_factor[r];
+    }
+  }
+  return x;
 }
 
 void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHelp& help) {
@@ -193,12 +230,18 @@ void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHel
                   "rotary dim, style, scaling at seq_len = max position + 1; alibi: slopes; t5: "
                   "num_buckets, max_distance, default --scale 1; deberta: position_buckets, "
                   "max_relative_positions); q/k heads and head_dim must match it");
+  app->add_option("--layer", a.layer,
+                  "With --config: the decoder layer (0-based) whose attention to use: its RoPE "
+                  "(none on a NoPE layer, whose queries are scaled by the attention temperature), "
+                  "sliding window, chunk, softmax scale and sinks (from --params). Required when "
+                  "the model's layers differ (gemma2/3, gpt_oss, llama4)");
   app->add_flag("--causal", a.causal, "Key j visible iff pos_k(j) <= pos_q(i)");
   app->add_option("--scale", a.scale, "Score scale (default 1/sqrt(D); DeBERTa 1/sqrt(3D))");
   app->add_option("--params", a.params,
                   "Parameters .safetensors: t5 relative_attention_bias [NB, H]; alibi slopes [H] "
                   "(optional); shaw rel_k, rel_v [2K+1, D] or [2K+1, H, D]; xl r_w_bias, "
-                  "r_r_bias [H, D], r_net [H*D, Dm]; deberta pos_key, pos_query [2K, H, D]");
+                  "r_r_bias [H, D], r_net [H*D, Dm]; deberta pos_key, pos_query [2K, H, D]; any "
+                  "scheme: sinks [Hq] (attention sinks, optional; required by gpt_oss layers)");
   app->add_option("--base", a.base, "rope: theta; xl: sinusoid base")->capture_default_str();
   app->add_option("--rotary-dim", a.rotary_dim, "rope: rotary dim R (default head_dim)");
   app->add_option("--style", a.style, "rope: half or interleaved")
@@ -233,6 +276,9 @@ void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHel
   app->add_option("--positions-k", a.positions_k,
                   "int64 key positions [Lk] or [B, Lk] (.npy); default j");
   app->add_option("--window", a.window, "Sliding window w >= 1: key visible iff |rel| < w");
+  app->add_option("--chunk", a.chunk,
+                  "Chunked local attention c >= 1 (Llama 4): key visible only within the query's "
+                  "chunk, floor(pos_k / c) == floor(pos_q / c), on top of the other masks");
   app->add_flag("--allow-fully-masked", a.allow_fully_masked,
                 "A query row with no visible key outputs 0 instead of an error");
   app->add_flag("--reference", a.reference, help.reference);

@@ -26,7 +26,8 @@ namespace posenc::cli {
 struct AttentionArgs {
   std::string q, k, v, out;
   std::string scheme;
-  std::string config;  // HF config.json: scheme settings and dims from the model
+  std::string config;            // HF config.json: scheme settings and dims from the model
+  std::optional<int64_t> layer;  // with config: the decoder layer whose attention to use
   bool causal = false;
   std::optional<double> scale;
   std::string params;
@@ -49,6 +50,7 @@ struct AttentionArgs {
   // positions and options
   std::string positions_q, positions_k;
   std::optional<int64_t> window;
+  std::optional<int64_t> chunk;
   bool allow_fully_masked = false;
   bool reference = false;
   std::string out_dtype = "float32";  // empty: no default (the command decides)
@@ -84,6 +86,23 @@ struct AttentionInputs {
   std::optional<Positions> pos_q, pos_k;
   SchemeHolder holder;  // built for the float64 reference with --reference
   AttentionOptions options;
+  // Llama 4 NoPE layers (--layer): query row (b, i) is scaled by query_factor[b * seq_q + i]
+  // (attention_temperature), already applied to q; empty when none.
+  std::vector<double> query_factor;
+
+  // q as float64 for the reference: q_file's values, scaled by query_factor.
+  std::vector<double> q64() const;
+  // Chain rule through the query scaling: dq row (b, i) times query_factor[b * seq_q + i].
+  template <class T>
+  void scale_dq(std::vector<T>& dq) const {
+    if (query_factor.empty()) return;
+    const std::size_t row = dq.size() / query_factor.size();
+    for (std::size_t r = 0; r < query_factor.size(); ++r) {
+      for (std::size_t c = 0; c < row; ++c) {
+        dq[r * row + c] = static_cast<T>(static_cast<double>(dq[r * row + c]) * query_factor[r]);
+      }
+    }
+  }
 
   const PositionScheme& scheme() const { return holder.built.scheme; }
   const Positions* query_positions() const { return pos_q ? &*pos_q : nullptr; }

@@ -22,14 +22,14 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   read_attention_inputs(app, args, in);
   const AttentionArgs& a = in.args;
   const FloatArray &q = in.q, &k = in.k, &v = in.v;
-  const Tensor &tq = in.q_file, &tk = in.k_file, &tv = in.v_file;
+  const Tensor &tk = in.k_file, &tv = in.v_file;
   const PositionScheme& scheme = in.scheme();
   const AttentionOptions& opt = in.options;
   const Positions* pq = in.query_positions();
   const Positions* pk = in.key_positions();
 
   if (a.reference) {
-    const std::vector<double> q64 = tq.to_f64(a.q), k64 = tk.to_f64(a.k), v64 = tv.to_f64(a.v);
+    const std::vector<double> q64 = in.q64(), k64 = tk.to_f64(a.k), v64 = tv.to_f64(a.v);
     std::vector<double> out(q64.size());
     auto dims = q.dims<4>();
     ref::attention(View<const double, 4>::contiguous(q64.data(), dims),

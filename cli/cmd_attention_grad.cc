@@ -95,6 +95,8 @@ SafetensorsFile compute_grads(const AttentionInputs& in, const std::vector<T>& q
     attention_backward(qv, kv, vv, out_view, lse_view, dov, scheme, opt, g, pq, pk);
   }
 
+  in.scale_dq(dq);  // Llama 4 NoPE layers: q was scaled by the attention temperature
+
   SafetensorsFile file;
   file.metadata["scheme"] = scheme_name(scheme);
   file.tensors["dq"] = to_tensor(in.q.shape, dq, dtype);
@@ -126,9 +128,8 @@ int run_attention_grad(const CLI::App& app, const AttentionGradArgs& args) {
   const DType dtype = f64 ? DType::kF64 : DType::kF32;
   SafetensorsFile grads;
   if (a.reference) {
-    grads =
-        compute_grads<double>(in, in.q_file.to_f64(a.q), in.k_file.to_f64(a.k),
-                              in.v_file.to_f64(a.v), dout_file.to_f64(args.dout), args.lse, dtype);
+    grads = compute_grads<double>(in, in.q64(), in.k_file.to_f64(a.k), in.v_file.to_f64(a.v),
+                                  dout_file.to_f64(args.dout), args.lse, dtype);
   } else {
     grads = compute_grads<float>(in, in.q.data, in.k.data, in.v.data, dout.data, args.lse, dtype);
   }
@@ -150,7 +151,8 @@ Command add_attention_grad_command(CLI::App& parent) {
       app, a->attention,
       {.out = "Output .safetensors: dq [B, Lq, Hq, D], dk, dv [B, Lk, Hkv, D], d<name> for each "
               "learned parameter in --params (e.g. drelative_attention_bias, dslopes, drel_k, "
-              "drel_v, dr_w_bias, dr_r_bias, dr_net, dpos_key, dpos_query), lse with --lse",
+              "drel_v, dr_w_bias, dr_r_bias, dr_net, dpos_key, dpos_query, dsinks [Hq]), lse "
+              "with --lse",
        .reference = "Run the float64 reference (posenc::ref::attention and "
                     "ref::attention_backward) instead of the float32 path; writes float64",
        .out_dtype = "float32 or float64 (default: float64 with --reference, else float32; "

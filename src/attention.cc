@@ -91,6 +91,9 @@ template <class T>
 struct Prepared {
   int kind = 0;  // PositionScheme index
   double scale = 1.0;
+  // Attention sinks [heads_q] (AttentionOptions::sinks, or ref::SchemeTables::sinks for the
+  // oracle); empty: none.
+  std::vector<T> sinks;
   // rope: rotated copies of q and k (contiguous [B, L, H, D]).
   std::vector<T> q_rot, k_rot;
   // alibi
@@ -173,6 +176,13 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
       1.0 / std::sqrt(static_cast<double>(std::holds_alternative<DeBERTa>(scheme) ? 3 : 1) *
                       static_cast<double>(d.head_dim));
   p.scale = opt.scale.value_or(default_scale);
+  if (tables != nullptr && tables->sinks.data != nullptr) {
+    require_table_shape(tables->sinks, {d.heads_q}, "attention: sinks (float64) [heads_q]");
+    for (int64_t h = 0; h < d.heads_q; ++h) p.sinks.push_back(static_cast<T>(tables->sinks(h)));
+  } else if (opt.sinks.data != nullptr) {
+    require_table_shape(opt.sinks, {d.heads_q}, "attention: sinks [heads_q]");
+    for (int64_t h = 0; h < d.heads_q; ++h) p.sinks.push_back(static_cast<T>(opt.sinks(h)));
+  }
   if (const auto* r = std::get_if<Rope>(&scheme)) {
     const auto& f = r->freqs;
     if (f.inv_freq.empty()) fail("attention: rope: freqs.inv_freq is empty");
@@ -344,6 +354,9 @@ Problem<T> make_problem(View<const T, 4> q, View<const T, 4> k, View<const T, 4>
   if (opt.window && *opt.window < 1) {
     fail("attention: window must be >= 1 (got " + std::to_string(*opt.window) + ")");
   }
+  if (opt.chunk && *opt.chunk < 1) {
+    fail("attention: chunk must be >= 1 (got " + std::to_string(*opt.chunk) + ")");
+  }
   if (opt.num_threads < 0) fail("attention: num_threads must be >= 0");
   if (!query_positions && d.seq_q > d.seq_k) {
     fail("attention: query length (" + std::to_string(d.seq_q) + ") exceeds key length (" +
@@ -359,11 +372,15 @@ Problem<T> make_problem(View<const T, 4> q, View<const T, 4> k, View<const T, 4>
   return pr;
 }
 
+// floor(x / c) for c >= 1 (positions below 0 round toward -inf, as floor division).
+int64_t floor_div(int64_t x, int64_t c) { return x >= 0 ? x / c : -((-x + c - 1) / c); }
+
 template <class T>
 bool visible(const AttentionOptions& opt, int64_t pos_q, int64_t pos_k) {
   const int64_t rel = pos_k - pos_q;
   if (opt.causal && rel > 0) return false;
   if (opt.window && (rel < 0 ? -rel : rel) >= *opt.window) return false;
+  if (opt.chunk && floor_div(pos_k, *opt.chunk) != floor_div(pos_q, *opt.chunk)) return false;
   return true;
 }
 
@@ -463,6 +480,14 @@ void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out,
           }
         }
         T* o = out.data + b * out.stride[0] + i * out.stride[1] + h * out.stride[2];
+        const bool sink = !p.sinks.empty();
+        const T sink_logit = sink ? p.sinks[static_cast<std::size_t>(h)] : T(0);
+        if (mx == -std::numeric_limits<T>::infinity() && sink) {
+          // Only the sink in the denominator: no value vector, so out = 0 and lse = sink.
+          for (int64_t c = 0; c < d.head_dim; ++c) o[c * out.stride[3]] = T(0);
+          if (lse) (*lse)(b, h, i) = sink_logit;
+          continue;
+        }
         if (mx == -std::numeric_limits<T>::infinity()) {
           if (!pr.opt.allow_fully_masked) {
             fail("attention: query " + std::to_string(i) + " (batch " + std::to_string(b) +
@@ -473,11 +498,13 @@ void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out,
           if (lse) (*lse)(b, h, i) = -std::numeric_limits<T>::infinity();
           continue;
         }
+        if (sink) mx = std::max(mx, sink_logit);
         T sum = 0;
         for (auto& x : s) {
           x = x == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(x - mx);
           sum += x;
         }
+        if (sink) sum += std::exp(sink_logit - mx);  // the sink: in the denominator only
         if (lse) (*lse)(b, h, i) = mx + std::log(sum);
         std::fill(acc.begin(), acc.end(), T(0));
         for (int64_t j = 0; j < d.seq_k; ++j) {
@@ -563,12 +590,16 @@ void check_backward_args(const Problem<T>& pr, const PositionScheme& scheme, con
   param(g.dr_net, kind == 5, p.xl_rnet.shape, "dr_net");
   param(g.dpos_key, kind == 6, p.pos_key.shape, "dpos_key");
   param(g.dpos_query, kind == 6, p.pos_query.shape, "dpos_query");
+  if (g.dsinks.data != nullptr && p.sinks.empty()) {
+    fail(w + "dsinks given but the attention has no sinks (AttentionOptions::sinks)");
+  }
+  param(g.dsinks, !p.sinks.empty(), std::array<int64_t, 1>{d.heads_q}, "dsinks [heads_q]");
   auto zero = [](const auto& v) {
     if (v.data != nullptr) detail::fill_view(v, T(0));
   };
   zero(g.dq), zero(g.dk), zero(g.dv), zero(g.drelative_attention_bias), zero(g.dslopes);
   zero(g.drel_k), zero(g.drel_v), zero(g.dr_w_bias), zero(g.dr_r_bias), zero(g.dr_net);
-  zero(g.dpos_key), zero(g.dpos_query);
+  zero(g.dpos_key), zero(g.dpos_query), zero(g.dsinks);
 }
 
 // The materialized backward, one score row at a time (T = double: the oracle; T = float: the
@@ -610,6 +641,10 @@ void run_backward(const Problem<T>& pr, const Prepared<T>& p, const View<const T
         }
         T dsum = 0;  // D_i
         for (int64_t c = 0; c < dim; ++c) dsum += dout(b, i, h, c) * out(b, i, h, c);
+        // The sink: probability exp(sink - lse) and no value, so dS_sink = -P_sink D_i.
+        if (!p.sinks.empty() && g.dsinks.data != nullptr) {
+          g.dsinks(h) -= std::exp(p.sinks[ud(h)] - l) * dsum;
+        }
         std::fill(dq_acc.begin(), dq_acc.end(), T(0));
         for (int64_t j = 0; j < d.seq_k; ++j) {
           const int64_t pk = pr.kp.at(b, j);
@@ -752,7 +787,8 @@ bool all_finite(const View<float, 4>& x) {
 // O((seq_q + seq_k) log seq_k) per batch row with the key positions sorted.
 void check_fully_masked(const Problem<float>& pr) {
   const Dims& d = pr.d;
-  if (pr.opt.allow_fully_masked || d.seq_q == 0) return;
+  // With sinks a row without visible keys is well defined (all weight on the sink).
+  if (pr.opt.allow_fully_masked || d.seq_q == 0 || pr.opt.sinks.data != nullptr) return;
   const AttentionOptions& opt = pr.opt;
   for (int64_t b = 0; b < d.batch; ++b) {
     std::vector<int64_t> ks(static_cast<std::size_t>(d.seq_k));
@@ -766,6 +802,12 @@ void check_fully_masked(const Problem<float>& pr) {
       if (opt.window) {
         lo = pq - *opt.window + 1;
         if (!opt.causal) hi = pq + *opt.window - 1;
+      }
+      if (opt.chunk) {  // the query's chunk [c0, c0 + chunk)
+        const int64_t c = *opt.chunk;
+        const int64_t c0 = (pq >= 0 ? pq / c : -((-pq + c - 1) / c)) * c;
+        lo = std::max(lo, c0);
+        hi = std::min(hi, c0 + c - 1);
       }
       const auto it = std::lower_bound(ks.begin(), ks.end(), lo);
       if (it == ks.end() || *it > hi) {
@@ -785,7 +827,7 @@ void check_fully_masked(const Problem<float>& pr) {
 // domain (positions too sparse for int32 distance tables).
 struct FusedTables {
   std::vector<int32_t> qpos, kpos, dmax, c2p, p2c;
-  std::vector<float> bias, rel_k, rel_v, pos_key, pos_query, xl_sin, xl_rnet, xl_u, xl_v;
+  std::vector<float> bias, rel_k, rel_v, pos_key, pos_query, xl_sin, xl_rnet, xl_u, xl_v, sinks;
 };
 
 bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, FusedTables& tab,
@@ -811,7 +853,12 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
       klo = std::min(klo, pr.kp.at(b, j));
       khi = std::max(khi, pr.kp.at(b, j));
     }
-    const int64_t base = std::min(qlo, klo);
+    int64_t base = std::min(qlo, klo);
+    if (pr.opt.chunk) {
+      // Chunk boundaries are absolute: the base is a multiple of the chunk (floor division).
+      const int64_t c = *pr.opt.chunk;
+      base = (base >= 0 ? base / c : -((-base + c - 1) / c)) * c;
+    }
     if (std::max(qhi, khi) - base >= (int64_t{1} << 30)) return false;
     for (int64_t i = 0; i < d.seq_q; ++i) {
       qpos[static_cast<std::size_t>(b * d.seq_q + i)] = static_cast<int32_t>(pr.qp.at(b, i) - base);
@@ -848,6 +895,14 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   fp.scale = static_cast<float>(p.scale);
   fp.causal = pr.opt.causal;
   fp.window = pr.opt.window.value_or(0);
+  fp.chunk = pr.opt.chunk.value_or(0);
+  if (pr.opt.sinks.data != nullptr) {
+    tab.sinks.resize(static_cast<std::size_t>(d.heads_q));
+    for (int64_t h = 0; h < d.heads_q; ++h) {
+      tab.sinks[static_cast<std::size_t>(h)] = pr.opt.sinks(h);
+    }
+    fp.sinks = tab.sinks.data();
+  }
   fp.qpos = qpos.data();
   fp.kpos = kpos.data();
   fp.num_threads = pr.opt.num_threads;
@@ -1081,7 +1136,11 @@ bool run_fused_backward(const Problem<float>& pr, const Prepared<float>& p,
   bp.dk_stride = {dk.stride[0], dk.stride[1], dk.stride[2]};
   bp.dv = g.dv.data;
   bp.dv_stride = {g.dv.stride[0], g.dv.stride[1], g.dv.stride[2]};
-  std::vector<float> dbias, drel_k, drel_v, dpos_key, dpos_query, du, dvb, drnet;
+  std::vector<float> dbias, drel_k, drel_v, dpos_key, dpos_query, du, dvb, drnet, dsinks;
+  if (g.dsinks.data != nullptr) {
+    dsinks.resize(ud(d.heads_q));
+    bp.dsinks = dsinks.data();
+  }
   const bool want_bias = (p.kind == 2 && g.dslopes.data != nullptr) ||
                          (p.kind == 3 && g.drelative_attention_bias.data != nullptr);
   if (want_bias) {
@@ -1149,6 +1208,7 @@ bool run_fused_backward(const Problem<float>& pr, const Prepared<float>& p,
     copy_dense(dvb, g.dr_r_bias);
     copy_dense(drnet, g.dr_net);
   }
+  if (g.dsinks.data != nullptr) copy_dense(dsinks, g.dsinks);
   if (p.kind == 1) {
     const auto& r = std::get<Rope>(scheme);
     apply_rope(r.freqs, r.style, View<const float, 4>(dq), g.dq, &pr.qp, Direction::kInverse,
@@ -1172,11 +1232,15 @@ void attention_impl(View<const float, 4> q, View<const float, 4> k, View<const f
     require_grad(*lse, {pr.d.batch, pr.d.heads_q, pr.d.seq_q},
                  std::string("attention: lse [batch, heads_q, seq_q]"));
   }
-  const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
-                                /*build_xl_table=*/false);
-  check_fully_masked(pr);
   int nan_score = 0;
-  if (!run_fused(pr, p, out, &nan_score, lse)) {
+  bool fused = false;
+  {
+    const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
+                                  /*build_xl_table=*/false);
+    check_fully_masked(pr);
+    fused = run_fused(pr, p, out, &nan_score, lse);
+  }
+  if (!fused) {
     // Outside the fused kernel's domain (positions too sparse for int32 distance tables, a
     // non-contiguous last dimension): the simple path.
     const auto pn = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);

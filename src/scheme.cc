@@ -155,7 +155,9 @@ class Builder {
   }
 
   void check_model_dims() const;
-  void build_rope();
+  const ModelLayer* resolve_layer();
+  void build_sinks(const ModelLayer* layer);
+  void build_rope(const ModelLayer* layer);
   void build_alibi();
   void build_t5();
   void build_shaw();
@@ -192,17 +194,85 @@ void Builder::check_model_dims() const {
   }
 }
 
-void Builder::build_rope() {
+// The model layer SchemeSettings::layer names (nullptr without one); fills the layer's window,
+// chunk, scale and query temperature into the BuiltScheme. A model whose layers differ needs one.
+const ModelLayer* Builder::resolve_layer() {
+  if (!model_) {
+    if (s_.layer) fail("layer " + std::to_string(*s_.layer) + " needs a model config");
+    return nullptr;
+  }
+  if (!s_.layer) {
+    if (model_->layers_differ()) {
+      fail(s_.config_name + ": the layers of model_type '" + model_->model_type +
+           "' differ in position handling (see posenc describe); choose a layer");
+    }
+    return nullptr;
+  }
+  const ModelLayer& l = model_layer(*model_, *s_.layer);
+  out_.window = l.sliding_window;
+  out_.chunk = l.attention_chunk;
+  if (l.softmax_scale > 0) out_.scale = l.softmax_scale;
+  if (!l.rope) out_.query_temperature = l.temperature;
+  return &l;
+}
+
+// The optional `sinks` [heads_q] parameter: attention sinks for any scheme; required by a model
+// layer that has them (gpt-oss).
+void Builder::build_sinks(const ModelLayer* layer) {
+  const bool required = layer != nullptr && layer->attention_sinks;
+  const auto it = params_.find("sinks");
+  if (it == params_.end()) {
+    if (required) {
+      fail("layer " + std::to_string(layer->index) + " of " + s_.config_name + " (model_type '" +
+           model_->model_type + "') has attention sinks: it needs parameter 'sinks' [heads_q] in " +
+           s_.params_name);
+    }
+    return;
+  }
+  const ParamTensor* t = get("sinks", {1}, "[heads_q]", true);
+  if (t->shape[0] != dims_.heads_q) {
+    fail<ShapeError>(pname("sinks") + " has shape " + shape_string(t->shape) + ", expected [" +
+                     std::to_string(dims_.heads_q) + "] (heads_q)");
+  }
+  if (f64_) {
+    out_.tables64.sinks = view<double, 1>(*t);
+  } else {
+    out_.sinks = view<float, 1>(*t);
+  }
+  learned("sinks", *t, t->shape);
+}
+
+void Builder::build_rope(const ModelLayer* layer) {
+  if (layer != nullptr && !layer->rope) {  // a NoPE layer (Llama 4)
+    if (s_.freqs)
+      fail("freqs conflicts with a NoPE layer (layer " + std::to_string(layer->index) + ")");
+    out_.scheme = NoPositions{};
+    out_.name = "none";
+    return;
+  }
   if (s_.freqs) {
     if (model_) conflict(s_.style.has_value(), "style");
-    out_.scheme =
-        Rope{*s_.freqs, model_ ? model_->rope.style : s_.style.value_or(RopeStyle::kHalf)};
+    out_.scheme = Rope{*s_.freqs, layer    ? layer->rope_config.style
+                                  : model_ ? model_->rope.style
+                                           : s_.style.value_or(RopeStyle::kHalf)};
     return;
   }
   if (model_) {
     conflict(s_.base.has_value(), "base");
     conflict(s_.rotary_dim.has_value(), "rotary_dim");
     conflict(s_.style.has_value(), "style");
+    if (model_->rope_offset > 0) {
+      // Not silently wrong: the scheme would rotate dims 0.. instead of rope_offset.. .
+      fail(s_.config_name + " (model_type '" + model_->model_type + "'): decoupled RoPE on dims " +
+           std::to_string(model_->rope_offset) +
+           ".. of each head is not supported in attention yet; rotate q and k with the model's "
+           "RoPE (apply_model_rope, posenc rope --config) and use scheme none");
+    }
+    if (layer != nullptr) {
+      out_.scheme = Rope{layer_rope_frequencies(*model_, layer->index, dims_.seq_len, s_.angles),
+                         layer->rope_config.style};
+      return;
+    }
     // M-RoPE configs: text positions (t = h = w) make M-RoPE plain RoPE with these frequencies.
     out_.scheme =
         Rope{model_rope_frequencies(*model_, dims_.seq_len, s_.angles), model_->rope.style};
@@ -403,10 +473,11 @@ void Builder::build() {
     }
   }
   out_.name = name;
+  const ModelLayer* layer = resolve_layer();
   if (name == "none") {
     out_.scheme = NoPositions{};
   } else if (name == "rope") {
-    build_rope();
+    build_rope(layer);
   } else if (name == "alibi") {
     build_alibi();
   } else if (name == "t5") {
@@ -418,6 +489,7 @@ void Builder::build() {
   } else {
     build_deberta();
   }
+  build_sinks(layer);
 }
 
 }  // namespace
@@ -430,20 +502,20 @@ int64_t attention_seq_len(int64_t batch, int64_t seq_q, int64_t seq_k,
 }
 
 std::vector<std::string> scheme_param_names(const std::string& name) {
-  if (name == "none" || name == "rope") return {};
-  if (name == "alibi") return {"slopes"};
-  if (name == "t5") return {"relative_attention_bias"};
-  if (name == "shaw") return {"rel_k", "rel_v"};
-  if (name == "xl") return {"r_w_bias", "r_r_bias", "r_net"};
-  if (name == "deberta") return {"pos_key", "pos_query"};
-  fail("unknown scheme '" + name + "' (none, rope, alibi, t5, shaw, xl, deberta)");
+  std::vector<std::string> names = scheme_required_params(name);
+  if (name == "alibi") names.push_back("slopes");
+  if (name == "shaw") names.push_back("rel_v");
+  names.push_back("sinks");  // attention sinks: any scheme
+  return names;
 }
 
 std::vector<std::string> scheme_required_params(const std::string& name) {
-  std::vector<std::string> names = scheme_param_names(name);
-  if (name == "alibi") return {};
+  if (name == "none" || name == "rope" || name == "alibi") return {};
+  if (name == "t5") return {"relative_attention_bias"};
   if (name == "shaw") return {"rel_k"};
-  return names;
+  if (name == "xl") return {"r_w_bias", "r_r_bias", "r_net"};
+  if (name == "deberta") return {"pos_key", "pos_query"};
+  fail("unknown scheme '" + name + "' (none, rope, alibi, t5, shaw, xl, deberta)");
 }
 
 std::string model_attention_scheme(const ModelConfig& model, const std::string& config_name) {
@@ -492,6 +564,8 @@ void bind_param_grad(AttentionGradsOf<T>& g, const LearnedParam& p, T* data) {
     view(g.dpos_key);
   } else if (p.name == "pos_query") {
     view(g.dpos_query);
+  } else if (p.name == "sinks") {
+    view(g.dsinks);
   } else {
     fail("bind_param_grad: unknown parameter '" + p.name + "'");
   }

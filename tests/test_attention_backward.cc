@@ -141,7 +141,7 @@ struct SimdTargetScope {
 template <class T>
 struct Grads {
   std::vector<T> dq, dk, dv, dbias, dslopes, drel_k, drel_v, dr_w_bias, dr_r_bias, dr_net, dpos_key,
-      dpos_query;
+      dpos_query, dsinks;
   AttentionGradsOf<T> g;
   std::vector<std::pair<std::string, std::vector<T>*>> named;
 
@@ -154,7 +154,8 @@ struct Grads {
 };
 
 template <class T>
-std::unique_ptr<Grads<T>> make_grads(const Shape& s, const PositionScheme& scheme, T fill = T(7)) {
+std::unique_ptr<Grads<T>> make_grads(const Shape& s, const PositionScheme& scheme, T fill = T(7),
+                                     bool sinks = false) {
   auto out = std::make_unique<Grads<T>>();
   Grads<T>& x = *out;
   auto add = [&]<std::size_t R>(std::vector<T>& store, View<T, R>& view,
@@ -181,6 +182,7 @@ std::unique_ptr<Grads<T>> make_grads(const Shape& s, const PositionScheme& schem
     add(x.dpos_key, x.g.dpos_key, db->pos_key.shape, "dpos_key");
     add(x.dpos_query, x.g.dpos_query, db->pos_query.shape, "dpos_query");
   }
+  if (sinks) add(x.dsinks, x.g.dsinks, std::array<int64_t, 1>{s.heads_q}, "dsinks");
   return out;
 }
 
@@ -833,7 +835,7 @@ std::unique_ptr<Grads<float>> run_backward(BackwardFn fn, const F32Problem& p,
                                            const AttentionOptions& opt, const Positions* qp,
                                            const Positions* kp) {
   const Shape& s = p.s;
-  auto g = make_grads<float>(s, scheme);
+  auto g = make_grads<float>(s, scheme, 7.0f, opt.sinks.data != nullptr);
   fn(cview(p.q, qshape(s)), cview(p.k, kshape(s)), cview(p.v, kshape(s)), cview(p.out, qshape(s)),
      cview(p.lse, lshape(s)), cview(p.dout, qshape(s)), scheme, opt, g->g, qp, kp);
   return g;
@@ -843,7 +845,7 @@ std::unique_ptr<Grads<double>> run_ref_backward(const F32Problem& p, const Posit
                                                 const AttentionOptions& opt, const Positions* qp,
                                                 const Positions* kp) {
   const Shape& s = p.s;
-  auto g = make_grads<double>(s, scheme);
+  auto g = make_grads<double>(s, scheme, 7.0, opt.sinks.data != nullptr);
   ref::attention_backward(cview(p.qd, qshape(s)), cview(p.kd, kshape(s)), cview(p.vd, kshape(s)),
                           cview(p.outd, qshape(s)), cview(p.lsed, lshape(s)),
                           cview(p.doutd, qshape(s)), scheme, opt, g->g, qp, kp);
@@ -1011,6 +1013,37 @@ TEST(AttentionBackward, OddGroupsAndLongRelativeTables) {
                           View<const float, 3>::contiguous(pq.data(), {2 * span, s.heads_q, s.dim}),
                           cfg};
         check_backward(s, deb, {.causal = causal}, rng);
+      }
+    }
+  }
+}
+
+// Attention sinks and chunked local attention on the fused path: every scheme, causal and not,
+// chunks smaller than and equal to the key tile, with a window, against the oracle;
+// bit-identical for 1 and 3 threads.
+TEST(AttentionBackward, SinksAndChunksOnTheFusedPath) {
+  uint64_t stream = 6700;
+  for (const Shape& s : {Shape{2, 70, 130, 4, 2, 16}, Shape{1, 17, 40, 3, 1, 8}}) {
+    for (const auto& name : cases::kSchemes) {
+      for (int mode = 0; mode < 4; ++mode) {
+        Rng rng(posenc_test::test_seed(), ++stream);
+        SCOPED_TRACE("mode " + std::to_string(mode) + " stream " + std::to_string(stream) + " " +
+                     posenc_test::seed_trace());
+        const auto box =
+            cases::make_scheme(name, s.heads_q, s.dim, rng.engine(), static_cast<int>(stream % 4));
+        const auto sinks = cases::randn_f(rng.engine(), s.heads_q, 1.5);
+        AttentionOptions opt{.causal = mode % 2 == 0};
+        if (mode != 1) opt.sinks = View<const float, 1>::contiguous(sinks.data(), {s.heads_q});
+        if (mode >= 1) opt.chunk = mode == 3 ? 64 : 7;
+        if (mode == 2) opt.window = 5;
+        check_backward(s, box->scheme, opt, rng);
+        // Thread-count invariance with these options.
+        const auto p = make_problem(s, box->scheme, opt, rng, nullptr, nullptr);
+        opt.num_threads = 1;
+        const auto g1 = run_backward(&attention_backward, p, box->scheme, opt, nullptr, nullptr);
+        opt.num_threads = 3;
+        const auto g3 = run_backward(&attention_backward, p, box->scheme, opt, nullptr, nullptr);
+        EXPECT_TRUE(same_bits(*g1, *g3));
       }
     }
   }

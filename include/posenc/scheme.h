@@ -70,6 +70,12 @@ struct SchemeSettings {
   std::optional<int64_t> max_relative_positions;  // deberta: default 512
   std::optional<DebertaP2c> deberta_p2c;          // deberta: default DebertaBuckets{}.p2c
   std::optional<bool> deberta_float64_log;        // deberta: default false
+  // With a model config: the decoder layer (0-based) whose attention to build: its RoPE
+  // (layer_rope_frequencies; a NoPE layer gives scheme none), sliding window, chunk, softmax
+  // scale, query temperature and sinks requirement (BuiltScheme). Required when the model's
+  // layers differ (ModelConfig::layers_differ); without it a model whose layers agree is built as
+  // before (the model-wide RoPE, no window, chunk or layer scale).
+  std::optional<int64_t> layer;
 
   // How messages name the parameter source, the config and the query / key tensors (the CLI
   // passes file names).
@@ -115,10 +121,20 @@ struct BuiltScheme {
   std::string name;                   // none, rope, ...
   std::optional<double> scale;        // the model's score scale when it fixes one (T5: 1)
   std::vector<LearnedParam> learned;  // in SPEC §9 order
+  // Attention sinks [heads_q] from the `sinks` parameter (float32 view; kFloat64: in tables64).
+  View<const float, 1> sinks;
+  // The model layer's masks (SchemeSettings::layer): sliding window and chunk.
+  std::optional<int64_t> window, chunk;
+  // Llama 4 NoPE layers: the caller scales query row i by attention_temperature(*t, pos_q(i))
+  // before attention (and dq by the same factor after the backward).
+  std::optional<AttentionTemperature> query_temperature;
 
-  // `base` with the model's scale filled in when base.scale is unset.
+  // `base` with the model's scale, window, chunk and sinks filled in where base leaves them unset.
   AttentionOptions options(AttentionOptions base) const {
     if (!base.scale) base.scale = scale;
+    if (!base.window) base.window = window;
+    if (!base.chunk) base.chunk = chunk;
+    if (base.sinks.data == nullptr) base.sinks = sinks;
     return base;
   }
 
@@ -134,7 +150,8 @@ struct BuiltScheme {
 
 // The parameter tensors scheme `name` reads, required ones first: t5 relative_attention_bias;
 // alibi slopes (optional); shaw rel_k, rel_v (optional); xl r_w_bias, r_r_bias, r_net; deberta
-// pos_key, pos_query. ValueError for an unknown scheme name.
+// pos_key, pos_query; then, for every scheme, sinks [heads_q] (optional: attention sinks, required
+// by a model layer that has them). ValueError for an unknown scheme name.
 std::vector<std::string> scheme_param_names(const std::string& name);
 // The required ones only.
 std::vector<std::string> scheme_required_params(const std::string& name);

@@ -182,11 +182,14 @@ class _Scheme(nn.Module):
         """The parameter tables by SPEC §9 name."""
         return {n: getattr(self, n) for n in self._table_names if getattr(self, n) is not None}
 
-    def forward(self, q, k, v, **kwargs):
-        """attention(q, k, v) with this scheme; kwargs: causal, scale, window, positions, ..."""
+    def forward(self, q, k, v, *, params=None, **kwargs):
+        """attention(q, k, v) with this scheme; kwargs: causal, scale, window, chunk, positions,
+        ...; params: extra tensors by name (e.g. sinks) beside the scheme's tables."""
         kw = self.settings()
         kw.update(kwargs)
-        return attention(q, k, v, self.scheme, params=self.tables() or None, **kw)
+        tables = self.tables()
+        tables.update(params or {})
+        return attention(q, k, v, self.scheme, params=tables or None, **kw)
 
     def extra_repr(self):
         return ", ".join(f"{k}={v!r}" for k, v in self._settings.items())
@@ -238,13 +241,13 @@ class Rope(_Scheme):
             s.pop("rotary_dim"), s.pop("base")
         return s
 
-    def forward(self, q, k, v, **kwargs):
+    def forward(self, q, k, v, *, params=None, **kwargs):
         kw = self.settings()
         if self._scaling is not None and "freqs" not in kwargs:
             seq = max(q.shape[1], k.shape[1])
             kw["freqs"] = self._freqs(kwargs.pop("seq_len", seq))
         kw.update(kwargs)
-        return attention(q, k, v, "rope", **kw)
+        return attention(q, k, v, "rope", params=params or None, **kw)
 
     def rotate(self, x, positions=None, *, inverse=False):
         """RoPE of x [batch, seq, heads, head_dim], differentiable."""
@@ -457,11 +460,13 @@ class PositionalAttention(nn.Module):
     style, scaling; alibi max_bias, learnable; t5 num_buckets, max_distance, bidirectional; shaw
     max_relative_position, value, shared (default True: tables shared by the heads); xl d_model,
     base; deberta max_relative_positions, position_buckets, p2c. config (a config.json path, dict
-    or ModelConfig) gives the scheme and its settings.
+    or ModelConfig) gives the scheme and its settings. sinks=True: a learnable attention sink per
+    query head (gpt-oss), the Parameter `.sinks` [heads] (initialised to 0), added to every row's
+    softmax denominator. chunk: chunked local attention (Llama 4) for every call.
     """
 
     def __init__(self, scheme=None, heads=None, kv_heads=None, head_dim=None, *, causal=False,
-                 layout="blhd", config=None, **options):
+                 layout="blhd", config=None, sinks=False, chunk=None, **options):
         super().__init__()
         cfg = _config(config)
         if cfg is not None:
@@ -478,6 +483,8 @@ class PositionalAttention(nn.Module):
         self.scheme, self.heads, self.head_dim = scheme, heads, head_dim
         self.kv_heads = kv_heads or heads
         self.causal, self.layout = causal, layout
+        self.chunk = chunk
+        self.sinks = nn.Parameter(torch.zeros(heads)) if sinks else None
         if scheme == "none":
             self.positions = NoPositions()
         elif scheme == "rope":
@@ -504,12 +511,17 @@ class PositionalAttention(nn.Module):
 
     def forward(self, q, k, v, *, causal=None, **kwargs):
         """Attention output in the module's layout. kwargs: scale, window, query_positions,
-        key_positions, allow_fully_masked, num_threads, seq_len."""
+        key_positions, allow_fully_masked, num_threads, seq_len, chunk."""
         if self.layout == "bhld":
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = self.positions(q, k, v, causal=self.causal if causal is None else causal, **kwargs)
+        if self.chunk is not None:
+            kwargs.setdefault("chunk", self.chunk)
+        params = {"sinks": self.sinks} if self.sinks is not None else None
+        out = self.positions(q, k, v, causal=self.causal if causal is None else causal,
+                             params=params, **kwargs)
         return out.transpose(1, 2) if self.layout == "bhld" else out
 
     def extra_repr(self):
         return (f"scheme={self.scheme!r}, heads={self.heads}, kv_heads={self.kv_heads}, "
-                f"head_dim={self.head_dim}, causal={self.causal}, layout={self.layout!r}")
+                f"head_dim={self.head_dim}, causal={self.causal}, layout={self.layout!r}, "
+                f"sinks={self.sinks is not None}, chunk={self.chunk!r}")

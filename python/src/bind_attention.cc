@@ -60,6 +60,9 @@ struct Call {
   pb::object out = pb::none(), lse = pb::none();
   BuiltScheme built;
   std::array<int64_t, 4> qshape{}, kshape{};
+  // Llama 4 NoPE layers (layer=): q row (b, i) scaled by query_factor[b * seq_q + i] (q holds the
+  // scaled copy); dq is scaled back by the chain rule.
+  std::vector<double> query_factor;
 
   const Positions* pq() const { return qp ? &*qp : nullptr; }
   const Positions* pk() const { return kp ? &*kp : nullptr; }
@@ -185,6 +188,10 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
       c.opt.scale = value.cast<double>();
     } else if (name == "window") {
       c.opt.window = value.cast<int64_t>();
+    } else if (name == "chunk") {
+      c.opt.chunk = value.cast<int64_t>();
+    } else if (name == "layer") {
+      c.settings.layer = value.cast<int64_t>();
     } else if (name == "allow_fully_masked") {
       c.opt.allow_fully_masked = value.cast<bool>();
     } else if (name == "num_threads") {
@@ -259,6 +266,36 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
                                     .seq_len = seq_len},
                          c.f64 ? SchemePrecision::kFloat64 : SchemePrecision::kFloat32);
   c.opt = c.built.options(c.opt);
+  if (c.built.query_temperature) {
+    // A NoPE layer of Llama 4 (layer=): its queries scaled by the attention temperature at their
+    // positions, in q's dtype (a copy; the caller's q is not modified).
+    const Positions qp = c.qp ? *c.qp : Positions::offset(c.kshape[1] - c.qshape[1]);
+    c.query_factor.resize(static_cast<std::size_t>(c.qshape[0] * c.qshape[1]));
+    for (int64_t b = 0; b < c.qshape[0]; ++b) {
+      for (int64_t i = 0; i < c.qshape[1]; ++i) {
+        c.query_factor[static_cast<std::size_t>(b * c.qshape[1] + i)] =
+            attention_temperature(*c.built.query_temperature, qp.at(b, i));
+      }
+    }
+    auto scale_rows = [&](auto tag) {
+      using T = decltype(tag);
+      pb::array_t<T> scaled = new_array<T, 4>(c.qshape);
+      const auto src = view4<T>(c.q, "q", "");
+      const View<T, 4> dst = mutable_view<T, 4>(scaled);
+      for (int64_t b = 0; b < c.qshape[0]; ++b)
+        for (int64_t i = 0; i < c.qshape[1]; ++i) {
+          const T f = static_cast<T>(c.query_factor[static_cast<std::size_t>(b * c.qshape[1] + i)]);
+          for (int64_t h = 0; h < c.qshape[2]; ++h)
+            for (int64_t x = 0; x < c.qshape[3]; ++x) dst(b, i, h, x) = src(b, i, h, x) * f;
+        }
+      c.q = scaled;
+    };
+    if (c.f64) {
+      scale_rows(double{});
+    } else {
+      scale_rows(float{});
+    }
+  }
   return c;
 }
 
@@ -343,6 +380,15 @@ pb::dict backward(Call& c, const pb::handle& dout_obj) {
       attention_backward(qv, kv, vv, ov, lv, dov, c.built.scheme, c.opt, g, c.pq(), c.pk());
     }
   }
+  if (!c.query_factor.empty()) {
+    T* x = dq.mutable_data();
+    const auto row = static_cast<std::size_t>(c.qshape[2] * c.qshape[3]);
+    for (std::size_t r = 0; r < c.query_factor.size(); ++r) {
+      for (std::size_t e = 0; e < row; ++e) {
+        x[r * row + e] = static_cast<T>(static_cast<double>(x[r * row + e]) * c.query_factor[r]);
+      }
+    }
+  }
   pb::dict result;
   result["dq"] = dq;
   result["dk"] = dk;
@@ -361,8 +407,8 @@ pb::dict backward(Call& c, const pb::handle& dout_obj) {
 }
 
 const char* kAttentionDoc =
-    R"doc(attention(q, k, v, scheme=None, *, causal=False, scale=None, window=None,
-          query_positions=None, key_positions=None, params=None, config=None,
+    R"doc(attention(q, k, v, scheme=None, *, causal=False, scale=None, window=None, chunk=None,
+          query_positions=None, key_positions=None, params=None, config=None, layer=None,
           allow_fully_masked=False, num_threads=0, return_lse=False, out=None,
           **scheme settings) -> out, or (out, lse) with return_lse=True
 
@@ -376,8 +422,16 @@ scheme: 'none', 'rope', 'alibi', 't5', 'shaw', 'xl', 'deberta' (default: config'
 params: {name: array} by SPEC §9 names, or a .safetensors path: t5 relative_attention_bias
 [num_buckets, heads_q]; alibi slopes [heads_q] (optional); shaw rel_k, rel_v [2K+1, head_dim] or
 [2K+1, heads_q, head_dim]; xl r_w_bias, r_r_bias [heads_q, head_dim], r_net [heads_q*head_dim,
-d_model]; deberta pos_key, pos_query [2K, heads_q, head_dim].
+d_model]; deberta pos_key, pos_query [2K, heads_q, head_dim]; any scheme: sinks [heads_q]
+(attention sinks, gpt-oss: one logit per head added to every row's softmax denominator, no
+value; lse includes it, and a row with no visible key gives out 0, lse = sink).
+window: sliding window w (key visible iff |rel| < w); chunk: chunked local attention c (Llama 4:
+key visible iff floor(pos_k / c) == floor(pos_q / c)), both on top of causal.
 config: a model config.json path, dict or ModelConfig: scheme and settings from the model.
+layer: with config, the decoder layer whose attention to use (required when the model's layers
+differ): its RoPE (none on a Llama 4 NoPE layer, whose queries are then scaled by the attention
+temperature), sliding window, chunk, softmax scale, and its sinks requirement (gpt-oss: params
+must hold sinks). Explicit scale / window / chunk override the layer's.
 Scheme settings: rope base=1e4, rotary_dim=0 (= head_dim), style='half'|'interleaved',
 angles='accurate'|'float32', seq_len (default max position + 1), freqs=RopeFrequencies; alibi
 max_bias=8; t5 num_buckets, max_distance=128, bidirectional (default: not causal); xl base=1e4;
@@ -388,7 +442,7 @@ ids [seq] / [batch, seq]. lse [batch, heads_q, seq_q] is the per-row log-sum-exp
 
 const char* kGradDoc =
     R"doc(attention_grad(q, k, v, dout, scheme=None, *, out=None, lse=None, **attention's keywords)
-    -> {'dq', 'dk', 'dv', 'd<name>' for each parameter in params}
+    -> {'dq', 'dk', 'dv', 'd<name>' for each parameter in params (dsinks for sinks)}
 
 Gradients of attention (the fused FlashAttention-2 backward for float32, the float64 reference
 for float64). out and lse: the forward's (attention(..., return_lse=True)); without them the

@@ -134,6 +134,10 @@ class BackwardKernel {
     } else if (xl_) {
       part_size_ = 2 * group_ * dim_ + group_ * tchunk;  // du, dv, then dr(t) (transposed)
     }
+    if (b_.dsinks != nullptr) {  // dsinks of the group's heads, last
+      part_sink_ = part_size_;
+      part_size_ += group_;
+    }
   }
 
   void Run() {
@@ -222,6 +226,7 @@ class BackwardKernel {
       if (x != nullptr) std::fill(x, x + n, 0.0f);
     };
     if (b_.dbias != nullptr) zero(b_.dbias, p_.batch * p_.bias_batch_stride);
+    if (b_.dsinks != nullptr) zero(b_.dsinks, p_.heads_q);
     if (shaw_) {
       zero(b_.shaw_drel_k, nrel_ * p_.shaw_rel_k_heads * dim_);
       zero(b_.shaw_drel_v, nrel_ * p_.shaw_rel_v_heads * dim_);
@@ -243,6 +248,7 @@ class BackwardKernel {
     auto add = [](const float* src, float* dst, int64_t n) {
       for (int64_t x = 0; x < n; ++x) dst[x] += src[x];
     };
+    if (b_.dsinks != nullptr) add(part + part_sink_, b_.dsinks + hk * group_, group_);
     // part [g][nch][dimr][64] (transposed) into out [n][heads][dim].
     auto add_transposed = [&](const float* part_t, float* out, int64_t n, int64_t heads,
                               int64_t part_heads) {
@@ -545,6 +551,10 @@ class BackwardKernel {
       const int32_t tmin = tile_min_[static_cast<size_t>(bb * ntiles_ + t)];
       const int32_t tmax = tile_max_[static_cast<size_t>(bb * ntiles_ + t)];
       if (p_.causal && tmin > qmax) return false;
+      if (p_.chunk > 0 &&
+          (tmin / p_.chunk > qmax / p_.chunk || tmax / p_.chunk < qmin / p_.chunk)) {
+        return false;
+      }
       return !(p_.window > 0 &&
                (int64_t{tmin} - qmax >= p_.window || int64_t{qmin} - tmax >= p_.window));
     };
@@ -650,6 +660,10 @@ class BackwardKernel {
         }
         dsum[r] = Dot(dor, orow, dim_);
         lse[r] = p_.lse[bb * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]];
+        if (b_.dsinks != nullptr && lse[r] != kNegInf) {
+          // The sink's probability exp(sink - lse) times dP - D with dP = 0 (it has no value).
+          part[part_sink_ + (h - hk * group_)] -= std::exp(p_.sinks[h] - lse[r]) * dsum[r];
+        }
       }
       for (int64_t r = 0; r < rp; ++r)
         for (int64_t x = 0; x < dim_; ++x) {
@@ -738,12 +752,19 @@ class BackwardKernel {
             const DI di;
             const auto vpq = hn::Set(di, pq);
             const auto vs = hn::Set(d, scale), vninf = hn::Set(d, kNegInf);
+            const int64_t c0 = p_.chunk > 0 ? int64_t{pq} / p_.chunk * p_.chunk : 0;
+            const auto vc0 = hn::Set(di, static_cast<int32_t>(c0));
+            const auto vc1 =
+                hn::Set(di, static_cast<int32_t>(std::min<int64_t>(c0 + p_.chunk, INT32_MAX)));
             for (int64_t c = 0; c < kt; c += lanes_) {
               const auto kpv = hn::Load(di, kpt + c);
               auto vis = hn::Not(hn::Gt(kpv, vpq));  // causal: pos_k <= pos_q
               if (!p_.causal) vis = hn::Eq(kpv, kpv);
               if (p_.window > 0) {
                 vis = hn::And(vis, hn::Lt(hn::Abs(hn::Sub(vpq, kpv)), vwin));
+              }
+              if (p_.chunk > 0) {  // the query's chunk [c0, c0 + chunk)
+                vis = hn::And(vis, hn::And(hn::Not(hn::Lt(kpv, vc0)), hn::Lt(kpv, vc1)));
               }
               const auto x = hn::Mul(hn::Load(d, srow + c), vs);
               hn::Store(hn::IfThenElse(hn::RebindMask(d, vis), x, vninf), d, srow + c);
@@ -968,7 +989,7 @@ class BackwardKernel {
   bool has_cell_grads_ = false;  // its gradient per cell
   int64_t nrel_ = 0, span2_ = 0, hd_ = 0, hdp_ = 0, dimr_ = 4, nch_ = 0, part_pq_ = 0;
   RowTable relk_, relv_;  // Shaw rel_k (scaled), rel_v; DeBERTa pos_key (scaled)
-  int64_t span2r_ = 0, span2s_ = 0;
+  int64_t span2r_ = 0, span2s_ = 0, part_sink_ = 0;
   hwy::AlignedFreeUniquePtr<float[]> pq_pad_, pq_t_;  // DeBERTa pos_query, padded / transposed
   int64_t shaw_k_heads_ = 1, shaw_v_heads_ = 1, part_relk_ = 0, part_relv_ = 0, part_size_ = 0;
   std::vector<Scratch> scratch_, cache_;

@@ -780,9 +780,17 @@ class Kernel {
             klo > qhi ? int64_t{klo} - qhi : (khi < qlo ? int64_t{qlo} - khi : 0);
         if (nearest >= p_.window) continue;
       }
+      // Chunks: the tile is hidden from every row when no key shares a chunk with a query.
+      if (p_.chunk > 0 && (klo / p_.chunk > qhi / p_.chunk || khi / p_.chunk < qlo / p_.chunk)) {
+        continue;
+      }
       const int64_t nk = std::min(kTileK, j_end - j0);
       bool full = nk == kTileK;
       if (p_.causal && khi > qlo) full = false;
+      if (p_.chunk > 0 && (klo / p_.chunk != khi / p_.chunk || qlo / p_.chunk != qhi / p_.chunk ||
+                           klo / p_.chunk != qlo / p_.chunk)) {
+        full = false;
+      }
       if (p_.window > 0) {
         const int64_t far = std::max<int64_t>(int64_t{qhi} - klo, int64_t{khi} - qlo);
         if (far >= p_.window) full = false;
@@ -1012,6 +1020,15 @@ class Kernel {
           const auto w = hn::Set(di, static_cast<int32_t>(std::min<int64_t>(p_.window, INT32_MAX)));
           vis = hn::And(vis, hn::RebindMask(d, hn::Gt(w, hn::Abs(rel))));
         }
+        if (p_.chunk > 0) {
+          // The query's chunk [c0, c0 + chunk): positions are relative to a multiple of chunk.
+          const int64_t c0 = int64_t{qp} / p_.chunk * p_.chunk;
+          const auto kpv = hn::Load(di, kp + c);
+          const auto in = hn::And(hn::Not(hn::Lt(kpv, hn::Set(di, static_cast<int32_t>(c0)))),
+                                  hn::Lt(kpv, hn::Set(di, static_cast<int32_t>(std::min<int64_t>(
+                                                              c0 + p_.chunk, INT32_MAX)))));
+          vis = hn::And(vis, hn::RebindMask(d, in));
+        }
         bad = hn::And(bad, vis);
         sv = hn::IfThenElse(vis, sv, hn::Set(d, kNegInf));
       }
@@ -1072,17 +1089,28 @@ class Kernel {
       if (!Valid(it, r)) continue;
       const int64_t h = HeadOf(it, r), i = QueryOf(it, r);
       float* dst = p_.out + it.b * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
-      const float l = sc.l[static_cast<size_t>(r)];
+      float l = sc.l[static_cast<size_t>(r)];
+      float m = sc.m[static_cast<size_t>(r)];
       const float* o = sc.o.get() + r * dpad_;
+      // An attention sink joins the denominator only: O (relative to m) is rescaled to the new
+      // maximum and divided by the larger sum.
+      float o_scale = 1.0f;
+      if (p_.sinks != nullptr) {
+        const float sink = p_.sinks[h];
+        const float m_new = std::max(m, sink);
+        o_scale = l == 0.0f ? 0.0f : std::exp(m - m_new);
+        l = l * o_scale + std::exp(sink - m_new);
+        m = m_new;
+      }
       if (p_.lse != nullptr) {
         p_.lse[it.b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]] =
-            l == 0.0f ? kNegInf : sc.m[static_cast<size_t>(r)] + std::log(l);
+            l == 0.0f ? kNegInf : m + std::log(l);
       }
-      if (l == 0.0f) {
+      if (l == 0.0f || o_scale == 0.0f) {
         std::fill(dst, dst + dim_, 0.0f);
         continue;
       }
-      const float inv = 1.0f / l;
+      const float inv = o_scale / l;
       if (p_.shaw_rel_v != nullptr && !sc.wsum.empty()) {
         // O += sum_u w[u] rel_v[u], vectorized over head_dim (O rows are dpad wide).
         const int64_t kk = p_.shaw_k;

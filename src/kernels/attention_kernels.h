@@ -29,6 +29,12 @@ struct FusedAttentionParams {
   float scale = 1.0f;
   bool causal = false;
   int64_t window = 0;  // 0 = no window; else visible iff |pos_q - pos_k| < window
+  // 0 = no chunks; else visible iff pos_q / chunk == pos_k / chunk (the positions below are
+  // then relative to a multiple of chunk, and non-negative).
+  int64_t chunk = 0;
+  // Attention sinks [heads_q] (dense; nullptr = none): an extra logit in each row's softmax
+  // denominator, with no value.
+  const float* sinks = nullptr;
 
   // Positions per batch row, relative to a per-row base so they fit int32: qpos [batch, seq_q],
   // kpos [batch, seq_k].
@@ -102,6 +108,8 @@ struct FusedBackwardParams {
   std::array<int64_t, 3> dv_stride{};
   // ALiBi, T5: sum of dS per (batch row, query head, distance), laid out as fwd.bias.
   float* dbias = nullptr;
+  // Attention sinks: dsink_h = -sum_i exp(sink_h - lse_i) dout_i . out_i [heads_q] (dense).
+  float* dsinks = nullptr;
   // Shaw: drel_k, drel_v dense like fwd.shaw_rel_k / shaw_rel_v (drel_v null: not wanted).
   float* shaw_drel_k = nullptr;
   float* shaw_drel_v = nullptr;

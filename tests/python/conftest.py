@@ -17,7 +17,7 @@ class Case:
     keywords."""
 
     def __init__(self, scheme, seed, *, batch=2, seq_q=5, seq_k=7, heads_q=4, heads_kv=2, dim=8,
-                 causal=False, variant=0, positions=False):
+                 causal=False, variant=0, positions=False, sinks=False, chunk=None):
         import posenc
         rng = np.random.default_rng(seed)
         self.scheme, self.causal = scheme, causal
@@ -67,6 +67,11 @@ class Case:
             p2c = "paper" if variant == 2 else "model"
             self.kw.update(max_relative_positions=mrp, position_buckets=pb, deberta_p2c=p2c)
             self.ref_kw.update(max_relative_positions=mrp, position_buckets=pb, deberta_p2c=p2c)
+        if sinks:  # attention sinks (gpt-oss): one logit per query head
+            self.params["sinks"] = 1.5 * rng.standard_normal(heads_q)
+        if chunk is not None:  # chunked local attention (Llama 4)
+            self.kw["chunk"] = chunk
+            self.ref_kw["chunk"] = chunk
 
     def posenc_kwargs(self, dtype=np.float64):
         kw = dict(self.kw)

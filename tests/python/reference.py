@@ -89,8 +89,12 @@ def attention(q, k, v, scheme="none", params=None, *, causal=False, scale=None, 
               query_positions=None, key_positions=None, rope_inv_freq=None, rope_style="half",
               rope_attention_factor=1.0, slopes=None, max_bias=8.0, max_distance=128,
               bidirectional=None, xl_base=1e4, max_relative_positions=512, position_buckets=0,
-              deberta_p2c="model", deberta_float64_log=False, allow_fully_masked=False):
-    """q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] -> out [B, Lq, Hq, D] (differentiable)."""
+              deberta_p2c="model", deberta_float64_log=False, allow_fully_masked=False,
+              chunk=None):
+    """q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] -> out [B, Lq, Hq, D] (differentiable).
+
+    params["sinks"] [Hq] (any scheme): attention sinks, an extra softmax entry per row whose value
+    is zero. chunk: key visible only when floor(pos_k / chunk) == floor(pos_q / chunk)."""
     params = params or {}
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
@@ -149,12 +153,21 @@ def attention(q, k, v, scheme="none", params=None, *, causal=False, scale=None, 
         mask &= rel <= 0
     if window is not None:
         mask &= rel.abs() < window
+    if chunk is not None:
+        mask &= torch.div(pk, chunk, rounding_mode="floor")[:, None, :] == \
+            torch.div(pq, chunk, rounding_mode="floor")[:, :, None]
     s = s.masked_fill(~mask[:, None], float("-inf"))
-    full = ~mask.any(-1)  # [B, Lq]
-    if full.any() and not allow_fully_masked:
-        raise ValueError("fully masked row")
-    s = s.masked_fill(full[:, None, :, None], 0.0)
-    p = torch.softmax(s, dim=-1).masked_fill(full[:, None, :, None], 0.0)
+    sinks = params.get("sinks")
+    if sinks is not None:
+        # The sink as one more column of every row; its probability multiplies no value.
+        col = sinks.to(s.dtype)[None, :, None, None].expand(b, hq, lq, 1)
+        p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :lk]
+    else:
+        full = ~mask.any(-1)  # [B, Lq]
+        if full.any() and not allow_fully_masked:
+            raise ValueError("fully masked row")
+        s = s.masked_fill(full[:, None, :, None], 0.0)
+        p = torch.softmax(s, dim=-1).masked_fill(full[:, None, :, None], 0.0)
     out = torch.einsum("bhij,bjhc->bihc", p, vx)
     if value_term is not None:
         out = out + torch.einsum("bhij,bijhc->bihc", p, value_term)
