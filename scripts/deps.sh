@@ -8,7 +8,11 @@ pkgs=(g++ cmake ninja-build ccache pkg-config libgtest-dev libbenchmark-dev nloh
       # with pip, setuptools and wheel for `pip install --no-build-isolation`, NumPy, PyTorch and
       # pytest for the Python tests.
       python3-dev pybind11-dev python3-pybind11 python3-venv python3-setuptools python3-wheel
-      python3-numpy python3-torch python3-pytest)
+      python3-numpy python3-torch python3-pytest
+      # The extrapolation experiment (docs/extrapolation.md): its corpus, the King James Bible
+      # (the text, bible-kjv-text, and the program that prints it, bible-kjv), and matplotlib for
+      # its figures.
+      bible-kjv-text bible-kjv python3-matplotlib)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

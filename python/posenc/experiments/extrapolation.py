@@ -62,12 +62,12 @@ KJV_BOOKS = 66
 KJV_VERSES = 31102
 
 # Presets. The full one is sized for <= 45 minutes for the nine schemes on 2 cores (docs).
-FULL = dict(train_length=128, d_model=128, layers=4, heads=4, mlp=512, batch=32, steps=1200,
-            lr=2e-3, warmup=60, eval_factors=(1, 2, 4, 8, 16), eval_tokens=65536,
+FULL = dict(train_length=128, d_model=128, layers=4, heads=4, mlp=512, batch=32, steps=700,
+            lr=2e-3, warmup=50, eval_factors=(1, 2, 4, 8, 16), eval_tokens=65536,
             t5_buckets=32, t5_max_distance=128, shaw_k=16, deberta_buckets=64,
             deberta_max_relative=128, log_every=50)
 QUICK = dict(train_length=16, d_model=32, layers=2, heads=2, mlp=64, batch=8, steps=80,
-             lr=3e-3, warmup=8, eval_factors=(1, 2, 4), eval_tokens=1024,
+             lr=3e-3, warmup=8, eval_factors=(1, 2, 4), eval_tokens=4096,
              t5_buckets=8, t5_max_distance=16, shaw_k=4, deberta_buckets=8,
              deberta_max_relative=16, log_every=20)
 
@@ -322,18 +322,30 @@ def train_step(model, opt, batch, step, cfg):
     return loss.item()
 
 
+def eval_spans(valid, tokens, longest):
+    """[tokens / longest, longest + 1] spans of the validation text, spread evenly over all of
+    it (every validation book contributes); every evaluation length tiles the same spans, so
+    each length scores the same bytes."""
+    n = tokens // longest
+    avail = (valid.numel() - 1) // longest
+    if n < 1 or n > avail:
+        raise ValueError(f"eval: {tokens} tokens in spans of {longest} do not fit the "
+                         f"validation text ({valid.numel()} bytes)")
+    starts = [(i * avail // n) * longest for i in range(n)]
+    return torch.stack([valid[s:s + longest + 1] for s in starts])
+
+
 @torch.no_grad()
-def evaluate(model, valid, length, tokens, batch_tokens=16384):
-    """Mean NLL (nats per byte) over non-overlapping windows of `length` bytes covering the
-    first `tokens` validation bytes (each window predicts its own bytes 1..length from 0..
-    length-1, positions from 0 as in training), and the summed NLL per position in the window."""
-    windows = tokens // length
-    if windows < 1 or windows * length + 1 > valid.numel():
-        raise ValueError(f"eval: {tokens} tokens at length {length} do not fit the validation "
-                         f"text ({valid.numel()} bytes)")
-    data = valid[:windows * length + 1]
-    xs = data[:-1].view(windows, length)
-    ys = data[1:].view(windows, length)
+def evaluate(model, spans, length, batch_tokens=16384):
+    """Mean NLL (nats per byte) over the non-overlapping windows of `length` bytes that tile
+    the spans (each window predicts its bytes 1..length from 0..length-1, with positions from 0
+    as in training), and the mean NLL at each position of the window."""
+    x, y = spans[:, :-1], spans[:, 1:]
+    if x.shape[1] % length:
+        raise ValueError(f"eval: length {length} does not divide the spans ({x.shape[1]})")
+    xs = x.reshape(-1, length)
+    ys = y.reshape(-1, length)
+    windows = xs.shape[0]
     per = max(1, batch_tokens // length)
     pos_nll = torch.zeros(length, dtype=torch.float64)
     model.eval()
@@ -406,11 +418,14 @@ def run_scheme(scheme, seed, train, valid, cfg, progress):
 
     t_eval = time.time()
     lengths = [cfg["train_length"] * f for f in cfg["eval_factors"]]
+    spans = eval_spans(valid, cfg["eval_tokens"], max(lengths))
     ppl, nll, errors, pos_nll = [], [], {}, None
     for length in lengths:
         try:
-            mean, per_pos = evaluate(model, valid, length, cfg["eval_tokens"])
+            mean, per_pos = evaluate(model, spans, length)
         except posenc.Error as e:  # learned positions past the table: refused, not clamped
+            if model.learned is None:
+                raise
             ppl.append(None)
             nll.append(None)
             errors[str(length)] = str(e)
@@ -441,20 +456,46 @@ def run_scheme(scheme, seed, train, valid, cfg, progress):
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def reference_check(scheme, train, cfg, seed, steps=6, batch=4):
+def _losses(model, train, cfg, seed, steps, batch):
+    opt = make_optimizer(model, cfg)
+    return [train_step(model, opt, b, i, cfg)
+            for i, b in enumerate(train_batches(train, cfg["train_length"], batch, steps, seed))]
+
+
+def _max_rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def reference_check(scheme, train, cfg, seed, steps=8, batch=4):
     """Trains `scheme` for `steps` steps twice from the same weights and batches: in float32
-    (posenc's fused kernels) and in float64 (posenc's float64 reference attention, backward
-    included). Returns both loss lists and their largest relative difference."""
+    (posenc's fused kernels) and in float64 (posenc's float64 reference attention and tables,
+    backward included), and returns both loss lists and their largest relative difference.
+
+    The control says how small that difference must be to mean anything: the same float64 run
+    without what the scheme contributes (its position tables frozen when it has learnable ones,
+    so a missing or wrong table gradient shows; no positions at all for the fixed schemes)."""
     m32 = make_model(scheme, cfg, seed)
     m64 = copy.deepcopy(m32).double()
-    o32, o64 = make_optimizer(m32, cfg), make_optimizer(m64, cfg)
-    l32, l64 = [], []
-    for step, b in enumerate(train_batches(train, cfg["train_length"], batch, steps, seed)):
-        l32.append(train_step(m32, o32, b, step, cfg))
-        l64.append(train_step(m64, o64, b, step, cfg))
-    rel = max(abs(a - b) / abs(b) for a, b in zip(l32, l64))
-    return {"scheme": scheme, "steps": steps, "batch": batch, "float32": l32, "float64": l64,
-            "max_relative_difference": rel}
+    l32 = _losses(m32, train, cfg, seed, steps, batch)
+    l64 = _losses(m64, train, cfg, seed, steps, batch)
+    res = {"scheme": scheme, "steps": steps, "batch": batch, "float32": l32, "float64": l64,
+           "max_relative_difference": _max_rel(l32, l64)}
+    if scheme == "nope":
+        return res  # nothing positional to leave out
+    control = make_model(scheme, cfg, seed).double()
+    core = ("tok.", "blocks.", "lnf.", "head.")
+    tables = [p for n, p in control.named_parameters() if not n.startswith(core)]
+    if tables:
+        for p in tables:
+            p.requires_grad_(False)
+        what = "float64, position tables frozen"
+    else:
+        control = make_model("nope", cfg, seed).double()
+        what = "float64, no positions"
+    lc = _losses(control, train, cfg, seed, steps, batch)
+    res.update({"control": what, "control_losses": lc,
+                "control_relative_difference": _max_rel(l32, lc)})
+    return res
 
 
 # ---- results ------------------------------------------------------------------------------
@@ -486,9 +527,10 @@ def results_markdown(res):
     schemes = res["schemes"]
     lengths = next(iter(schemes.values()))["lengths"]
     seeds = sorted({x for v in schemes.values() for x in v["seeds"]})
-    lines = [f"Validation perplexity (bytes) against evaluation length; trained on "
-             f"L_train = {s['train_length']}; mean over seeds {seeds}"
-             + (" (min to max in brackets)" if len(seeds) > 1 else "") + ".", "",
+    lines = [f"Validation perplexity per byte against evaluation length (bytes); trained on "
+             f"L_train = {s['train_length']}; "
+             + (f"mean over seeds {', '.join(map(str, seeds))} (min to max in brackets)."
+                if len(seeds) > 1 else f"seed {seeds[0]}."), "",
              "| scheme | " + " | ".join(f"{n}" + (" (L_train)" if n == s["train_length"] else "")
                                         for n in lengths) + " | train loss | minutes |",
              "|---|" + "---:|" * (len(lengths) + 2)]
@@ -503,6 +545,17 @@ def results_markdown(res):
                 cells.append(f"{p:.3f}")
         lines.append(f"| {LABELS.get(name, name)} | " + " | ".join(cells) +
                      f" | {v['train_loss'][-1]:.3f} | {v['seconds'] / 60:.1f} |")
+    chk = res.get("reference_check")
+    if chk and chk.get("schemes"):
+        worst = max(chk["schemes"].values(), key=lambda c: c["max_relative_difference"])
+        ctl = [c["control_relative_difference"] for c in chk["schemes"].values()
+               if "control" in c]
+        lines += ["", f"Reference check ({', '.join(chk['schemes'])}; {worst['steps']} steps "
+                      f"each): float32 fused training against posenc's float64 reference, "
+                      f"largest relative loss difference {worst['max_relative_difference']:.1e} "
+                      f"({LABELS.get(worst['scheme'], worst['scheme'])})"
+                  + (f"; without the scheme's positions or table gradients at least "
+                     f"{min(ctl):.1e}." if ctl else ".")]
     errs = {n: v["eval_errors"] for n, v in schemes.items() if v["eval_errors"]}
     for n, e in errs.items():
         first = next(iter(e.values()))
@@ -525,6 +578,7 @@ def draw(res, out_dir):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         log("extrapolation: matplotlib missing (apt install python3-matplotlib): no figures")
         return []
@@ -552,12 +606,16 @@ def draw(res, out_dir):
     lengths = next(iter(res["schemes"].values()))["lengths"]
     ax.set_xticks(lengths)
     ax.set_xticklabels([str(n) for n in lengths])
+    plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_xlabel("Inference input tokens (bytes)")
     ax.set_ylabel("Validation perplexity (per byte)")
-    ax.set_title(f"Train short (L = {lt}), test long: {s['corpus_name']}, "
-                 f"{s['layers']} layers x {s['d_model']}, {s['steps']} steps"
-                 + (f", seeds {', '.join(map(str, seeds))} (band: min-max)" if len(seeds) > 1
-                    else ""), fontsize=9)
+    ax.set_title(f"Train short (L_train = {lt}), test long. {s['corpus_name']}; "
+                 f"{s['layers']} layers, d = {s['d_model']}, {s['steps']} steps\n"
+                 + (f"mean of seeds {', '.join(map(str, seeds))}, band: min to max"
+                    if len(seeds) > 1 else f"seed {seeds[0]}"), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
@@ -579,6 +637,9 @@ def draw(res, out_dir):
     ax.set_xlabel(f"Position in the window (bytes, mean over chunks of {lt})")
     ax.set_ylabel("Loss (bits per byte)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_title("Where the loss goes up: loss against position in the longest windows",
                  fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
@@ -617,9 +678,13 @@ COMPARABLE = ("train_length", "d_model", "layers", "heads", "mlp", "batch", "ste
 
 
 def merge(dirs, out_dir):
-    settings, runs = None, {}
+    settings, runs, checks = None, {}, {}
     for d in dirs:
         s, r = load_runs(os.path.join(d, "results.json"))
+        with open(os.path.join(d, "results.json")) as f:
+            chk = json.load(f).get("reference_check")
+        if chk:
+            checks[os.path.basename(os.path.normpath(d))] = chk
         if settings is None:
             settings = dict(s)
         else:
@@ -630,7 +695,11 @@ def merge(dirs, out_dir):
         for n, e in r.items():
             runs.setdefault(n, {"by_seed": {}})["by_seed"].update(e["by_seed"])
     settings["merged_from"] = [os.path.abspath(d) for d in dirs]
-    return save({"settings": settings, "runs": runs}, out_dir)
+    res = {"settings": settings, "runs": runs}
+    if checks:
+        res["reference_check"] = next(iter(checks.values()))
+        res["reference_checks"] = checks
+    return save(res, out_dir)
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -646,7 +715,9 @@ def parse_args(argv=None):
     p.add_argument("--schemes", default=",".join(SCHEMES),
                    help=f"comma-separated, from {','.join(SCHEMES)} (default: all)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed")
-    p.add_argument("--threads", type=int, default=2, help="PyTorch and posenc threads")
+    p.add_argument("--threads", type=int,
+                   help="PyTorch and posenc threads (default 2; --quick: 1, as the test suite "
+                        "runs beside other tests)")
     g = p.add_argument_group("model and training (defaults: the full preset; --quick: tiny)")
     for k in ("train_length", "d_model", "layers", "heads", "mlp", "batch", "steps", "warmup",
               "eval_tokens", "t5_buckets", "t5_max_distance", "shaw_k", "deberta_buckets",
@@ -659,10 +730,13 @@ def parse_args(argv=None):
     c.add_argument("--corpus", help="a text file to train on instead")
     c.add_argument("--valid-corpus", help="its validation text (default: its last lines)")
     c.add_argument("--valid-fraction", type=float, default=0.05)
-    p.add_argument("--reference-check", metavar="SCHEME", default="t5",
-                   help="train SCHEME a few steps in float32 (fused kernels) and float64 "
-                        "(reference) and compare the losses; 'none' to skip (default t5)")
-    p.add_argument("--reference-steps", type=int, default=6)
+    p.add_argument("--reference-check", metavar="SCHEMES", default="all",
+                   help="train these schemes (comma-separated, 'all' or 'none') a few steps in "
+                        "float32 (fused kernels) and in float64 (reference) and compare the "
+                        "losses (default all)")
+    p.add_argument("--reference-steps", type=int, default=16)
+    p.add_argument("--reference-tolerance", type=float, default=2e-6,
+                   help="largest relative loss difference accepted (default 2e-6)")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in OUT/results.json made with the same settings")
     p.add_argument("--merge", nargs="+", metavar="DIR",
@@ -676,7 +750,7 @@ def config_from(args):
         v = getattr(args, k, None)
         if v is not None:
             cfg[k] = v
-    cfg["threads"] = args.threads
+    cfg["threads"] = args.threads if args.threads else (1 if args.quick else 2)
     return cfg
 
 
@@ -692,15 +766,14 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"extrapolation: unknown schemes {bad} (known: {', '.join(SCHEMES)})")
     cfg = config_from(args)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(cfg["threads"])
     train, valid, info = load_corpus(args)
-    need = cfg["eval_tokens"] + 1
-    if valid.numel() < need:
-        raise SystemExit(f"extrapolation: validation text has {valid.numel()} bytes, "
-                         f"--eval-tokens needs {need}")
-    if cfg["eval_tokens"] % (cfg["train_length"] * max(cfg["eval_factors"])):
-        raise SystemExit("extrapolation: --eval-tokens must be a multiple of the longest "
-                         "evaluation length (every length then scores the same bytes)")
+    longest = cfg["train_length"] * max(cfg["eval_factors"])
+    if cfg["eval_tokens"] % longest or cfg["eval_tokens"] + longest > valid.numel():
+        raise SystemExit(f"extrapolation: --eval-tokens ({cfg['eval_tokens']}) must be a "
+                         f"multiple of the longest evaluation length ({longest}), so that every "
+                         f"length scores the same bytes, and fit the validation text "
+                         f"({valid.numel()} bytes)")
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
     settings.update({
         "quick": args.quick, "seeds": args.seeds, "schemes": schemes,
@@ -711,12 +784,14 @@ def main(argv=None):
         "model": "byte-level pre-LayerNorm decoder, GELU MLP, untied output layer; attention "
                  "core posenc.torch.attention (fused float32 forward and backward)",
         "torch": torch.__version__, "posenc": posenc.__version__,
+        "environment": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY",
+                                                        "OPENBLAS_NUM_THREADS")},
         "command": "python3 -m posenc.experiments.extrapolation " + " ".join(
             sys.argv[1:] if argv is None else argv)})
     log(f"extrapolation: {info['corpus']}: train {info['train_bytes']:,} bytes, valid "
         f"{info['valid_bytes']:,} bytes; schemes {','.join(schemes)}; seeds {args.seeds}; "
         f"{cfg['steps']} steps of {cfg['batch']} x {cfg['train_length']} bytes; "
-        f"{args.threads} threads")
+        f"{cfg['threads']} threads")
 
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -732,16 +807,27 @@ def main(argv=None):
             log(f"extrapolation: {prev} has other settings: starting over")
     res = {"settings": settings, "runs": runs}
 
-    if args.reference_check != "none":
+    failures = []
+    checks = schemes if args.reference_check == "all" else [
+        x for x in args.reference_check.split(",") if x and x != "none"]
+    if checks:
         t = time.time()
-        chk = reference_check(args.reference_check, train, cfg, args.seeds[0],
-                              steps=args.reference_steps)
-        chk["seconds"] = time.time() - t
-        res["reference_check"] = chk
-        log(f"extrapolation: reference check ({args.reference_check}, {chk['steps']} steps): "
-            f"float32 fused {['%.6f' % x for x in chk['float32']]}, float64 reference "
-            f"{['%.6f' % x for x in chk['float64']]}: max relative difference "
-            f"{chk['max_relative_difference']:.2e} ({chk['seconds']:.0f} s)")
+        res["reference_check"] = {"tolerance": args.reference_tolerance, "schemes": {}}
+        for name in checks:
+            if name not in SCHEMES:
+                raise SystemExit(f"extrapolation: --reference-check: unknown scheme '{name}'")
+            chk = reference_check(name, train, cfg, args.seeds[0], steps=args.reference_steps)
+            res["reference_check"]["schemes"][name] = chk
+            ok = chk["max_relative_difference"] <= args.reference_tolerance
+            log(f"extrapolation: reference check {name}: {chk['steps']} steps, float32 fused vs "
+                f"float64 reference: max relative loss difference "
+                f"{chk['max_relative_difference']:.1e} ({'ok' if ok else 'TOO LARGE'})"
+                + (f"; control ({chk['control']}): {chk['control_relative_difference']:.1e}"
+                   if "control" in chk else ""))
+            if not ok:
+                failures.append(f"reference check {name}: {chk['max_relative_difference']:.2e} "
+                                f"> {args.reference_tolerance:g}")
+        res["reference_check"]["seconds"] = time.time() - t
 
     todo = [(n, s) for s in args.seeds for n in schemes
             if str(s) not in runs.get(n, {}).get("by_seed", {})]
@@ -756,8 +842,59 @@ def main(argv=None):
     log(f"extrapolation: {fmt_time(time.time() - progress.t0)}; wrote {out}/results.json, "
         f"results.md, extrapolation.png/.svg, position-loss.png/.svg")
     print(results_markdown(body), end="")
-    return 0
+    if args.quick:
+        failures += quick_failures(body)
+    for f in failures:
+        log(f"extrapolation: FAILED: {f}")
+    return 1 if failures else 0
+
+
+def quick_failures(res):
+    """What --quick checks (nothing about which scheme wins): every scheme's training loss
+    fell, evaluation at 4 x L_train ran (learned positions: refused by posenc), and the
+    reference check could see each scheme (its control differs by more than 10 x tolerance)."""
+    out = []
+    chk = res.get("reference_check")
+    if chk:
+        for name, c in chk["schemes"].items():
+            if "control" in c and not c["control_relative_difference"] > 10 * chk["tolerance"]:
+                out.append(f"reference check {name}: the control ({c['control']}) differs by "
+                           f"only {c['control_relative_difference']:.1e}: the check cannot see "
+                           f"the scheme")
+    lt = res["settings"]["train_length"]
+    for name, v in res["schemes"].items():
+        for seed, r in v["by_seed"].items():
+            if not r["final_train_loss"] < r["first_train_loss"] - 1.0:
+                out.append(f"{name} seed {seed}: loss did not fall ({r['first_train_loss']:.3f} "
+                           f"-> {r['final_train_loss']:.3f})")
+            if 4 * lt not in r["lengths"]:
+                out.append(f"{name}: 4 x L_train ({4 * lt}) not among the evaluation lengths")
+                continue
+            p = r["ppl"][r["lengths"].index(4 * lt)]
+            if name == "learned":
+                if p is not None or str(4 * lt) not in r["eval_errors"]:
+                    out.append("learned: evaluation past the table was not refused")
+            elif p is None or not math.isfinite(p):
+                out.append(f"{name} seed {seed}: no perplexity at 4 x L_train ({p})")
+    return out
+
+
+def thread_environment(argv=None):
+    """The environment the thread pools need, read by the OpenMP and OpenBLAS runtimes when they
+    load (before this module runs): idle OpenMP threads sleep instead of spinning (PyTorch's and
+    posenc's threads share 2 cores with OpenBLAS's; spinning made a step 1.8x slower), and
+    OpenBLAS uses --threads threads, not every core. Variables already set are kept."""
+    args = parse_args(argv)
+    threads = config_from(args)["threads"]
+    want = {"OMP_WAIT_POLICY": "passive", "OPENBLAS_NUM_THREADS": str(threads)}
+    return {k: v for k, v in want.items() if k not in os.environ}
 
 
 if __name__ == "__main__":
+    env = thread_environment()
+    if env and not os.environ.get("POSENC_EXTRAPOLATION_REEXEC"):
+        # Start again with them (once): the runtimes are already loaded in this process.
+        os.execve(sys.executable, [sys.executable, "-m", "posenc.experiments.extrapolation",
+                                   *sys.argv[1:]],
+                  dict(os.environ, POSENC_EXTRAPOLATION_REEXEC="1", **env))
     sys.exit(main())
