@@ -5,6 +5,8 @@
 // No input needed. Everything shown comes from the public API (through plot/plots.h); nothing is
 // computed here. The files are written into a temporary folder beside --out and moved into place
 // once all exist, so a failed demo leaves nothing behind.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <chrono>
@@ -425,6 +427,15 @@ class StagingDir {
     if (!path_.empty()) fs::remove_all(path_, ec);
   }
   const fs::path& path() const { return path_; }
+  // `message` with the staging folder's name replaced by `dir`: errors name the final files.
+  std::string rename_in_message(std::string message, const fs::path& dir) const {
+    const std::string from = path_.string(), to = dir.string();
+    for (std::size_t at = message.find(from); at != std::string::npos;
+         at = message.find(from, at + to.size())) {
+      message.replace(at, from.size(), to);
+    }
+    return message;
+  }
 
   // Moves the staged files into `dir`: the whole folder when `dir` does not exist (one rename),
   // else file by file (each replaced atomically; other files in `dir` are kept).
@@ -466,16 +477,24 @@ int run_demo(const DemoArgs& a) {
     checks = run_checks(opt);
   }
   StagingDir staging(dir);
+  // Progress lines only on a terminal: elsewhere stderr carries nothing but an error's one line.
+  const bool progress = ::isatty(STDERR_FILENO) == 1;
   const std::vector<DemoFigure> figs = demo_figures();
   std::vector<std::string> names;
   for (std::size_t i = 0; i < figs.size(); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     const std::string name = figs[i].name + ext;
-    plot::save(figs[i].build(), (staging.path() / name).string());
-    const double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::cerr << "[" << (i + 1) << "/" << figs.size() << "] " << (dir / name).string() << " ("
-              << std::fixed << std::setprecision(2) << secs << " s)" << std::endl;
+    try {
+      plot::save(figs[i].build(), (staging.path() / name).string());
+    } catch (const IoError& e) {
+      throw IoError(staging.rename_in_message(e.what(), dir));
+    }
+    if (progress) {
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::cerr << "[" << (i + 1) << "/" << figs.size() << "] " << (dir / name).string() << " ("
+                << std::fixed << std::setprecision(2) << secs << " s)" << std::endl;
+    }
     names.push_back(name);
   }
   const std::string html = build_html(figs, ext, checks, !a.skip_checks);

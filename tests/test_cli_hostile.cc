@@ -178,6 +178,29 @@ TEST_F(Hostile, NonRegularInputsAreRefusedByName) {
   expect_refused("rope --in fifo.npy --out y.npy", {"FIFO"}, "timeout 20");
 }
 
+TEST_F(Hostile, LargeInputsAreCheckedAgainstTheLimit) {
+  // A valid header for 2^24 float32 (64 MiB) over a sparse file: mapping costs nothing, the
+  // copy `inspect` makes is refused under a 1 MiB limit before it is attempted.
+  const std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (16777216,), }";
+  std::string prelude = "\x93NUMPY";
+  prelude += '\x01';  // version 1.0
+  prelude += '\0';
+  const std::size_t len = 128 - 10;
+  prelude += static_cast<char>(len & 0xff);
+  prelude += static_cast<char>(len >> 8);
+  std::string h = header + std::string(len - header.size() - 1, ' ') + "\n";
+  {
+    std::ofstream f(path("big.npy"), std::ios::binary);
+    f << prelude << h;
+  }
+  fs::resize_file(path("big.npy"), 128 + (std::uintmax_t{1} << 26));
+  expect_refused("inspect big.npy", {"big.npy", "67108864 bytes", "POSENC_MAX_BYTES"},
+                 "POSENC_MAX_BYTES=1M");
+  // Trailing bytes beyond the declared data: refused, not read.
+  fs::resize_file(path("big.npy"), 128 + (std::uintmax_t{1} << 26) + 1);
+  expect_refused("inspect big.npy", {"trailing data"});
+}
+
 TEST_F(Hostile, ConfigNumbersOutOfDoubleRangeAreErrors) {
   std::ofstream(path("tiny.json")) << "6e406";
   expect_refused("describe tiny.json", {"tiny.json", "invalid JSON", "6e406"});
@@ -224,13 +247,15 @@ TEST_F(Hostile, LongOutputNamesGetShortTemporaryNames) {
 }
 
 TEST_F(Hostile, FailedDemoLeavesNothing) {
-  // The first figures fit 40 blocks (20 KiB), later ones do not: the demo fails half way.
-  expect_refused("demo --skip-checks --out d", {"file-size limit"}, "ulimit -f 40;");
+  // The first figure (heatmap-small, ~23 KB) fits 100 blocks (50 KiB), the second (~170 KB) does
+  // not: the demo fails half way, after writing a file. The message names the final path.
+  expect_refused("demo --skip-checks --out d", {"d/heatmap-paper.png", "file-size limit"},
+                 "ulimit -f 100;");
   EXPECT_FALSE(fs::exists(path("d")));
   // Into an existing folder: its other files stay, nothing of the demo is added.
   fs::create_directories(path("e"));
   std::ofstream(path("e/keep.txt")) << "mine";
-  expect_refused("demo --skip-checks --out e", {"file-size limit"}, "ulimit -f 40;");
+  expect_refused("demo --skip-checks --out e", {"file-size limit"}, "ulimit -f 100;");
   std::set<std::string> in_e;
   for (const auto& f : fs::directory_iterator(path("e"))) in_e.insert(f.path().filename());
   EXPECT_EQ(in_e, (std::set<std::string>{"keep.txt"}));

@@ -298,9 +298,9 @@ int64_t NpyView::numel() const {
 }
 
 Tensor NpyView::to_tensor() const {
-  require_allocation(
-      "copying a " + io_detail::dims_str(shape) + " " + dtype_name(dtype) + " tensor",
-      static_cast<int64_t>(nbytes));
+  require_allocation((file ? file->path() + ": " : std::string()) + "copying the " +
+                         io_detail::dims_str(shape) + " " + dtype_name(dtype) + " tensor",
+                     static_cast<int64_t>(nbytes));
   Tensor t;
   t.dtype = dtype;
   t.shape = shape;

@@ -17,6 +17,7 @@
 #include "io/io_util.h"
 #include "posenc/error.h"
 #include "posenc/io.h"
+#include "posenc/size.h"
 
 namespace posenc {
 
@@ -191,6 +192,7 @@ SafetensorsFile parse_safetensors(const unsigned char* data, std::size_t size,
       throw IoError(where + ": " + offsets_str + " do not match dtype " + dtype_str + " x shape " +
                     t.shape_str() + " (" + std::to_string(nbytes) + " bytes)");
     }
+    require_allocation(where + ": copying its data", nbytes);
     t.bytes.assign(section + begin, section + end);
     ranges.push_back({begin, end, &out.tensors.emplace(name, std::move(t)).first->first});
   }
