@@ -713,9 +713,41 @@ struct ScalingDict {
   std::string key_name(const std::string& key) const { return name + "." + key; }
 };
 
+// transformers 5 writes one RoPE dict per layer type for models whose local layers rotate
+// differently (Gemma 3): rope_parameters = {"full_attention": {...}, "sliding_attention": {...}}.
+bool per_layer_type(const json& j) {
+  if (!j.is_object() || j.empty()) return false;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (!it->is_object()) return false;
+    if (it.key() != "full_attention" && it.key() != "sliding_attention" &&
+        it.key() != "chunked_attention") {
+      return false;
+    }
+  }
+  return true;
+}
+
+// rope_parameters, or its "full_attention" entry when it is written per layer type.
+std::optional<Value> global_rope_parameters(const Reader& r, const Scope& s) {
+  const auto b = s.get("rope_parameters");
+  if (!b) return b;
+  r.object(*b);
+  if (!per_layer_type(*b->v)) return b;
+  const auto full = Node{b->v, b->name}.get("full_attention");
+  if (!full) r.fail(b->name + " is written per layer type but has no 'full_attention' entry");
+  return full;
+}
+
+// The per-layer-type entry for `layer_type` ("sliding_attention"), if rope_parameters has one.
+std::optional<Value> layer_rope_parameters(const Scope& s, const char* layer_type) {
+  const auto b = s.get("rope_parameters");
+  if (!b || !per_layer_type(*b->v)) return std::nullopt;
+  return Node{b->v, b->name}.get(layer_type);
+}
+
 std::optional<ScalingDict> scaling_dict(const Reader& r, const Scope& s) {
   const auto a = s.get("rope_scaling");
-  const auto b = s.get("rope_parameters");
+  const auto b = global_rope_parameters(r, s);
   if (a) r.object(*a);
   if (b) r.object(*b);
   ScalingDict out;
@@ -1292,6 +1324,17 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
     }
   }
   read_rope(r, s, td, model_type, cfg);
+  if (family != Family::kGemma3) {
+    // One RoPE for every layer here: per-layer-type entries must repeat full_attention's.
+    const auto full = global_rope_parameters(r, s);
+    for (const char* t : {"sliding_attention", "chunked_attention"}) {
+      const auto x = layer_rope_parameters(s, t);
+      if (x && full && !same(*x->v, *full->v)) {
+        r.fail(x->name + " differs from " + full->name + "; " + model_type +
+               " rotates every layer alike (per-layer-type RoPE is read for gemma3)");
+      }
+    }
+  }
 
   // Layers.
   const auto nl = r.positive_int_alias(s, kLayerKeys, Reader::kMaxDim);
@@ -1318,11 +1361,40 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
   int64_t pattern = 0;
   if (family == Family::kGemma3) {
     local.base = 1e4;
-    if (const auto x = s.get("rope_local_base_freq")) {
-      if (!x->v->is_number() || !(x->v->get<double>() > 1)) {
+    std::optional<std::pair<double, std::string>> theta;
+    auto take = [&](const std::optional<Value>& x) {
+      if (!x) return;
+      if (!x->v->is_number() || !(x->v->get<double>() > 1) ||
+          !std::isfinite(x->v->get<double>())) {
         r.fail(x->name + " must be a number > 1 (got " + show(*x->v) + ")");
       }
-      local.base = x->v->get<double>();
+      const double v = x->v->get<double>();
+      if (theta && theta->first != v) {
+        r.fail(x->name + " (" + fmt(v) + ") contradicts " + theta->second + " (" +
+               fmt(theta->first) + ")");
+      }
+      theta = std::make_pair(v, x->name);
+    };
+    take(s.get("rope_local_base_freq"));
+    if (const auto sl = layer_rope_parameters(s, "sliding_attention")) {
+      // The local layers rotate without scaling: only the kind "default" and a theta.
+      const Node node{sl->v, sl->name};
+      for (auto it = sl->v->begin(); it != sl->v->end(); ++it) {
+        if (it.key() != "rope_type" && it.key() != "type" && it.key() != "rope_theta") {
+          r.fail(sl->name + ": unknown key '" + it.key() +
+                 "' (Gemma 3's sliding layers take rope_type 'default' and rope_theta)");
+        }
+      }
+      for (const char* key : {"rope_type", "type"}) {
+        if (const auto x = node.get(key); x && r.string(*x) != "default") {
+          r.fail(x->name + ": rope_type '" + r.string(*x) +
+                 "' on Gemma 3's sliding layers is not supported (they rotate with 'default')");
+        }
+      }
+      take(node.get("rope_theta"));
+    }
+    if (theta) {
+      local.base = theta->first;
     } else {
       note_default(cfg, "rope_local_base_freq", "10000");
     }

@@ -956,6 +956,51 @@ TEST(ModelConfigLayers, Gemma3LocalAndGlobal) {
   EXPECT_EQ(*g2.layers[0].sliding_window, 4096);
 }
 
+// transformers 5 writes Gemma 3's RoPE per layer type; both forms give the same layers.
+TEST(ModelConfigLayers, Gemma3RopeParametersPerLayerType) {
+  const ModelConfig old_form = parse_model_config(
+      R"({"model_type": "gemma3_text", "num_hidden_layers": 6, "head_dim": 64,
+          "rope_theta": 1000000, "rope_local_base_freq": 20000,
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}})",
+      "x");
+  const ModelConfig new_form = parse_model_config(
+      R"({"model_type": "gemma3_text", "num_hidden_layers": 6, "head_dim": 64,
+          "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 20000}}})",
+      "x");
+  for (const ModelConfig* c : {&old_form, &new_form}) {
+    EXPECT_EQ(c->layers[0].rope_config.base, 20000.0);
+    EXPECT_EQ(c->layers[0].rope_config.scaling.type, RopeScalingType::kDefault);
+    EXPECT_EQ(c->layers[5].rope_config.base, 1e6);
+    EXPECT_EQ(c->layers[5].rope_config.scaling.type, RopeScalingType::kLinear);
+    EXPECT_EQ(c->layers[5].rope_config.scaling.factor, 8.0);
+  }
+  auto fails = [](const char* text, const char* needle) {
+    try {
+      (void)parse_model_config(text, "x");
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const IoError& e) {
+      EXPECT_TRUE(contains(e.what(), needle)) << e.what();
+    }
+  };
+  fails(R"({"model_type": "gemma3_text", "rope_local_base_freq": 10000,
+            "rope_parameters": {"full_attention": {"rope_type": "default"},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 5000}}})",
+        "contradicts");
+  fails(R"({"model_type": "gemma3_text",
+            "rope_parameters": {"full_attention": {"rope_type": "default"},
+                                "sliding_attention": {"rope_type": "linear", "factor": 2}}})",
+        "sliding_attention");
+  fails(R"({"model_type": "gemma3_text",
+            "rope_parameters": {"sliding_attention": {"rope_type": "default"}}})",
+        "no 'full_attention'");
+  fails(R"({"model_type": "llama",
+            "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}})",
+        "rotates every layer alike");
+}
+
 TEST(ModelConfigLayers, UniformModelsAndQwenWindows) {
   const ModelConfig l = load("llama-3.1-8b.json");
   EXPECT_EQ(l.layers.size(), 32u);
