@@ -112,18 +112,18 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
     throw UsageError("--threads must be >= 0 (got " + std::to_string(a.threads) + ")");
   const char* layout_q = "[batch, seq_q, heads_q, head_dim]";
   const char* layout_kv = "[batch, seq_k, heads_kv, head_dim]";
-  in.q_file = read_npy(a.q);
+  in.q_file = map_npy(a.q);
   require_rank(in.q_file, 4, layout_q, a.q);
-  in.k_file = read_npy(a.k);
+  in.k_file = map_npy(a.k);
   require_rank(in.k_file, 4, layout_kv, a.k);
-  in.v_file = read_npy(a.v);
+  in.v_file = map_npy(a.v);
   require_rank(in.v_file, 4, layout_kv, a.v);
-  in.q = to_float_array(in.q_file, a.q, true);
-  in.k = to_float_array(in.k_file, a.k, true);
-  in.v = to_float_array(in.v_file, a.v, true);
-  const FloatArray& q = in.q;
-  const FloatArray& k = in.k;
-  const FloatArray& v = in.v;
+  in.q = to_float_input(in.q_file, a.q, true);
+  in.k = to_float_input(in.k_file, a.k, true);
+  in.v = to_float_input(in.v_file, a.v, true);
+  const FloatInput& q = in.q;
+  const FloatInput& k = in.k;
+  const FloatInput& v = in.v;
   check_shapes(a, q.shape, k.shape, v.shape);
   const int64_t batch = q.shape[0], seq_q = q.shape[1], seq_k = k.shape[1];
 
@@ -195,14 +195,16 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
     const Positions qp = pos_q ? *pos_q : Positions::offset(seq_k - seq_q);
     in.query_factor.resize(static_cast<std::size_t>(batch * seq_q));
     const std::size_t row = static_cast<std::size_t>(q.shape[2] * q.shape[3]);
+    FloatArray scaled = in.q.copy();  // the mapped input is read-only
     for (int64_t b = 0; b < batch; ++b) {
       for (int64_t i = 0; i < seq_q; ++i) {
         const auto r = static_cast<std::size_t>(b * seq_q + i);
         in.query_factor[r] = attention_temperature(*t, qp.at(b, i));
         const float f = static_cast<float>(in.query_factor[r]);
-        for (std::size_t c = 0; c < row; ++c) in.q.data[r * row + c] *= f;
+        for (std::size_t c = 0; c < row; ++c) scaled.data[r * row + c] *= f;
       }
     }
+    in.q = FloatInput::owning(std::move(scaled));
   }
 }
 

@@ -81,8 +81,10 @@ struct SchemeHolder {
 struct AttentionInputs {
   AttentionArgs args;  // the flags resolved: the scheme from --config filled in
   std::optional<ModelConfig> model;
-  Tensor q_file, k_file, v_file;  // as read (the float64 reference uses their precision)
-  FloatArray q, k, v;             // float32, finite
+  // The inputs mapped, not copied (the float64 reference reads them at their precision), and as
+  // float32: the mapped bytes themselves when a file holds float32, else a converted copy.
+  NpyView q_file, k_file, v_file;
+  FloatInput q, k, v;  // finite
   std::optional<Positions> pos_q, pos_k;
   SchemeHolder holder;  // built for the float64 reference with --reference
   AttentionOptions options;

@@ -21,8 +21,8 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   AttentionInputs in;
   read_attention_inputs(app, args, in);
   const AttentionArgs& a = in.args;
-  const FloatArray &q = in.q, &k = in.k, &v = in.v;
-  const Tensor &tk = in.k_file, &tv = in.v_file;
+  const FloatInput &q = in.q, &k = in.k, &v = in.v;
+  const NpyView &tk = in.k_file, &tv = in.v_file;
   const PositionScheme& scheme = in.scheme();
   const AttentionOptions& opt = in.options;
   const Positions* pq = in.query_positions();
@@ -47,7 +47,7 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   }
   FloatArray out;
   out.shape = q.shape;
-  out.data.resize(q.data.size());
+  out.data.resize(q.size());
   attention(q.view<4>(), k.view<4>(), v.view<4>(), scheme, opt, out.mutable_view<4>(), pq, pk);
   write_f32(a.out, out.shape, out.data);
   return 0;

@@ -10,6 +10,8 @@
 #include <CLI/CLI.hpp>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <map>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -38,51 +40,48 @@ std::size_t element_count(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// What the backward produced, in T, and the tensors of the output file by reference to it.
 template <class T>
-Tensor to_tensor(std::vector<int64_t> shape, const std::vector<T>& values, DType dtype) {
-  if (dtype == DType::kF64) {
-    std::vector<double> v(values.size());
-    for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<double>(values[i]);
-    return Tensor::from_f64(std::move(shape), v);
-  }
-  std::vector<float> v(values.size());
-  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(values[i]);
-  return Tensor::from_f32(std::move(shape), v);
-}
+struct Grads {
+  std::vector<T> dq, dk, dv, lse;
+  std::vector<std::vector<T>> dparams;  // in the parameters' given shapes
+};
 
-// Forward with lse, then backward, in T (float: the fused path; double: the oracle). Returns the
-// output tensors by name, in `dtype`.
+// Forward with lse, then backward, in T (float: the fused path; double: the oracle), from
+// contiguous q [B, Lq, Hq, D], k, v [B, Lk, Hkv, D] and dout (q's shape).
 template <class T>
-SafetensorsFile compute_grads(const AttentionInputs& in, const std::vector<T>& q,
-                              const std::vector<T>& k, const std::vector<T>& v,
-                              const std::vector<T>& dout, bool with_lse, DType dtype) {
+Grads<T> compute_grads(const AttentionInputs& in, const T* q, const T* k, const T* v,
+                       const T* dout) {
   const auto qd = in.q.dims<4>();
   const auto kd = in.k.dims<4>();
-  const std::vector<int64_t> lse_shape = {qd[0], qd[2], qd[1]};
-  const View<const T, 4> qv = View<const T, 4>::contiguous(q.data(), qd);
-  const View<const T, 4> kv = View<const T, 4>::contiguous(k.data(), kd);
-  const View<const T, 4> vv = View<const T, 4>::contiguous(v.data(), kd);
-  const View<const T, 4> dov = View<const T, 4>::contiguous(dout.data(), qd);
+  const View<const T, 4> qv = View<const T, 4>::contiguous(q, qd);
+  const View<const T, 4> kv = View<const T, 4>::contiguous(k, kd);
+  const View<const T, 4> vv = View<const T, 4>::contiguous(v, kd);
+  const View<const T, 4> dov = View<const T, 4>::contiguous(dout, qd);
   const PositionScheme& scheme = in.scheme();
   const std::vector<LearnedParam>& params = in.holder.built.learned;
   const AttentionOptions& opt = in.options;
   const Positions* pq = in.query_positions();
   const Positions* pk = in.key_positions();
 
-  std::vector<T> out(q.size()), lse(element_count(lse_shape));
+  Grads<T> r;
+  std::vector<T> out(in.q.size());
+  r.lse.resize(static_cast<std::size_t>(qd[0] * qd[2] * qd[1]));
   const View<T, 4> out_view = View<T, 4>::contiguous(out.data(), qd);
-  const View<T, 3> lse_view = View<T, 3>::contiguous(lse.data(), {qd[0], qd[2], qd[1]});
+  const View<T, 3> lse_view = View<T, 3>::contiguous(r.lse.data(), {qd[0], qd[2], qd[1]});
   if constexpr (std::is_same_v<T, double>) {
     ref::attention(qv, kv, vv, scheme, opt, in.holder.built.tables64, out_view, lse_view, pq, pk);
   } else {
     attention(qv, kv, vv, scheme, opt, out_view, lse_view, pq, pk);
   }
 
-  std::vector<T> dq(q.size()), dk(k.size()), dv(v.size());
+  r.dq.resize(in.q.size());
+  r.dk.resize(in.k.size());
+  r.dv.resize(in.v.size());
   AttentionGradsOf<T> g;
-  g.dq = View<T, 4>::contiguous(dq.data(), qd);
-  g.dk = View<T, 4>::contiguous(dk.data(), kd);
-  g.dv = View<T, 4>::contiguous(dv.data(), kd);
+  g.dq = View<T, 4>::contiguous(r.dq.data(), qd);
+  g.dk = View<T, 4>::contiguous(r.dk.data(), kd);
+  g.dv = View<T, 4>::contiguous(r.dv.data(), kd);
   std::vector<std::vector<T>> dparams(params.size());
   for (std::size_t i = 0; i < params.size(); ++i) {
     dparams[i].resize(element_count(params[i].grad_shape));
@@ -94,20 +93,41 @@ SafetensorsFile compute_grads(const AttentionInputs& in, const std::vector<T>& q
   } else {
     attention_backward(qv, kv, vv, out_view, lse_view, dov, scheme, opt, g, pq, pk);
   }
-
-  in.scale_dq(dq);  // Llama 4 NoPE layers: q was scaled by the attention temperature
-
-  SafetensorsFile file;
-  file.metadata["scheme"] = scheme_name(scheme);
-  file.tensors["dq"] = to_tensor(in.q.shape, dq, dtype);
-  file.tensors["dk"] = to_tensor(in.k.shape, dk, dtype);
-  file.tensors["dv"] = to_tensor(in.v.shape, dv, dtype);
+  in.scale_dq(r.dq);  // Llama 4 NoPE layers: q was scaled by the attention temperature
   for (std::size_t i = 0; i < params.size(); ++i) {
-    file.tensors["d" + params[i].name] =
-        to_tensor(params[i].shape, grad_to_given_shape(params[i], dparams[i]), dtype);
+    r.dparams.push_back(grad_to_given_shape(params[i], dparams[i]));
   }
-  if (with_lse) file.tensors["lse"] = to_tensor(lse_shape, lse, dtype);
-  return file;
+  return r;
+}
+
+// Writes the gradients straight from memory when they are in `dtype`, else converted.
+template <class T>
+void write_grads(const std::string& path, const AttentionInputs& in, const Grads<T>& r,
+                 bool with_lse, DType dtype) {
+  const std::vector<LearnedParam>& params = in.holder.built.learned;
+  std::deque<std::vector<float>> f32;  // conversions (stable addresses)
+  std::deque<std::vector<double>> f64;
+  auto ref = [&](std::vector<int64_t> shape, const std::vector<T>& values) {
+    const void* data = values.data();
+    if (dtype == DType::kF32 && !std::is_same_v<T, float>) {
+      data = f32.emplace_back(values.begin(), values.end()).data();
+    } else if (dtype == DType::kF64 && !std::is_same_v<T, double>) {
+      data = f64.emplace_back(values.begin(), values.end()).data();
+    }
+    return TensorRef{dtype, std::move(shape), data};
+  };
+  std::map<std::string, TensorRef> tensors;
+  tensors["dq"] = ref(in.q.shape, r.dq);
+  tensors["dk"] = ref(in.k.shape, r.dk);
+  tensors["dv"] = ref(in.v.shape, r.dv);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    tensors["d" + params[i].name] = ref(params[i].shape, r.dparams[i]);
+  }
+  if (with_lse) {
+    const auto qd = in.q.dims<4>();
+    tensors["lse"] = ref({qd[0], qd[2], qd[1]}, r.lse);
+  }
+  write_safetensors(path, tensors, {{"scheme", scheme_name(in.scheme())}});
 }
 
 int run_attention_grad(const CLI::App& app, const AttentionGradArgs& args) {
@@ -115,25 +135,30 @@ int run_attention_grad(const CLI::App& app, const AttentionGradArgs& args) {
   read_attention_inputs(app, args.attention, in);
   const AttentionArgs& a = in.args;
 
-  const Tensor dout_file = read_npy(args.dout);
+  const NpyView dout_file = map_npy(args.dout);
   require_rank(dout_file, 4, "[batch, seq_q, heads_q, head_dim]", args.dout);
   if (dout_file.shape != in.q.shape) {
     throw ShapeError(args.dout + ": dout " + shape_string(dout_file.shape) +
                      " must have the shape of q " + shape_string(in.q.shape) + " (" + a.q + ")");
   }
-  const FloatArray dout = to_float_array(dout_file, args.dout, true);
 
   // Float64 with --reference unless --out-dtype says otherwise (float64 needs --reference).
   const bool f64 = a.out_dtype.empty() ? a.reference : a.out_dtype == "float64";
   const DType dtype = f64 ? DType::kF64 : DType::kF32;
-  SafetensorsFile grads;
   if (a.reference) {
-    grads = compute_grads<double>(in, in.q64(), in.k_file.to_f64(a.k), in.v_file.to_f64(a.v),
-                                  dout_file.to_f64(args.dout), args.lse, dtype);
+    const std::vector<double> d64 = dout_file.to_f64(args.dout);
+    check_finite(d64, dout_file.shape, args.dout);
+    const std::vector<double> q64 = in.q64(), k64 = in.k_file.to_f64(a.k),
+                              v64 = in.v_file.to_f64(a.v);
+    const Grads<double> g =
+        compute_grads<double>(in, q64.data(), k64.data(), v64.data(), d64.data());
+    write_grads(a.out, in, g, args.lse, dtype);
   } else {
-    grads = compute_grads<float>(in, in.q.data, in.k.data, in.v.data, dout.data, args.lse, dtype);
+    const FloatInput dout = to_float_input(dout_file, args.dout, true);
+    const Grads<float> g =
+        compute_grads<float>(in, in.q.data(), in.k.data(), in.v.data(), dout.data());
+    write_grads(a.out, in, g, args.lse, dtype);
   }
-  write_safetensors(a.out, grads);
   return 0;
 }
 

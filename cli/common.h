@@ -123,6 +123,12 @@ class FloatInput {
   std::size_t size() const { return size_; }
   bool mapped() const { return owned_.empty() && file_ != nullptr; }
   template <std::size_t R>
+  std::array<int64_t, R> dims() const {
+    std::array<int64_t, R> a{};
+    for (std::size_t d = 0; d < R && d < shape.size(); ++d) a[d] = shape[d];
+    return a;
+  }
+  template <std::size_t R>
   View<const float, R> view() const {
     std::array<int64_t, R> a{};
     for (std::size_t d = 0; d < R && d < shape.size(); ++d) a[d] = shape[d];

@@ -1121,15 +1121,8 @@ bool run_fused_backward(const Problem<float>& pr, const Prepared<float>& p,
   bp.fwd.lse_stride = {lse.stride[0], lse.stride[1], lse.stride[2]};
   bp.dout = dout.data;
   bp.dout_stride = {dout.stride[0], dout.stride[1], dout.stride[2]};
-  // RoPE: gradients with respect to the rotated q and k, rotated back below.
-  std::vector<float> dq_rot, dk_rot;
-  View<float, 4> dq = g.dq, dk = g.dk;
-  if (p.kind == 1) {
-    dq_rot.resize(ud(pr.q.numel()));
-    dk_rot.resize(ud(pr.k.numel()));
-    dq = View<float, 4>::contiguous(dq_rot.data(), pr.q.shape);
-    dk = View<float, 4>::contiguous(dk_rot.data(), pr.k.shape);
-  }
+  // RoPE: gradients with respect to the rotated q and k, rotated back in place below.
+  const View<float, 4> dq = g.dq, dk = g.dk;
   bp.dq = dq.data;
   bp.dq_stride = {dq.stride[0], dq.stride[1], dq.stride[2]};
   bp.dk = dk.data;
@@ -1211,9 +1204,9 @@ bool run_fused_backward(const Problem<float>& pr, const Prepared<float>& p,
   if (g.dsinks.data != nullptr) copy_dense(dsinks, g.dsinks);
   if (p.kind == 1) {
     const auto& r = std::get<Rope>(scheme);
-    apply_rope(r.freqs, r.style, View<const float, 4>(dq), g.dq, &pr.qp, Direction::kInverse,
+    apply_rope(r.freqs, r.style, View<const float, 4>(g.dq), g.dq, &pr.qp, Direction::kInverse,
                pr.opt.num_threads);
-    apply_rope(r.freqs, r.style, View<const float, 4>(dk), g.dk, &pr.kp, Direction::kInverse,
+    apply_rope(r.freqs, r.style, View<const float, 4>(g.dk), g.dk, &pr.kp, Direction::kInverse,
                pr.opt.num_threads);
   }
   return true;

@@ -1364,8 +1364,7 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
     std::optional<std::pair<double, std::string>> theta;
     auto take = [&](const std::optional<Value>& x) {
       if (!x) return;
-      if (!x->v->is_number() || !(x->v->get<double>() > 1) ||
-          !std::isfinite(x->v->get<double>())) {
+      if (!x->v->is_number() || !(x->v->get<double>() > 1) || !std::isfinite(x->v->get<double>())) {
         r.fail(x->name + " must be a number > 1 (got " + show(*x->v) + ")");
       }
       const double v = x->v->get<double>();

@@ -18,6 +18,7 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -721,6 +722,29 @@ TEST(SafetensorsTest, RoundTripEveryDTypeAndShape) {
   const SafetensorsFile back = parse_st_bytes(none);
   EXPECT_TRUE(back.tensors.empty());
   EXPECT_TRUE(back.metadata.empty());
+}
+
+// Writing tensors by reference gives the bytes of the owning writer, and checks the same things.
+TEST(SafetensorsTest, WriteByReferenceMatchesTheOwningWriter) {
+  SafetensorsFile f = sample_file();
+  f.metadata["scheme"] = "rope";
+  std::map<std::string, TensorRef> refs;
+  for (const auto& [name, t] : f.tensors) refs[name] = TensorRef{t.dtype, t.shape, t.bytes.data()};
+  TempDir dir;
+  const std::string path = dir.file("refs.safetensors");
+  write_safetensors(path, refs, f.metadata);
+  EXPECT_EQ(slurp(path), encode_safetensors(f));
+
+  std::map<std::string, TensorRef> bad;
+  bad["__metadata__"] = TensorRef{DType::kF32, {1}, f.tensors.begin()->second.bytes.data()};
+  const std::string other = dir.file("bad.safetensors");
+  EXPECT_IO_ERROR(write_safetensors(other, bad), "reserved");
+  bad.clear();
+  bad["x"] = TensorRef{DType::kF32, {2, 3}, nullptr};
+  EXPECT_IO_ERROR(write_safetensors(other, bad), "tensor 'x' has no data");
+  bad["x"] = TensorRef{DType::kF32, {-1}, nullptr};
+  EXPECT_IO_ERROR(write_safetensors(other, bad), "negative or too large");
+  EXPECT_FALSE(std::filesystem::exists(other));
 }
 
 TEST(SafetensorsTest, WriterLayout) {

@@ -134,6 +134,16 @@ SafetensorsFile parse_safetensors(const unsigned char* data, std::size_t size,
                                   const std::string& what);
 std::vector<unsigned char> encode_safetensors(const SafetensorsFile& f);
 void write_safetensors(const std::string& path, const SafetensorsFile& f);  // atomic
+// A tensor to write by reference: dtype x shape bytes (host order, little-endian hosts) at data.
+struct TensorRef {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+};
+// Writes the tensors (sorted by name) straight from their memory, without assembling the file in
+// memory first (atomic, like the overload above).
+void write_safetensors(const std::string& path, const std::map<std::string, TensorRef>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
 
 // Whole-file helpers. read_file throws IoError (missing, unreadable, not a regular file, larger
 // than max_bytes).

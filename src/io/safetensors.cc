@@ -232,49 +232,111 @@ SafetensorsFile read_safetensors(const std::string& path) {
 
 namespace {
 
-std::vector<unsigned char> encode(const SafetensorsFile& f, const std::string& what) {
+// One tensor of a file to write: its bytes live elsewhere.
+struct Entry {
+  const std::string* name;
+  DType dtype;
+  const std::vector<int64_t>* shape;
+  const void* data;
+  std::size_t size;  // bytes held at data
+};
+
+// The 8-byte length and the JSON header (padded with spaces so the data section starts 8-byte
+// aligned) of a file holding `entries` in order.
+std::string header_bytes(const std::vector<Entry>& entries,
+                         const std::map<std::string, std::string>& metadata,
+                         const std::string& what) {
   json header = json::object();
-  if (!f.metadata.empty()) {
+  if (!metadata.empty()) {
     json meta = json::object();
-    for (const auto& [key, value] : f.metadata) meta[key] = value;
+    for (const auto& [key, value] : metadata) meta[key] = value;
     header[kMetadataKey] = std::move(meta);
   }
   uint64_t offset = 0;
-  for (const auto& [name, t] : f.tensors) {  // std::map: sorted by name
+  for (const Entry& e : entries) {
+    const std::string& name = *e.name;
     const std::string where = what + ": tensor " + quoted(name);
     if (name == kMetadataKey) throw IoError(where + ": the name is reserved for metadata");
     int64_t numel = 0;
     int64_t nbytes = 0;
-    if (!io_detail::checked_nbytes(t.shape, dtype_size(t.dtype), &numel, &nbytes)) {
-      throw IoError(where + ": shape " + t.shape_str() + " has a negative or too large dimension");
+    if (!io_detail::checked_nbytes(*e.shape, dtype_size(e.dtype), &numel, &nbytes)) {
+      throw IoError(where + ": shape " + io_detail::dims_str(*e.shape) +
+                    " has a negative or too large dimension");
     }
-    if (static_cast<uint64_t>(nbytes) != t.bytes.size()) {
-      throw IoError(where + ": " + std::to_string(t.bytes.size()) + " bytes do not match " +
-                    dtype_safetensors_name(t.dtype) + " x shape " + t.shape_str() + " (" +
-                    std::to_string(nbytes) + " bytes)");
+    if (static_cast<uint64_t>(nbytes) != e.size) {
+      throw IoError(where + ": " + std::to_string(e.size) + " bytes do not match " +
+                    dtype_safetensors_name(e.dtype) + " x shape " + io_detail::dims_str(*e.shape) +
+                    " (" + std::to_string(nbytes) + " bytes)");
     }
-    header[name] = {{"dtype", dtype_safetensors_name(t.dtype)},
-                    {"shape", t.shape},
-                    {"data_offsets", {offset, offset + t.bytes.size()}}};
-    offset += t.bytes.size();
+    header[name] = {{"dtype", dtype_safetensors_name(e.dtype)},
+                    {"shape", *e.shape},
+                    {"data_offsets", {offset, offset + e.size}}};
+    offset += e.size;
   }
   std::string text;
   try {
     text = header.dump();
-  } catch (const json::exception& e) {
+  } catch (const json::exception& ex) {
     // Names and metadata must be valid UTF-8.
-    throw IoError(what + ": cannot encode the header: " + io_detail::printable(e.what()));
+    throw IoError(what + ": cannot encode the header: " + io_detail::printable(ex.what()));
   }
-  // Pad with spaces so the data section starts 8-byte aligned.
   text.append((8 - text.size() % 8) % 8, ' ');
-
-  std::vector<unsigned char> out;
-  out.reserve(8 + text.size() + offset);
+  std::string out(8, '\0');
   const uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<unsigned char>(n >> (8 * i)));
-  out.insert(out.end(), text.begin(), text.end());
-  for (const auto& [name, t] : f.tensors) out.insert(out.end(), t.bytes.begin(), t.bytes.end());
+  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>(n >> (8 * i));
+  return out + text;
+}
+
+std::vector<Entry> entries_of(const SafetensorsFile& f) {
+  std::vector<Entry> out;
+  for (const auto& [name, t] : f.tensors) {  // std::map: sorted by name
+    out.push_back(Entry{&name, t.dtype, &t.shape, t.bytes.data(), t.bytes.size()});
+  }
   return out;
+}
+
+std::vector<Entry> entries_of(const std::map<std::string, TensorRef>& tensors,
+                              const std::string& what) {
+  std::vector<Entry> out;
+  for (const auto& [name, t] : tensors) {
+    int64_t numel = 0;
+    int64_t nbytes = 0;
+    if (!io_detail::checked_nbytes(t.shape, dtype_size(t.dtype), &numel, &nbytes)) {
+      throw IoError(what + ": tensor " + quoted(name) + ": shape " + io_detail::dims_str(t.shape) +
+                    " has a negative or too large dimension");
+    }
+    if (nbytes > 0 && t.data == nullptr) {
+      throw IoError(what + ": tensor " + quoted(name) + " has no data");
+    }
+    out.push_back(Entry{&name, t.dtype, &t.shape, t.data, static_cast<std::size_t>(nbytes)});
+  }
+  return out;
+}
+
+std::vector<unsigned char> encode(const SafetensorsFile& f, const std::string& what) {
+  const std::vector<Entry> entries = entries_of(f);
+  const std::string head = header_bytes(entries, f.metadata, what);
+  std::size_t total = head.size();
+  for (const Entry& e : entries) total += e.size;
+  std::vector<unsigned char> out;
+  out.reserve(total);
+  out.insert(out.end(), head.begin(), head.end());
+  for (const Entry& e : entries) {
+    const auto* b = static_cast<const unsigned char*>(e.data);
+    out.insert(out.end(), b, b + e.size);
+  }
+  return out;
+}
+
+void write_entries(const std::string& path, const std::vector<Entry>& entries,
+                   const std::map<std::string, std::string>& metadata) {
+  const std::string head = header_bytes(entries, metadata, path);
+  std::vector<ByteSpan> parts;
+  parts.push_back(ByteSpan{head.data(), head.size()});
+  for (const Entry& e : entries) {
+    if (e.size > 0) parts.push_back(ByteSpan{e.data, e.size});
+  }
+  write_file_atomic(path, parts);
 }
 
 }  // namespace
@@ -284,8 +346,12 @@ std::vector<unsigned char> encode_safetensors(const SafetensorsFile& f) {
 }
 
 void write_safetensors(const std::string& path, const SafetensorsFile& f) {
-  const std::vector<unsigned char> data = encode(f, path);
-  write_file_atomic(path, data.data(), data.size());
+  write_entries(path, entries_of(f), f.metadata);
+}
+
+void write_safetensors(const std::string& path, const std::map<std::string, TensorRef>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  write_entries(path, entries_of(tensors, path), metadata);
 }
 
 const char* dtype_safetensors_name(DType t) {
