@@ -17,9 +17,20 @@ namespace {
 // Shapes the CLI can name by file before the library sees them.
 void check_shapes(const AttentionArgs& a, const std::vector<int64_t>& q,
                   const std::vector<int64_t>& k, const std::vector<int64_t>& v) {
-  if (k != v) {
+  if (k[0] != v[0] || k[1] != v[1] || k[2] != v[2] || v[3] < 1) {
     throw ShapeError(a.v + ": v " + shape_string(v) + " must have the shape of k " +
-                     shape_string(k) + " (" + a.k + ")");
+                     shape_string(k) + " (" + a.k + ")" +
+                     (v[3] != k[3] ? " (its head_dim may be smaller)" : ""));
+  }
+  if (v[3] > k[3]) {
+    throw ShapeError(a.v + ": v head_dim (" + std::to_string(v[3]) + ") exceeds the head_dim of " +
+                     "q and k (" + std::to_string(k[3]) + "); it may be equal or smaller");
+  }
+  if (v[3] != k[3] && a.scheme != "none" && a.scheme != "rope" && a.scheme != "alibi" &&
+      a.scheme != "t5") {
+    throw ShapeError(a.v + ": v head_dim (" + std::to_string(v[3]) + ") differs from k's (" +
+                     std::to_string(k[3]) + "): narrower value heads go with schemes none, rope, " +
+                     "alibi and t5 (multi-head latent attention), not " + a.scheme);
   }
   if (k[0] != q[0]) {
     throw ShapeError(a.k + ": k batch (" + std::to_string(k[0]) + ") must equal q batch (" +
@@ -125,6 +136,13 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
   const FloatInput& k = in.k;
   const FloatInput& v = in.v;
   check_shapes(a, q.shape, k.shape, v.shape);
+  in.v_dim = v.shape[3];
+  if (in.v_dim != k.shape[3]) {
+    std::vector<int64_t> shape = v.shape;
+    shape[3] = k.shape[3];
+    in.v = FloatInput::owning(
+        FloatArray{shape, AttentionInputs::resize_heads(v.data(), v.size(), in.v_dim, k.shape[3])});
+  }
   const int64_t batch = q.shape[0], seq_q = q.shape[1], seq_k = k.shape[1];
 
   std::optional<Positions>& pos_q = in.pos_q;
@@ -206,6 +224,12 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
     }
     in.q = FloatInput::owning(std::move(scaled));
   }
+}
+
+std::vector<double> AttentionInputs::v64() const {
+  std::vector<double> x = v_file.to_f64(args.v);
+  if (v_dim == v.shape[3]) return x;
+  return resize_heads(x.data(), x.size(), v_dim, v.shape[3]);
 }
 
 std::vector<double> AttentionInputs::q64() const {

@@ -1,6 +1,7 @@
 // cli/cmd_attention.cc - `posenc attention`: attention with any positional scheme (SPEC §0-§9).
 //
-// Reads q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] (.npy, any float dtype), builds the
+// Reads q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] (.npy, any float dtype; v's head dim may be
+// smaller: multi-head latent attention), builds the
 // posenc::PositionScheme from flags and a .safetensors parameter file (tensor names of SPEC §9;
 // see attention_common.h), runs posenc::attention (or the float64 oracle posenc::ref::attention
 // with --reference, parameters in their file's precision) and writes out [B, Lq, Hq, D].
@@ -22,26 +23,31 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   read_attention_inputs(app, args, in);
   const AttentionArgs& a = in.args;
   const FloatInput &q = in.q, &k = in.k, &v = in.v;
-  const NpyView &tk = in.k_file, &tv = in.v_file;
+  const NpyView& tk = in.k_file;
+  // The output's head dim: v's (narrower than q's for multi-head latent attention).
+  std::vector<int64_t> out_shape = q.shape;
+  out_shape[3] = in.v_dim;
+  const bool cut = in.v_dim != q.shape[3];
   const PositionScheme& scheme = in.scheme();
   const AttentionOptions& opt = in.options;
   const Positions* pq = in.query_positions();
   const Positions* pk = in.key_positions();
 
   if (a.reference) {
-    const std::vector<double> q64 = in.q64(), k64 = tk.to_f64(a.k), v64 = tv.to_f64(a.v);
+    const std::vector<double> q64 = in.q64(), k64 = tk.to_f64(a.k), v64 = in.v64();
     std::vector<double> out(q64.size());
     auto dims = q.dims<4>();
     ref::attention(View<const double, 4>::contiguous(q64.data(), dims),
                    View<const double, 4>::contiguous(k64.data(), k.dims<4>()),
                    View<const double, 4>::contiguous(v64.data(), v.dims<4>()), scheme, opt,
                    in.holder.built.tables64, View<double, 4>::contiguous(out.data(), dims), pq, pk);
+    if (cut) out = AttentionInputs::resize_heads(out.data(), out.size(), q.shape[3], in.v_dim);
     if (a.out_dtype == "float64") {
-      write_f64(a.out, q.shape, out);
+      write_f64(a.out, out_shape, out);
     } else {
       std::vector<float> out32(out.size());
       for (std::size_t i = 0; i < out.size(); ++i) out32[i] = static_cast<float>(out[i]);
-      write_f32(a.out, q.shape, out32);
+      write_f32(a.out, out_shape, out32);
     }
     return 0;
   }
@@ -49,7 +55,10 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   out.shape = q.shape;
   out.data.resize(q.size());
   attention(q.view<4>(), k.view<4>(), v.view<4>(), scheme, opt, out.mutable_view<4>(), pq, pk);
-  write_f32(a.out, out.shape, out.data);
+  if (cut)
+    out.data =
+        AttentionInputs::resize_heads(out.data.data(), out.data.size(), q.shape[3], in.v_dim);
+  write_f32(a.out, out_shape, out.data);
   return 0;
 }
 

@@ -119,7 +119,13 @@ void write_grads(const std::string& path, const AttentionInputs& in, const Grads
   std::map<std::string, TensorRef> tensors;
   tensors["dq"] = ref(in.q.shape, r.dq);
   tensors["dk"] = ref(in.k.shape, r.dk);
-  tensors["dv"] = ref(in.v.shape, r.dv);
+  std::vector<int64_t> v_shape = in.v.shape;
+  v_shape[3] = in.v_dim;
+  std::vector<T> dv_cut;
+  if (in.v_dim != in.v.shape[3]) {
+    dv_cut = AttentionInputs::resize_heads(r.dv.data(), r.dv.size(), in.v.shape[3], in.v_dim);
+  }
+  tensors["dv"] = ref(v_shape, dv_cut.empty() ? r.dv : dv_cut);
   for (std::size_t i = 0; i < params.size(); ++i) {
     tensors["d" + params[i].name] = ref(params[i].shape, r.dparams[i]);
   }
@@ -137,24 +143,36 @@ int run_attention_grad(const CLI::App& app, const AttentionGradArgs& args) {
 
   const NpyView dout_file = map_npy(args.dout);
   require_rank(dout_file, 4, "[batch, seq_q, heads_q, head_dim]", args.dout);
-  if (dout_file.shape != in.q.shape) {
-    throw ShapeError(args.dout + ": dout " + shape_string(dout_file.shape) +
-                     " must have the shape of q " + shape_string(in.q.shape) + " (" + a.q + ")");
+  std::vector<int64_t> out_shape = in.q.shape;  // the output's: v's head dim
+  out_shape[3] = in.v_dim;
+  if (dout_file.shape != out_shape) {
+    throw ShapeError(
+        args.dout + ": dout " + shape_string(dout_file.shape) +
+        (in.v_dim == in.q.shape[3]
+             ? " must have the shape of q " + shape_string(in.q.shape) + " (" + a.q + ")"
+             : " must have the shape of the output " + shape_string(out_shape) + " (" + a.q +
+                   " with the head_dim of " + a.v + ")"));
   }
+  const int64_t dim = in.q.shape[3];
+  const bool pad = in.v_dim != dim;
 
   // Float64 with --reference unless --out-dtype says otherwise (float64 needs --reference).
   const bool f64 = a.out_dtype.empty() ? a.reference : a.out_dtype == "float64";
   const DType dtype = f64 ? DType::kF64 : DType::kF32;
   if (a.reference) {
-    const std::vector<double> d64 = dout_file.to_f64(args.dout);
+    std::vector<double> d64 = dout_file.to_f64(args.dout);
     check_finite(d64, dout_file.shape, args.dout);
-    const std::vector<double> q64 = in.q64(), k64 = in.k_file.to_f64(a.k),
-                              v64 = in.v_file.to_f64(a.v);
+    if (pad) d64 = AttentionInputs::resize_heads(d64.data(), d64.size(), in.v_dim, dim);
+    const std::vector<double> q64 = in.q64(), k64 = in.k_file.to_f64(a.k), v64 = in.v64();
     const Grads<double> g =
         compute_grads<double>(in, q64.data(), k64.data(), v64.data(), d64.data());
     write_grads(a.out, in, g, args.lse, dtype);
   } else {
-    const FloatInput dout = to_float_input(dout_file, args.dout, true);
+    FloatInput dout = to_float_input(dout_file, args.dout, true);
+    if (pad) {
+      dout = FloatInput::owning(FloatArray{
+          in.q.shape, AttentionInputs::resize_heads(dout.data(), dout.size(), in.v_dim, dim)});
+    }
     const Grads<float> g =
         compute_grads<float>(in, in.q.data(), in.k.data(), in.v.data(), dout.data());
     write_grads(a.out, in, g, args.lse, dtype);

@@ -84,6 +84,27 @@ void require_table_shape(const V& t, const std::array<int64_t, V{}.shape.size()>
   detail::require_all_finite(t, name);
 }
 
+// RoPE on dims [r.offset, r.offset + rotary_dim) of each head of x into out (which may be x
+// itself), the other dims copied: DeepSeek's decoupled RoPE, forward or inverse.
+template <class T>
+void rotate_heads(const Rope& r, View<const T, 4> x, View<T, 4> out, const Positions* pos,
+                  Direction dir, int threads) {
+  if (out.data != x.data) {
+    for (int64_t b = 0; b < x.shape[0]; ++b)
+      for (int64_t i = 0; i < x.shape[1]; ++i)
+        for (int64_t h = 0; h < x.shape[2]; ++h)
+          for (int64_t c = 0; c < x.shape[3]; ++c) out(b, i, h, c) = x(b, i, h, c);
+  }
+  View<T, 4> part = out;
+  part.data = out.data + r.offset * out.stride[3];
+  part.shape[3] = out.shape[3] - r.offset;
+  if constexpr (std::is_same_v<T, double>) {
+    ref::apply_rope(r.freqs, r.style, View<const T, 4>(part), part, pos, dir);
+  } else {
+    apply_rope(r.freqs, r.style, View<const T, 4>(part), part, pos, dir, threads);
+  }
+}
+
 // Everything a scheme needs, validated and precomputed once per call (O(L) or O(L*K)). Parameter
 // tables are views of scalar T: the scheme's float32 views for T = float; for T = double (the
 // oracle) the float64 tables of ref::SchemeTables when given, else the float32 ones widened.
@@ -186,15 +207,23 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
   if (const auto* r = std::get_if<Rope>(&scheme)) {
     const auto& f = r->freqs;
     if (f.inv_freq.empty()) fail("attention: rope: freqs.inv_freq is empty");
-    if (f.rotary_dim() > d.head_dim) {
-      fail<ShapeError>("attention: rope: rotary_dim (" + std::to_string(f.rotary_dim()) +
-                       ") exceeds head_dim (" + std::to_string(d.head_dim) + ")");
+    if (r->offset < 0 || r->offset > d.head_dim) {
+      fail("attention: rope: offset (" + std::to_string(r->offset) + ") must lie in [0, head_dim " +
+           std::to_string(d.head_dim) + "]");
+    }
+    if (r->offset + f.rotary_dim() > d.head_dim) {
+      fail<ShapeError>("attention: rope: rotary_dim (" + std::to_string(f.rotary_dim()) + ")" +
+                       (r->offset > 0 ? " from offset " + std::to_string(r->offset) : "") +
+                       " exceeds head_dim (" + std::to_string(d.head_dim) + ")");
     }
     p.q_rot.resize(static_cast<std::size_t>(q.numel()));
     p.k_rot.resize(static_cast<std::size_t>(k.numel()));
     auto qo = View<T, 4>::contiguous(p.q_rot.data(), q.shape);
     auto ko = View<T, 4>::contiguous(p.k_rot.data(), k.shape);
-    if constexpr (std::is_same_v<T, double>) {
+    if (r->offset > 0) {
+      rotate_heads<T>(*r, q, qo, &qp, Direction::kForward, opt.num_threads);
+      rotate_heads<T>(*r, k, ko, &kp, Direction::kForward, opt.num_threads);
+    } else if constexpr (std::is_same_v<T, double>) {
       ref::apply_rope(f, r->style, q, qo, &qp);
       ref::apply_rope(f, r->style, k, ko, &kp);
     } else {
@@ -745,7 +774,12 @@ void run_backward(const Problem<T>& pr, const Prepared<T>& p, const View<const T
   }
   if (rope) {
     const auto& r = std::get<Rope>(scheme);
-    if constexpr (std::is_same_v<T, double>) {
+    if (r.offset > 0) {
+      rotate_heads<T>(r, View<const T, 4>(dq), g.dq, &pr.qp, Direction::kInverse,
+                      pr.opt.num_threads);
+      rotate_heads<T>(r, View<const T, 4>(dk), g.dk, &pr.kp, Direction::kInverse,
+                      pr.opt.num_threads);
+    } else if constexpr (std::is_same_v<T, double>) {
       ref::apply_rope(r.freqs, r.style, View<const T, 4>(dq), g.dq, &pr.qp, Direction::kInverse);
       ref::apply_rope(r.freqs, r.style, View<const T, 4>(dk), g.dk, &pr.kp, Direction::kInverse);
     } else {
@@ -1204,10 +1238,10 @@ bool run_fused_backward(const Problem<float>& pr, const Prepared<float>& p,
   if (g.dsinks.data != nullptr) copy_dense(dsinks, g.dsinks);
   if (p.kind == 1) {
     const auto& r = std::get<Rope>(scheme);
-    apply_rope(r.freqs, r.style, View<const float, 4>(g.dq), g.dq, &pr.qp, Direction::kInverse,
-               pr.opt.num_threads);
-    apply_rope(r.freqs, r.style, View<const float, 4>(g.dk), g.dk, &pr.kp, Direction::kInverse,
-               pr.opt.num_threads);
+    rotate_heads<float>(r, View<const float, 4>(g.dq), g.dq, &pr.qp, Direction::kInverse,
+                        pr.opt.num_threads);
+    rotate_heads<float>(r, View<const float, 4>(g.dk), g.dk, &pr.kp, Direction::kInverse,
+                        pr.opt.num_threads);
   }
   return true;
 }

@@ -261,21 +261,33 @@ void Builder::build_rope(const ModelLayer* layer) {
     conflict(s_.base.has_value(), "base");
     conflict(s_.rotary_dim.has_value(), "rotary_dim");
     conflict(s_.style.has_value(), "style");
+    // DeepSeek's decoupled RoPE: heads [qk_nope | qk_rope] rotate from rope_offset on; q and k
+    // may also be the rotary parts alone. Pairs rotate as the model's code pairs them (its
+    // de-interleaved output layout permutes q and k alike and leaves every score unchanged).
+    int64_t offset = 0;
     if (model_->rope_offset > 0) {
-      // Not silently wrong: the scheme would rotate dims 0.. instead of rope_offset.. .
-      fail(s_.config_name + " (model_type '" + model_->model_type + "'): decoupled RoPE on dims " +
-           std::to_string(model_->rope_offset) +
-           ".. of each head is not supported in attention yet; rotate q and k with the model's "
-           "RoPE (apply_model_rope, posenc rope --config) and use scheme none");
+      const int64_t full = model_->rope_offset + model_->rope.head_dim;
+      if (dims_.head_dim == full) {
+        offset = model_->rope_offset;
+        if (!layer && !model_->layers.empty() && model_->layers[0].softmax_scale > 0) {
+          out_.scale = model_->layers[0].softmax_scale;  // 1 / sqrt(qk_head_dim) x mscale^2
+        }
+      } else if (dims_.head_dim != model_->rope.head_dim) {
+        fail<ShapeError>(s_.q_name + ": head_dim " + std::to_string(dims_.head_dim) + " fits " +
+                         s_.config_name + " (model_type '" + model_->model_type +
+                         "') neither as full heads (qk_nope_head_dim + qk_rope_head_dim = " +
+                         std::to_string(full) + ") nor as their rotary parts (" +
+                         std::to_string(model_->rope.head_dim) + ")");
+      }
     }
     if (layer != nullptr) {
       out_.scheme = Rope{layer_rope_frequencies(*model_, layer->index, dims_.seq_len, s_.angles),
-                         layer->rope_config.style};
+                         layer->rope_config.style, offset};
       return;
     }
     // M-RoPE configs: text positions (t = h = w) make M-RoPE plain RoPE with these frequencies.
     out_.scheme =
-        Rope{model_rope_frequencies(*model_, dims_.seq_len, s_.angles), model_->rope.style};
+        Rope{model_rope_frequencies(*model_, dims_.seq_len, s_.angles), model_->rope.style, offset};
     return;
   }
   RopeConfig cfg;

@@ -175,15 +175,16 @@ OwnedPtr fd_none() {
   return o;
 }
 
-OwnedPtr fd_rope(std::vector<double> inv_freq, double attention_factor, RopeStyle style) {
+OwnedPtr fd_rope(std::vector<double> inv_freq, double attention_factor, RopeStyle style,
+                 int64_t offset = 0) {
   auto o = std::make_unique<Owned>();
   RopeFrequencies f;
   f.inv_freq = std::move(inv_freq);
   f.attention_factor = attention_factor;
   o->label = std::string("rope ") + (style == RopeStyle::kHalf ? "half" : "interleaved") +
              " rotary_dim " + std::to_string(f.rotary_dim()) + " af " +
-             std::to_string(attention_factor);
-  o->scheme = Rope{f, style};
+             std::to_string(attention_factor) + " offset " + std::to_string(offset);
+  o->scheme = Rope{f, style, offset};
   return o;
 }
 
@@ -497,6 +498,9 @@ std::vector<FdCase> fd_cases() {
       shared({3, 7, 8, 12}), shared({1, 4, 7, 8, 11}));
   add("full rotary interleaved, Lq < Lk", {2, 3, 5, 2, 2, 4},
       fd_rope({1.0, 0.1}, 1.0, RopeStyle::kInterleaved), {.causal = true});
+  // Decoupled RoPE (DeepSeek): dims [2, 6) of 7 rotate, dims 0, 1 and 6 pass through.
+  add("decoupled, offset 2 of head_dim 7", {2, 4, 5, 2, 1, 7},
+      fd_rope({0.8, 0.03}, 1.2, RopeStyle::kInterleaved, 2), {.causal = true});
   // ALiBi: given and default slopes.
   add("given slopes, shared sparse positions", {2, 4, 6, 4, 2, 4},
       fd_alibi({0.5, 0.25, 0.125, 0.7}), {}, shared({2, 9, 4, 15}), shared({0, 5, 6, 10, 16, 20}));
@@ -1002,6 +1006,75 @@ TEST(AttentionBackward, SinksAndChunksOnTheFusedPath) {
         EXPECT_TRUE(same_bits(*g1, *g3));
       }
     }
+  }
+}
+
+// Decoupled RoPE (Rope::offset, DeepSeek's [nope | rope] heads) on the fused path: gradients
+// against the oracle, and the forward against RoPE applied by hand to the rotated dims only.
+TEST(AttentionBackward, DecoupledRopeOffset) {
+  uint64_t stream = 6900;
+  for (const Shape& s : {Shape{2, 70, 130, 4, 2, 24}, Shape{1, 17, 40, 3, 1, 12}}) {
+    for (const int64_t offset : {int64_t{8}, int64_t{4}}) {
+      for (const RopeStyle style : {RopeStyle::kHalf, RopeStyle::kInterleaved}) {
+        Rng rng(posenc_test::test_seed(), ++stream);
+        SCOPED_TRACE("offset " + std::to_string(offset) + " stream " + std::to_string(stream) +
+                     " " + posenc_test::seed_trace());
+        RopeConfig cfg;
+        cfg.head_dim = s.dim - offset;
+        const Rope rope{rope_frequencies(cfg), style, offset};
+        check_backward(s, rope, {.causal = true}, rng);
+        // Forward: the same as rotating dims [offset, D) by hand and attending without positions.
+        const auto p = make_problem(s, rope, {.causal = true}, rng, nullptr, nullptr);
+        const auto ud = [](int64_t i) { return static_cast<std::size_t>(i); };
+        const auto rotate = [&](const std::vector<float>& x, std::array<int64_t, 4> shape,
+                                const Positions& pos) {
+          std::vector<float> part, out = x;
+          const int64_t rows = shape[0] * shape[1] * shape[2], w = s.dim - offset;
+          part.resize(static_cast<std::size_t>(rows * w));
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < w; ++c) part[ud(r * w + c)] = x[ud(r * s.dim + offset + c)];
+          std::vector<float> rot(part.size());
+          std::array<int64_t, 4> ps = shape;
+          ps[3] = w;
+          apply_rope(rope.freqs, style, View<const float, 4>::contiguous(part.data(), ps),
+                     View<float, 4>::contiguous(rot.data(), ps), &pos);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < w; ++c) out[ud(r * s.dim + offset + c)] = rot[ud(r * w + c)];
+          return out;
+        };
+        const std::array<int64_t, 4> qs{s.batch, s.seq_q, s.heads_q, s.dim},
+            ks{s.batch, s.seq_k, s.heads_kv, s.dim};
+        // Default positions: keys at j, queries at seq_k - seq_q + i.
+        const std::vector<float> qr = rotate(p.q, qs, Positions::offset(s.seq_k - s.seq_q)),
+                                 kr = rotate(p.k, ks, Positions::offset(0));
+        std::vector<float> want(p.q.size()), got(p.q.size());
+        attention(View<const float, 4>::contiguous(qr.data(), qs),
+                  View<const float, 4>::contiguous(kr.data(), ks),
+                  View<const float, 4>::contiguous(p.v.data(), ks), NoPositions{}, {.causal = true},
+                  View<float, 4>::contiguous(want.data(), qs));
+        attention(View<const float, 4>::contiguous(p.q.data(), qs),
+                  View<const float, 4>::contiguous(p.k.data(), ks),
+                  View<const float, 4>::contiguous(p.v.data(), ks), rope, {.causal = true},
+                  View<float, 4>::contiguous(got.data(), qs));
+        for (std::size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << i;
+      }
+    }
+  }
+  // The rotated dims must fit the head.
+  const Shape s{1, 2, 2, 1, 1, 8};
+  Rng rng(posenc_test::test_seed(), 6999);
+  RopeConfig cfg;
+  cfg.head_dim = 6;
+  const auto p = make_problem(s, NoPositions{}, {}, rng, nullptr, nullptr);
+  std::vector<float> out(p.q.size());
+  const std::array<int64_t, 4> sh{1, 2, 1, 8};
+  for (const int64_t offset : {int64_t{4}, int64_t{-1}}) {
+    EXPECT_THROW(attention(View<const float, 4>::contiguous(p.q.data(), sh),
+                           View<const float, 4>::contiguous(p.k.data(), sh),
+                           View<const float, 4>::contiguous(p.v.data(), sh),
+                           Rope{rope_frequencies(cfg), RopeStyle::kHalf, offset}, {},
+                           View<float, 4>::contiguous(out.data(), sh)),
+                 Error);
   }
 }
 

@@ -904,5 +904,102 @@ TEST_F(CliModelsTest, DebertaP2cDefaultIsTheCheckpoints) {
   EXPECT_EQ(pv[4 * 7 + 0], 0);
   expect_error("deberta-buckets", "--query-length 2 --key-length 2 --p2c spec", "spec");
 }
+// DeepSeek's multi-head latent attention: q, k [.., 192] = [nope 128 | rope 64], v [.., 128].
+// Expected by hand: the model's RoPE (apply_model_rope, its own output layout) on q and k, then
+// causal softmax attention in double with the model's scale; dv = P^T dout.
+TEST_F(CliModelsTest, AttentionDeepseekLatentHeads) {
+  for (const char* name : {"deepseek-v2-lite.json", "deepseek-v3.json"}) {
+    SCOPED_TRACE(name);
+    const ModelConfig c = load(name);
+    const int64_t L = 6, H = c.heads_q, D = c.head_dim, Dv = c.v_head_dim;
+    ASSERT_EQ(c.heads_kv, H);
+    ASSERT_EQ(D, 192);
+    ASSERT_EQ(Dv, 128);
+    const std::vector<int64_t> qs = {1, L, H, D}, vs = {1, L, H, Dv};
+    const std::vector<float> q = random_floats(count(qs), 21), k = random_floats(count(qs), 22),
+                             v = random_floats(count(vs), 23), dout = random_floats(count(vs), 24);
+    const std::string args =
+        "--q " + quote(write_f32("q.npy", qs, q)) + " --k " + quote(write_f32("k.npy", qs, k)) +
+        " --v " + quote(write_f32("v.npy", vs, v)) + " --config " + config(name) + " --causal";
+    std::vector<float> qr(q.size()), kr(k.size());
+    const RopeFrequencies f = model_rope_frequencies(c, L);
+    apply_model_rope(c, f, View<const float, 4>::contiguous(q.data(), dims4(qs)),
+                     View<float, 4>::contiguous(qr.data(), dims4(qs)));
+    apply_model_rope(c, f, View<const float, 4>::contiguous(k.data(), dims4(qs)),
+                     View<float, 4>::contiguous(kr.data(), dims4(qs)));
+    const double scale = c.layers[0].softmax_scale;
+    EXPECT_GT(scale, 1.0 / std::sqrt(192.0));  // YaRN's mscale_all_dim raises it
+    std::vector<double> want(count(vs), 0.0), dv(count(vs), 0.0);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t i = 0; i < L; ++i) {
+        std::vector<double> p(static_cast<std::size_t>(i + 1));
+        double m = -1e300, z = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double s = 0;
+          for (int64_t x = 0; x < D; ++x) {
+            s += double(qr[static_cast<std::size_t>((i * H + h) * D + x)]) *
+                 double(kr[static_cast<std::size_t>((j * H + h) * D + x)]);
+          }
+          p[static_cast<std::size_t>(j)] = s * scale;
+          m = std::max(m, s * scale);
+        }
+        for (double& e : p) z += (e = std::exp(e - m));
+        for (int64_t j = 0; j <= i; ++j) {
+          const double w = p[static_cast<std::size_t>(j)] / z;
+          for (int64_t x = 0; x < Dv; ++x) {
+            const auto o = static_cast<std::size_t>((i * H + h) * Dv + x);
+            const auto vj = static_cast<std::size_t>((j * H + h) * Dv + x);
+            want[o] += w * v[vj];
+            dv[vj] += w * dout[o];
+          }
+        }
+      }
+    }
+    for (const char* extra : {"", " --reference"}) {
+      const Tensor t = run_ok("attention " + args + extra, path("o.npy"));
+      ASSERT_EQ(t.shape, vs);
+      const std::vector<double> got = t.to_f64();
+      for (std::size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 2e-5) << i;
+    }
+    const std::string dpath = write_f32("dout.npy", vs, dout);
+    std::map<std::string, SafetensorsFile> grads;
+    for (const char* extra : {"", " --reference"}) {
+      const std::string out = path(std::string("g") + extra + ".safetensors");
+      const RunResult r = run("attention-grad " + args + " --dout " + quote(dpath) + extra +
+                              " --out " + quote(out));
+      ASSERT_EQ(r.status, 0) << r.err;
+      grads[extra] = read_safetensors(out);
+      const Tensor& g = grads[extra].tensors.at("dv");
+      ASSERT_EQ(g.shape, vs);
+      const std::vector<double> got = g.to_f64();
+      for (std::size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], dv[i], 2e-5) << i;
+    }
+    for (const char* t : {"dq", "dk"}) {
+      const std::vector<double> a = grads[""].tensors.at(t).to_f64(),
+                                b = grads[" --reference"].tensors.at(t).to_f64();
+      ASSERT_EQ(grads[""].tensors.at(t).shape, qs);
+      for (std::size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5) << t << " " << i;
+    }
+    // Heads of another width, and v wider than q and k, are refused.
+    const std::string bad =
+        write_f32("bad.npy", {1, L, H, 96}, random_floats(size_t(L * H * 96), 5));
+    expect_error("attention",
+                 "--q " + quote(bad) + " --k " + quote(bad) + " --v " + quote(bad) + " --config " +
+                     config(name),
+                 "head_dim 96 does not match");
+    expect_error("attention",
+                 "--q " + quote(path("v.npy")) + " --k " + quote(path("v.npy")) + " --v " +
+                     quote(path("q.npy")) + " --config " + config(name),
+                 "exceeds the head_dim");
+    const RunResult r = run("attention-grad " + args + " --dout " + quote(path("q.npy")) +
+                            " --out " + quote(path("x.safetensors")));
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(
+        r.err.find("must have the shape of the output [1, 6, " + std::to_string(H) + ", 128]"),
+        std::string::npos)
+        << r.err;
+  }
+}
+
 }  // namespace
 }  // namespace posenc

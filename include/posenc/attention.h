@@ -30,9 +30,12 @@ namespace posenc {
 struct NoPositions {};
 
 // RoPE applied to q (at query positions) and k (at key positions) before the dot product.
+// offset: the first rotated dim of each head; dims [offset, offset + rotary_dim) rotate and the
+// others pass through (DeepSeek's decoupled RoPE: heads [qk_nope | qk_rope], offset qk_nope).
 struct Rope {
   RopeFrequencies freqs;
   RopeStyle style = RopeStyle::kHalf;
+  int64_t offset = 0;
 };
 
 // ALiBi. Empty slopes: computed for heads_q heads with max_bias (alibi_slopes()).
