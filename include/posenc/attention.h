@@ -18,6 +18,7 @@
 
 #include "posenc/alibi.h"
 #include "posenc/deberta.h"
+#include "posenc/half.h"
 #include "posenc/rope.h"
 #include "posenc/shaw.h"
 #include "posenc/t5.h"
@@ -81,6 +82,28 @@ struct AttentionOptions {
 // for distinct outputs. Views whose last dimension is strided, and positions too sparse for
 // int32 distance tables, take the simple path (attention_naive).
 void attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
+               const Positions* query_positions = nullptr,
+               const Positions* key_positions = nullptr);
+
+// Half precision (posenc/half.h): q, k, v and out all bf16 or all f16, or float32 q and out with
+// a bf16 / f16 KV cache (k, v), as decoding engines keep it. Inputs widen exactly to float32, the
+// attention is the float32 attention() of the widened values, and out is rounded once to its
+// type (docs/precision.md gives the error against the float64 oracle on the same inputs).
+// Same contract, validation and positions as the float32 function.
+void attention(View<const bf16, 4> q, View<const bf16, 4> k, View<const bf16, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<bf16, 4> out,
+               const Positions* query_positions = nullptr,
+               const Positions* key_positions = nullptr);
+void attention(View<const f16, 4> q, View<const f16, 4> k, View<const f16, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<f16, 4> out,
+               const Positions* query_positions = nullptr,
+               const Positions* key_positions = nullptr);
+void attention(View<const float, 4> q, View<const bf16, 4> k, View<const bf16, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
+               const Positions* query_positions = nullptr,
+               const Positions* key_positions = nullptr);
+void attention(View<const float, 4> q, View<const f16, 4> k, View<const f16, 4> v,
                const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
                const Positions* query_positions = nullptr,
                const Positions* key_positions = nullptr);

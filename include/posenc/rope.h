@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "posenc/half.h"
 #include "posenc/tensor.h"
 
 namespace posenc {
@@ -95,6 +96,15 @@ void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<float, 4> x,
                 const Positions* positions = nullptr, Direction direction = Direction::kForward,
                 int num_threads = 0);
 
+// Half precision (posenc/half.h): x widened exactly, rotated as the float32 apply_rope rotates
+// it, the result rounded once to bf16 / f16. out may be x itself (in place).
+void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<const bf16, 4> x,
+                View<bf16, 4> out, const Positions* positions = nullptr,
+                Direction direction = Direction::kForward, int num_threads = 0);
+void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<const f16, 4> x,
+                View<f16, 4> out, const Positions* positions = nullptr,
+                Direction direction = Direction::kForward, int num_threads = 0);
+
 // Rotates q [batch, seq, heads_q, head_dim] and k [batch, seq, heads_kv, head_dim] in place in
 // one pass: each token's cos/sin are computed once and applied to its q and k heads. Same
 // positions for both; batch, seq and head_dim must match (heads may differ, e.g. GQA); any
@@ -112,6 +122,11 @@ void apply_rope_qk(const RopeFrequencies& freqs, RopeStyle style, View<float, 4>
 // dim; accurate angles only.
 void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
                    View<float, 4> k, const Positions* positions = nullptr);
+// A bf16 / f16 cache: widened, re-rotated as above, rounded once.
+void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
+                   View<bf16, 4> k, const Positions* positions = nullptr);
+void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
+                   View<f16, 4> k, const Positions* positions = nullptr);
 
 // Multimodal RoPE (M-RoPE): positions have three components (t, h, w) and each frequency pair
 // takes its angle from one of them.

@@ -19,6 +19,7 @@
 
 #include "io/io_util.h"
 #include "posenc/error.h"
+#include "posenc/half.h"
 #include "posenc/io.h"
 #include "posenc/size.h"
 
@@ -124,25 +125,9 @@ U load_le(const unsigned char* p) {
   return v;
 }
 
-// IEEE binary16 -> binary32, exact for every input.
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0) {
-    // Zero or subnormal: mant * 2^-24, exact in float32.
-    const float mag = std::ldexp(static_cast<float>(mant), -24);
-    return sign ? -mag : mag;
-  }
-  if (exp == 31) {
-    // Inf (mant == 0) or NaN; keep the payload.
-    return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
-  }
-  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
-// bfloat16 is the top half of a binary32.
-float bf16_to_float(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+// IEEE binary16 and bfloat16 -> binary32, exact for every input (posenc/half.h).
+float half_to_float(uint16_t h) { return to_float(f16{h}); }
+float bf16_to_float(uint16_t h) { return to_float(bf16{h}); }
 
 template <class U>
 void store_le(unsigned char* p, U v) {

@@ -1,0 +1,55 @@
+// src/half.cc - f16 / bf16 conversions (posenc/half.h).
+#include "posenc/half.h"
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+namespace posenc {
+
+float to_float(f16 x) {
+  const uint16_t h = x.bits;
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float32
+    const float mag = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -mag : mag;
+  }
+  if (exp == 31) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));  // inf, NaN
+  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+float to_float(bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16); }
+
+bf16 bf16_from_float(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  if (std::isnan(x)) return bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};  // quiet NaN
+  // Round to nearest even on the dropped 16 bits (carries into the exponent: overflow -> inf).
+  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(rounded >> 16)};
+}
+
+f16 f16_from_float(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const auto sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) {  // NaN: keep the top payload bits, quiet
+    return f16{static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu))};
+  }
+  if (abs >= 0x477ff000u) {  // >= 65520 rounds to infinity (and infinity itself)
+    return f16{static_cast<uint16_t>(sign | 0x7c00u)};
+  }
+  if (abs < 0x38800000u) {
+    // Below the smallest normal 2^-14: a subnormal m * 2^-24, m = round(|x| * 2^24) (exact
+    // scaling; nearbyint rounds to nearest even in the default mode).
+    const float m = std::nearbyint(std::bit_cast<float>(abs) * 0x1p24f);
+    return f16{static_cast<uint16_t>(sign | static_cast<uint16_t>(m))};
+  }
+  // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
+  const uint32_t rebias = abs - (112u << 23);
+  const uint32_t rounded = rebias + 0xfffu + ((rebias >> 13) & 1u);
+  return f16{static_cast<uint16_t>(sign | (rounded >> 13))};
+}
+
+}  // namespace posenc

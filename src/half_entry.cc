@@ -1,0 +1,129 @@
+// src/half_entry.cc - bf16 / f16 entry points of attention, apply_rope and rerotate_rope: the
+// half-precision views widened exactly into float32 buffers, the float32 function, and one
+// rounding of the result to the output's type.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "posenc/attention.h"
+#include "posenc/half.h"
+#include "posenc/rope.h"
+
+namespace posenc {
+namespace {
+
+// A contiguous float32 copy of x (any strides, stride 0 allowed).
+template <class T>
+std::vector<float> widen(View<const T, 4> x, const std::string& name) {
+  detail::require_data(x, name);
+  std::vector<float> out(static_cast<std::size_t>(x.numel()));
+  std::size_t n = 0;
+  for (int64_t a = 0; a < x.shape[0]; ++a)
+    for (int64_t b = 0; b < x.shape[1]; ++b)
+      for (int64_t c = 0; c < x.shape[2]; ++c)
+        for (int64_t d = 0; d < x.shape[3]; ++d) out[n++] = to_float(x(a, b, c, d));
+  return out;
+}
+
+template <class T>
+View<const float, 4> view_of(const std::vector<float>& data, const View<const T, 4>& like) {
+  return View<const float, 4>::contiguous(data.data(), like.shape);
+}
+
+// out = round(src), src contiguous with out's shape.
+template <class T>
+void narrow(const std::vector<float>& src, View<T, 4> out) {
+  std::size_t n = 0;
+  for (int64_t a = 0; a < out.shape[0]; ++a)
+    for (int64_t b = 0; b < out.shape[1]; ++b)
+      for (int64_t c = 0; c < out.shape[2]; ++c)
+        for (int64_t d = 0; d < out.shape[3]; ++d) out(a, b, c, d) = from_float<T>(src[n++]);
+}
+
+template <class Q, class KV, class O>
+void attention_half(View<const Q, 4> q, View<const KV, 4> k, View<const KV, 4> v,
+                    const PositionScheme& scheme, const AttentionOptions& options, View<O, 4> out,
+                    const Positions* qp, const Positions* kp) {
+  detail::require_data(out, "attention: out");
+  const std::vector<float> kf = widen(k, "attention: k"), vf = widen(v, "attention: v");
+  if constexpr (std::is_same_v<Q, float> && std::is_same_v<O, float>) {
+    attention(q, view_of(kf, k), view_of(vf, v), scheme, options, out, qp, kp);
+  } else {
+    const std::vector<float> qf = widen(q, "attention: q");
+    std::vector<float> of(static_cast<std::size_t>(out.numel()));
+    attention(view_of(qf, q), view_of(kf, k), view_of(vf, v), scheme, options,
+              View<float, 4>::contiguous(of.data(), out.shape), qp, kp);
+    narrow(of, out);
+  }
+}
+
+template <class T>
+void rope_half(const RopeFrequencies& freqs, RopeStyle style, View<const T, 4> x, View<T, 4> out,
+               const Positions* positions, Direction direction, int num_threads) {
+  detail::require_data(out, "apply_rope: out");
+  std::vector<float> xf = widen(x, "apply_rope: x");
+  std::vector<float> of(xf.size());
+  apply_rope(freqs, style, View<const float, 4>::contiguous(xf.data(), x.shape),
+             View<float, 4>::contiguous(of.data(), out.shape), positions, direction, num_threads);
+  narrow(of, out);
+}
+
+template <class T>
+void rerotate_half(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
+                   View<T, 4> k, const Positions* positions) {
+  std::vector<float> kf = widen(View<const T, 4>(k), "rerotate_rope: k");
+  rerotate_rope(from, to, style, View<float, 4>::contiguous(kf.data(), k.shape), positions);
+  narrow(kf, k);
+}
+
+}  // namespace
+
+void attention(View<const bf16, 4> q, View<const bf16, 4> k, View<const bf16, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<bf16, 4> out,
+               const Positions* query_positions, const Positions* key_positions) {
+  attention_half(q, k, v, scheme, options, out, query_positions, key_positions);
+}
+
+void attention(View<const f16, 4> q, View<const f16, 4> k, View<const f16, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<f16, 4> out,
+               const Positions* query_positions, const Positions* key_positions) {
+  attention_half(q, k, v, scheme, options, out, query_positions, key_positions);
+}
+
+void attention(View<const float, 4> q, View<const bf16, 4> k, View<const bf16, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
+               const Positions* query_positions, const Positions* key_positions) {
+  attention_half(q, k, v, scheme, options, out, query_positions, key_positions);
+}
+
+void attention(View<const float, 4> q, View<const f16, 4> k, View<const f16, 4> v,
+               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
+               const Positions* query_positions, const Positions* key_positions) {
+  attention_half(q, k, v, scheme, options, out, query_positions, key_positions);
+}
+
+void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<const bf16, 4> x,
+                View<bf16, 4> out, const Positions* positions, Direction direction,
+                int num_threads) {
+  rope_half(freqs, style, x, out, positions, direction, num_threads);
+}
+
+void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<const f16, 4> x,
+                View<f16, 4> out, const Positions* positions, Direction direction,
+                int num_threads) {
+  rope_half(freqs, style, x, out, positions, direction, num_threads);
+}
+
+void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
+                   View<bf16, 4> k, const Positions* positions) {
+  rerotate_half(from, to, style, k, positions);
+}
+
+void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
+                   View<f16, 4> k, const Positions* positions) {
+  rerotate_half(from, to, style, k, positions);
+}
+
+}  // namespace posenc
