@@ -123,11 +123,11 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
     throw UsageError("--threads must be >= 0 (got " + std::to_string(a.threads) + ")");
   const char* layout_q = "[batch, seq_q, heads_q, head_dim]";
   const char* layout_kv = "[batch, seq_k, heads_kv, head_dim]";
-  in.q_file = map_npy(a.q);
+  in.q_file = map_tensor_input(a.q, "q");
   require_rank(in.q_file, 4, layout_q, a.q);
-  in.k_file = map_npy(a.k);
+  in.k_file = map_tensor_input(a.k, "k");
   require_rank(in.k_file, 4, layout_kv, a.k);
-  in.v_file = map_npy(a.v);
+  in.v_file = map_tensor_input(a.v, "v");
   require_rank(in.v_file, 4, layout_kv, a.v);
   in.q = to_float_input(in.q_file, a.q, true);
   in.k = to_float_input(in.k_file, a.k, true);
@@ -308,8 +308,9 @@ void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHel
   app->add_flag("--allow-fully-masked", a.allow_fully_masked,
                 "A query row with no visible key outputs 0 instead of an error");
   app->add_flag("--reference", a.reference, help.reference);
-  CLI::Option* out_dtype = app->add_option("--out-dtype", a.out_dtype, help.out_dtype)
-                               ->check(CLI::IsMember({"float32", "float64"}));
+  CLI::Option* out_dtype =
+      app->add_option("--out-dtype", a.out_dtype, help.out_dtype)
+          ->check(CLI::IsMember({"float32", "float16", "bfloat16", "float64"}));
   if (!a.out_dtype.empty()) out_dtype->capture_default_str();
   app->add_option("--threads", a.threads, "Worker threads (0 = all available)")
       ->capture_default_str();

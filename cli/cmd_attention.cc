@@ -28,6 +28,8 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   std::vector<int64_t> out_shape = q.shape;
   out_shape[3] = in.v_dim;
   const bool cut = in.v_dim != q.shape[3];
+  // q's half type unless --out-dtype says otherwise (bfloat16 goes to .safetensors).
+  const DType dtype = output_dtype(a.out_dtype, in.q_file.dtype, a.out);
   const PositionScheme& scheme = in.scheme();
   const AttentionOptions& opt = in.options;
   const Positions* pq = in.query_positions();
@@ -42,13 +44,7 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
                    View<const double, 4>::contiguous(v64.data(), v.dims<4>()), scheme, opt,
                    in.holder.built.tables64, View<double, 4>::contiguous(out.data(), dims), pq, pk);
     if (cut) out = AttentionInputs::resize_heads(out.data(), out.size(), q.shape[3], in.v_dim);
-    if (a.out_dtype == "float64") {
-      write_f64(a.out, out_shape, out);
-    } else {
-      std::vector<float> out32(out.size());
-      for (std::size_t i = 0; i < out.size(); ++i) out32[i] = static_cast<float>(out[i]);
-      write_f32(a.out, out_shape, out32);
-    }
+    write_output(a.out, dtype, out_shape, out);
     return 0;
   }
   FloatArray out;
@@ -58,7 +54,7 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   if (cut)
     out.data =
         AttentionInputs::resize_heads(out.data.data(), out.data.size(), q.shape[3], in.v_dim);
-  write_f32(a.out, out_shape, out.data);
+  write_output(a.out, dtype, out_shape, out.data);
   return 0;
 }
 
@@ -66,16 +62,19 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
 
 Command add_attention_command(CLI::App& parent) {
   auto a = std::make_shared<AttentionArgs>();
+  a->out_dtype.clear();  // default: q's type when it is float16 / bfloat16, else float32
   CLI::App* app = parent.add_subcommand(
       "attention",
       "Attention out [B, Lq, Hq, D] from q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] (.npy) with a "
       "positional scheme; parameters from a .safetensors file (SPEC section 9 names)");
   add_attention_flags(
       app, *a,
-      {.out = "Output .npy [batch, seq_q, heads_q, head_dim]",
+      {.out = "Output [batch, seq_q, heads_q, head_dim]: .npy, or .safetensors (one tensor "
+              "'out'; needed for bfloat16)",
        .reference =
            "Run the float64 reference (posenc::ref::attention) instead of the float32 path",
-       .out_dtype = "float32, or float64 with --reference"});
+       .out_dtype = "float32, float16, bfloat16, or float64 with --reference (default: q's type "
+                    "when q is float16 / bfloat16, else float32)"});
   return {app, [a, app] { return run_attention(*app, *a); }};
 }
 

@@ -21,6 +21,7 @@
 #include "attention_common.h"
 #include "common.h"
 #include "posenc/attention.h"
+#include "posenc/half.h"
 #include "posenc/io.h"
 #include "posenc/scheme.h"
 
@@ -107,12 +108,20 @@ void write_grads(const std::string& path, const AttentionInputs& in, const Grads
   const std::vector<LearnedParam>& params = in.holder.built.learned;
   std::deque<std::vector<float>> f32;  // conversions (stable addresses)
   std::deque<std::vector<double>> f64;
+  std::deque<std::vector<uint16_t>> f16s;
   auto ref = [&](std::vector<int64_t> shape, const std::vector<T>& values) {
     const void* data = values.data();
     if (dtype == DType::kF32 && !std::is_same_v<T, float>) {
       data = f32.emplace_back(values.begin(), values.end()).data();
     } else if (dtype == DType::kF64 && !std::is_same_v<T, double>) {
       data = f64.emplace_back(values.begin(), values.end()).data();
+    } else if (dtype == DType::kF16 || dtype == DType::kBF16) {
+      std::vector<uint16_t>& h = f16s.emplace_back(values.size());
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        const auto x = static_cast<float>(values[i]);
+        h[i] = dtype == DType::kF16 ? f16_from_float(x).bits : bf16_from_float(x).bits;
+      }
+      data = h.data();
     }
     return TensorRef{dtype, std::move(shape), data};
   };
@@ -141,7 +150,7 @@ int run_attention_grad(const CLI::App& app, const AttentionGradArgs& args) {
   read_attention_inputs(app, args.attention, in);
   const AttentionArgs& a = in.args;
 
-  const NpyView dout_file = map_npy(args.dout);
+  const NpyView dout_file = map_tensor_input(args.dout, "dout");
   require_rank(dout_file, 4, "[batch, seq_q, heads_q, head_dim]", args.dout);
   std::vector<int64_t> out_shape = in.q.shape;  // the output's: v's head dim
   out_shape[3] = in.v_dim;
@@ -156,9 +165,10 @@ int run_attention_grad(const CLI::App& app, const AttentionGradArgs& args) {
   const int64_t dim = in.q.shape[3];
   const bool pad = in.v_dim != dim;
 
-  // Float64 with --reference unless --out-dtype says otherwise (float64 needs --reference).
-  const bool f64 = a.out_dtype.empty() ? a.reference : a.out_dtype == "float64";
-  const DType dtype = f64 ? DType::kF64 : DType::kF32;
+  // Float64 with --reference, else float32, unless --out-dtype says otherwise (float64 needs
+  // --reference).
+  const DType dtype = a.out_dtype.empty() ? (a.reference ? DType::kF64 : DType::kF32)
+                                          : output_dtype(a.out_dtype, DType::kF32, a.out);
   if (a.reference) {
     std::vector<double> d64 = dout_file.to_f64(args.dout);
     check_finite(d64, dout_file.shape, args.dout);
@@ -198,8 +208,8 @@ Command add_attention_grad_command(CLI::App& parent) {
               "with --lse",
        .reference = "Run the float64 reference (posenc::ref::attention and "
                     "ref::attention_backward) instead of the float32 path; writes float64",
-       .out_dtype = "float32 or float64 (default: float64 with --reference, else float32; "
-                    "float64 needs --reference)"});
+       .out_dtype = "float32, float16, bfloat16 or float64 (default: float64 with --reference, "
+                    "else float32; float64 needs --reference)"});
   app->add_option("--dout", a->dout,
                   "Gradient of the loss with respect to the output, .npy [batch, seq_q, "
                   "heads_q, head_dim] (q's shape)")

@@ -168,6 +168,7 @@ struct RopeArgs {
   std::optional<int64_t> offset;
   std::string positions;
   bool inverse = false;
+  std::string out_dtype;  // empty: x's half type, else float32
 };
 
 // Positions for an M-RoPE model: [3, seq] or [3, batch, seq] int64 are (t, h, w); anything else
@@ -207,7 +208,11 @@ int run_rope(const CLI::App& app, const RopeArgs& a) {
   }
   if (a.freq.layer && a.freq.config.empty()) throw UsageError("--layer needs --config");
   const std::optional<ModelConfig> model = read_config(app, a.freq);
-  FloatArray x = read_float_npy(a.in, 4, "[batch, seq, heads, head_dim]", true);
+  const NpyView xin = map_tensor_input(a.in, "x");
+  require_rank(xin, 4, "[batch, seq, heads, head_dim]", a.in);
+  // x's half type unless --out-dtype says otherwise (bfloat16 goes to .safetensors).
+  const DType dtype = output_dtype(a.out_dtype, xin.dtype, a.out);
+  FloatArray x = to_float_input(xin, a.in, true).copy();
   require_at_least(a.in + ": head_dim (the last dimension)", x.shape[3], 1);
   const int64_t batch = x.shape[0], seq = x.shape[1];
   const bool mrope_config = model && model->mrope;
@@ -244,7 +249,7 @@ int run_rope(const CLI::App& app, const RopeArgs& a) {
   } else {
     apply_rope(s.freqs, s.style, x.view<4>(), y.mutable_view<4>(), &thw[0], dir);
   }
-  write_f32(a.out, y.shape, y.data);
+  write_output(a.out, dtype, y.shape, y.data);
   return 0;
 }
 
@@ -308,9 +313,18 @@ Command add_rope_command(CLI::App& parent) {
       "1-component positions or --offset rotate text tokens (t = h = w); with an M-RoPE config a "
       "[3, seq] file is read as (t, h, w) even when batch is 3. --seq-len defaults to "
       "the largest position + 1 (dynamic NTK and LongRoPE depend on it).");
-  app->add_option("--in", a->in, "Input .npy, float32 (or float64) [batch, seq, heads, head_dim]")
+  app->add_option("--in", a->in,
+                  "Input [batch, seq, heads, head_dim]: .npy (float16, float32 or float64) or "
+                  ".safetensors (one tensor or one named 'x'; also bfloat16)")
       ->required();
-  app->add_option("--out", a->out, "Output .npy, float32, same shape")->required();
+  app->add_option("--out", a->out,
+                  "Output, same shape: .npy, or .safetensors (one tensor 'out'; needed for "
+                  "bfloat16)")
+      ->required();
+  app->add_option("--out-dtype", a->out_dtype,
+                  "float32, float16 or bfloat16 (default: x's type when it is float16 / "
+                  "bfloat16, else float32); rounded once from the float32 result")
+      ->check(CLI::IsMember({"float32", "float16", "bfloat16"}));
   add_freq_flags(app, a->freq, true);
   app->add_option("--seq-len", a->freq.seq_len,
                   "Sequence length L for length-dependent scaling (default: max position + 1)");

@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <iomanip>
 #include <limits>
 #include <ostream>
@@ -13,6 +14,7 @@
 #include <system_error>
 #include <utility>
 
+#include "posenc/half.h"
 #include "posenc/version.h"
 
 namespace posenc::cli {
@@ -238,6 +240,100 @@ void write_values(const std::string& path, DType dtype, const std::vector<int64_
 void write_f32(const std::string& path, std::vector<int64_t> shape,
                const std::vector<float>& values) {
   write_values(path, DType::kF32, shape, values);
+}
+
+bool is_safetensors_path(const std::string& path) {
+  const std::string ext = ".safetensors";
+  return path.size() >= ext.size() && path.compare(path.size() - ext.size(), ext.size(), ext) == 0;
+}
+
+NpyView map_tensor_input(const std::string& path, const std::string& name) {
+  if (!is_safetensors_path(path)) return map_npy(path);
+  SafetensorsFile f = read_safetensors(path);
+  if (f.tensors.empty()) throw IoError(path + ": the .safetensors file holds no tensor");
+  auto it = f.tensors.size() == 1 ? f.tensors.begin() : f.tensors.find(name);
+  if (it == f.tensors.end()) {
+    std::string names;
+    for (const auto& [n, t] : f.tensors) names += (names.empty() ? "'" : ", '") + n + "'";
+    throw IoError(path + ": " + std::to_string(f.tensors.size()) + " tensors (" + names +
+                  ") and none named '" + name + "'; give a file with one tensor or one named '" +
+                  name + "'");
+  }
+  return view_of(std::move(it->second));
+}
+
+DType output_dtype(const std::string& out_dtype, DType input, const std::string& out_path) {
+  DType t = DType::kF32;
+  if (out_dtype.empty()) {
+    if (input == DType::kF16 || input == DType::kBF16) t = input;
+  } else if (out_dtype == "float16") {
+    t = DType::kF16;
+  } else if (out_dtype == "bfloat16") {
+    t = DType::kBF16;
+  } else if (out_dtype == "float64") {
+    t = DType::kF64;
+  } else if (out_dtype != "float32") {
+    throw UsageError("--out-dtype must be float32, float16, bfloat16 or float64 (got '" +
+                     out_dtype + "')");
+  }
+  if (t == DType::kBF16 && !is_safetensors_path(out_path)) {
+    throw UsageError("--out " + out_path + ": a bfloat16 output needs a .safetensors file (NumPy " +
+                     "has no bfloat16); name it *.safetensors or pass --out-dtype float32 or " +
+                     "float16");
+  }
+  return t;
+}
+
+namespace {
+
+template <class T>
+void write_output_impl(const std::string& path, DType dtype, const std::vector<int64_t>& shape,
+                       const std::vector<T>& values) {
+  std::vector<unsigned char> bytes(values.size() * static_cast<std::size_t>(dtype_size(dtype)));
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const auto x = values[i];
+    switch (dtype) {
+      case DType::kF32: {
+        const float f = static_cast<float>(x);
+        std::memcpy(bytes.data() + 4 * i, &f, 4);
+        break;
+      }
+      case DType::kF64: {
+        const double d = static_cast<double>(x);
+        std::memcpy(bytes.data() + 8 * i, &d, 8);
+        break;
+      }
+      case DType::kF16: {
+        const uint16_t b = f16_from_float(static_cast<float>(x)).bits;
+        std::memcpy(bytes.data() + 2 * i, &b, 2);
+        break;
+      }
+      case DType::kBF16: {
+        const uint16_t b = bf16_from_float(static_cast<float>(x)).bits;
+        std::memcpy(bytes.data() + 2 * i, &b, 2);
+        break;
+      }
+      default:
+        throw IoError(path + ": cannot write " + dtype_name(dtype) + " output");
+    }
+  }
+  if (is_safetensors_path(path)) {
+    write_safetensors(path, {{"out", TensorRef{dtype, shape, bytes.data()}}});
+  } else {
+    write_npy(path, dtype, shape, bytes.data());
+  }
+}
+
+}  // namespace
+
+void write_output(const std::string& path, DType dtype, const std::vector<int64_t>& shape,
+                  const std::vector<float>& values) {
+  write_output_impl(path, dtype, shape, values);
+}
+
+void write_output(const std::string& path, DType dtype, const std::vector<int64_t>& shape,
+                  const std::vector<double>& values) {
+  write_output_impl(path, dtype, shape, values);
 }
 
 void write_f64(const std::string& path, std::vector<int64_t> shape,

@@ -183,6 +183,22 @@ void write_f64(const std::string& path, std::vector<int64_t> shape,
 void write_i64(const std::string& path, std::vector<int64_t> shape,
                const std::vector<int64_t>& values);
 
+// Half precision and .safetensors tensors on the command line (bf16 has no NumPy type).
+bool is_safetensors_path(const std::string& path);  // ends in .safetensors
+// A float tensor input: a .npy (mapped, no copy), or a .safetensors file holding one tensor, or
+// several of which one is named `name` (the flag's name: "q", "k", "v", "x", "dout").
+NpyView map_tensor_input(const std::string& path, const std::string& name);
+// The output dtype: --out-dtype's ("float32", "float16", "bfloat16", "float64"), or when empty
+// the input's half type (float16 / bfloat16), else float32. bfloat16 needs a .safetensors --out
+// (UsageError before anything is computed).
+DType output_dtype(const std::string& out_dtype, DType input, const std::string& out_path);
+// Writes `values` rounded once to `dtype` (float32, float16, bfloat16, float64): a .safetensors
+// --out holds one tensor named "out", anything else is a .npy (atomic).
+void write_output(const std::string& path, DType dtype, const std::vector<int64_t>& shape,
+                  const std::vector<float>& values);
+void write_output(const std::string& path, DType dtype, const std::vector<int64_t>& shape,
+                  const std::vector<double>& values);
+
 // Choice parsing (the CLI11 option already restricts the spelling).
 RopeStyle parse_rope_style(const std::string& s);
 

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -999,6 +1000,111 @@ TEST_F(CliModelsTest, AttentionDeepseekLatentHeads) {
         std::string::npos)
         << r.err;
   }
+}
+
+// Half precision on the command line: float16 .npy and bfloat16 .safetensors in, the input's type
+// out by default (rounded once from the float32 result: the library's half entry points bit for
+// bit), --out-dtype, and the errors.
+template <class H>
+Tensor half_tensor(DType dtype, const std::vector<int64_t>& shape, const std::vector<H>& v) {
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = shape;
+  t.bytes.resize(v.size() * 2);
+  std::memcpy(t.bytes.data(), v.data(), t.bytes.size());
+  return t;
+}
+
+template <class H>
+std::vector<uint16_t> bits_of(const std::vector<H>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) b[i] = v[i].bits;
+  return b;
+}
+
+std::vector<uint16_t> bits_of(const Tensor& t) {
+  std::vector<uint16_t> b(t.bytes.size() / 2);
+  std::memcpy(b.data(), t.bytes.data(), t.bytes.size());
+  return b;
+}
+
+TEST_F(CliModelsTest, HalfPrecisionInputsAndOutputs) {
+  const std::vector<int64_t> shape = {1, 7, 2, 8};
+  const auto d4 = dims4(shape);
+  const std::vector<float> xf = random_floats(count(shape), 31);
+  std::vector<f16> xh(xf.size());
+  std::vector<bf16> xb(xf.size());
+  for (std::size_t i = 0; i < xf.size(); ++i) {
+    xh[i] = f16_from_float(xf[i]);
+    xb[i] = bf16_from_float(xf[i]);
+  }
+  const std::string h_npy = path("xh.npy"), b_st = path("xb.safetensors");
+  write_npy(h_npy, half_tensor(DType::kF16, shape, xh));
+  SafetensorsFile sf;
+  sf.tensors["x"] = half_tensor(DType::kBF16, shape, xb);
+  write_safetensors(b_st, sf);
+  const RopeFrequencies f = rope_frequencies({.head_dim = 8});
+  const Positions pos = Positions::offset(100);
+
+  // rope: float16 in -> float16 out; bfloat16 in -> bfloat16 out ("out" in a .safetensors).
+  Tensor t = run_ok("rope --in " + quote(h_npy) + " --offset 100", path("yh.npy"));
+  std::vector<f16> yh(xh.size());
+  apply_rope(f, RopeStyle::kHalf, View<const f16, 4>::contiguous(xh.data(), d4),
+             View<f16, 4>::contiguous(yh.data(), d4), &pos);
+  ASSERT_EQ(t.dtype, DType::kF16);
+  EXPECT_EQ(bits_of(t), bits_of(yh));
+  RunResult r =
+      run("rope --in " + quote(b_st) + " --offset 100 --out " + quote(path("yb.safetensors")));
+  ASSERT_EQ(r.status, 0) << r.err;
+  const SafetensorsFile yb_file = read_safetensors(path("yb.safetensors"));
+  ASSERT_EQ(yb_file.tensors.count("out"), 1u);
+  std::vector<bf16> yb(xb.size());
+  apply_rope(f, RopeStyle::kHalf, View<const bf16, 4>::contiguous(xb.data(), d4),
+             View<bf16, 4>::contiguous(yb.data(), d4), &pos);
+  EXPECT_EQ(yb_file.tensors.at("out").dtype, DType::kBF16);
+  EXPECT_EQ(bits_of(yb_file.tensors.at("out")), bits_of(yb));
+  // --out-dtype float32: the float32 rotation of the widened values.
+  t = run_ok("rope --in " + quote(h_npy) + " --offset 100 --out-dtype float32", path("y32.npy"));
+  std::vector<float> xw(xh.size()), y32(xh.size());
+  for (std::size_t i = 0; i < xh.size(); ++i) xw[i] = to_float(xh[i]);
+  apply_rope(f, RopeStyle::kHalf, View<const float, 4>::contiguous(xw.data(), d4),
+             View<float, 4>::contiguous(y32.data(), d4), &pos);
+  expect_tensor_eq(t, shape, y32);
+
+  // attention: all bfloat16 -> bfloat16; float32 q with a float16 KV cache -> float32.
+  r = run("attention --q " + quote(b_st) + " --k " + quote(b_st) + " --v " + quote(b_st) +
+          " --scheme alibi --causal --out " + quote(path("ob.safetensors")));
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::vector<bf16> ob(xb.size());
+  const auto bv = View<const bf16, 4>::contiguous(xb.data(), d4);
+  attention(bv, bv, bv, Alibi{}, {.causal = true}, View<bf16, 4>::contiguous(ob.data(), d4));
+  EXPECT_EQ(bits_of(read_safetensors(path("ob.safetensors")).tensors.at("out")), bits_of(ob));
+  const std::string q32 = write_f32("q32.npy", shape, xf);
+  t = run_ok("attention --q " + quote(q32) + " --k " + quote(h_npy) + " --v " + quote(h_npy) +
+                 " --scheme rope --causal",
+             path("om.npy"));
+  std::vector<float> om(xf.size());
+  const auto hv = View<const f16, 4>::contiguous(xh.data(), d4);
+  attention(View<const float, 4>::contiguous(xf.data(), d4), hv, hv, Rope{f, RopeStyle::kHalf},
+            {.causal = true}, View<float, 4>::contiguous(om.data(), d4));
+  expect_tensor_eq(t, shape, om);
+  // attention-grad: half inputs, bfloat16 gradients on request.
+  r = run("attention-grad --q " + quote(h_npy) + " --k " + quote(h_npy) + " --v " + quote(h_npy) +
+          " --dout " + quote(h_npy) + " --scheme none --causal --out-dtype bfloat16 --out " +
+          quote(path("g.safetensors")));
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(read_safetensors(path("g.safetensors")).tensors.at("dq").dtype, DType::kBF16);
+
+  // Errors: bfloat16 into a .npy, an ambiguous .safetensors input.
+  expect_error("rope", "--in " + quote(b_st), "a bfloat16 output needs a .safetensors file");
+  SafetensorsFile two;
+  two.tensors["a"] = half_tensor(DType::kBF16, shape, xb);
+  two.tensors["b"] = half_tensor(DType::kBF16, shape, xb);
+  write_safetensors(path("two.safetensors"), two);
+  expect_error("attention",
+               "--q " + quote(path("two.safetensors")) + " --k " + quote(b_st) + " --v " +
+                   quote(b_st) + " --scheme none",
+               "2 tensors ('a', 'b') and none named 'q'");
 }
 
 }  // namespace

@@ -90,6 +90,7 @@ struct NpyView {
   const unsigned char* data = nullptr;  // dtype x shape bytes, little-endian, C order
   std::size_t nbytes = 0;
   std::shared_ptr<const MappedFile> file;  // keeps `data` alive (null when parsed from a buffer)
+  std::shared_ptr<const Tensor> owned;     // or this tensor does (view_of)
 
   int64_t numel() const;
   // The elements as T (float for kF32, double for kF64, int64_t for kI64, int32_t for kI32)
@@ -104,6 +105,9 @@ struct NpyView {
   std::vector<double> to_f64(const std::string& what = "tensor") const;
   std::vector<int64_t> to_i64(const std::string& what = "tensor") const;
 };
+
+// A view of an owned tensor (kept alive by the view), e.g. one read from a .safetensors file.
+NpyView view_of(Tensor t);
 
 // .npy (format versions 1.0, 2.0 and 3.0; dtypes <f2 <f4 <f8 <i4 <i8 only, so no big-endian or
 // |-prefixed single-byte types; C order only). The writer emits version 1.0 like np.save (2.0

@@ -297,6 +297,17 @@ int64_t NpyView::numel() const {
   return n;
 }
 
+NpyView view_of(Tensor t) {
+  auto owned = std::make_shared<const Tensor>(std::move(t));
+  NpyView v;
+  v.dtype = owned->dtype;
+  v.shape = owned->shape;
+  v.data = owned->bytes.data();
+  v.nbytes = owned->bytes.size();
+  v.owned = std::move(owned);
+  return v;
+}
+
 Tensor NpyView::to_tensor() const {
   require_allocation((file ? file->path() + ": " : std::string()) + "copying the " +
                          io_detail::dims_str(shape) + " " + dtype_name(dtype) + " tensor",
