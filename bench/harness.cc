@@ -19,7 +19,9 @@
 
 #include "kernels/simd.h"
 #include "posenc/alibi.h"
+#include "posenc/attention.h"
 #include "posenc/error.h"
+#include "posenc/half.h"
 #include "posenc/rope.h"
 
 #ifdef _OPENMP
@@ -854,6 +856,129 @@ Result bench_rope(int64_t seq, int64_t heads, int64_t head_dim, int threads,
 }
 
 // ---------------------------------------------------------------------------------------------
+// Half precision.
+
+namespace {
+
+template <class H>
+std::vector<H> to_half(View<const float, 4> x) {
+  std::vector<H> out(static_cast<std::size_t>(x.numel()));
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = from_float<H>(x.data[i]);
+  return out;
+}
+
+// The workload's q, k, v in H, and an H output: one attention call per run().
+template <class H>
+struct HalfAttention {
+  AttentionWorkload& w;
+  std::vector<H> q, k, v, out;
+  explicit HalfAttention(AttentionWorkload& work)
+      : w(work),
+        q(to_half<H>(work.q())),
+        k(to_half<H>(work.k())),
+        v(to_half<H>(work.v())),
+        out(q.size()) {}
+  void run(int threads) {
+    const AttentionShape& s = w.shape();
+    AttentionOptions opt;
+    opt.causal = s.causal;
+    opt.num_threads = threads;
+    const std::array<int64_t, 4> qs{s.batch, s.seq_q, s.heads_q, s.head_dim},
+        ks{s.batch, s.seq_k, s.heads_kv, s.head_dim};
+    attention(View<const H, 4>::contiguous(q.data(), qs),
+              View<const H, 4>::contiguous(k.data(), ks),
+              View<const H, 4>::contiguous(v.data(), ks), w.scheme(), opt,
+              View<H, 4>::contiguous(out.data(), qs));
+  }
+};
+
+template <class H>
+Result half_attention_entry(Result r, AttentionWorkload& w, int threads,
+                            const TimingOptions& options) {
+  HalfAttention<H> h(w);
+  const PairTiming pt = measure_pair([&] { w.run(threads); }, [&] { h.run(threads); }, options);
+  r.timing = pt.b;
+  r.extra.emplace_back("vs_float32", pt.ratio);
+  r.extra.emplace_back("float32_median_s", pt.a.median_s);
+  return r;
+}
+
+void require_half(const std::string& dtype) {
+  if (dtype != "bf16" && dtype != "f16") {
+    throw Error("bench: half dtype must be bf16 or f16 (got '" + dtype + "')");
+  }
+}
+
+}  // namespace
+
+Result bench_attention_half(const std::string& dtype, const AttentionShape& shape, int threads,
+                            const TimingOptions& options) {
+  require_half(dtype);
+  threads = resolve_threads(threads);
+  AttentionWorkload w(shape, "none");
+  Result r;
+  r.name = attention_name("none", shape) + "_" + dtype;
+  r.threads = threads;
+  r.flops = attention_flops(shape);
+  r.baselines = {"sgemm"};
+  return dtype == "bf16" ? half_attention_entry<bf16>(std::move(r), w, threads, options)
+                         : half_attention_entry<f16>(std::move(r), w, threads, options);
+}
+
+Result bench_decode_half(const std::string& dtype, const AttentionShape& shape, int threads,
+                         const TimingOptions& options) {
+  require_half(dtype);
+  threads = resolve_threads(threads);
+  AttentionWorkload w(shape, "none");
+  Result r;
+  r.name = "decode_gqa_" + std::to_string(shape.heads_q) + "x" + std::to_string(shape.heads_kv) +
+           "_L" + std::to_string(shape.seq_k) + "_D" + std::to_string(shape.head_dim) + "_" + dtype;
+  r.threads = threads;
+  r.bytes = kv_bytes(shape) / 2;  // two bytes per element
+  r.baselines = {"read_bandwidth", "copy_bandwidth"};
+  return dtype == "bf16" ? half_attention_entry<bf16>(std::move(r), w, threads, options)
+                         : half_attention_entry<f16>(std::move(r), w, threads, options);
+}
+
+Result bench_rope_half(const std::string& dtype, int64_t seq, int64_t heads, int64_t head_dim,
+                       int threads, const TimingOptions& options) {
+  require_half(dtype);
+  threads = resolve_threads(threads);
+  const int64_t n = seq * heads * head_dim;
+  Buffer x(n);
+  Rng(3).fill(x.data(), n);
+  RopeConfig cfg;
+  cfg.head_dim = head_dim;
+  cfg.base = 1e4;
+  const RopeFrequencies freqs = rope_frequencies(cfg, seq);
+  const Positions pos = Positions::offset(0);
+  const View<float, 4> xv = view4<float>(x.data(), 1, seq, heads, head_dim);
+  Result r;
+  r.name = "rope_neox_" + dims_name(seq, heads, head_dim) + "_" + dtype;
+  r.threads = threads;
+  r.bytes = 2.0 * 2.0 * static_cast<double>(n);
+  r.baselines = {"copy_bandwidth"};
+  auto run = [&](auto tag) {
+    using H = decltype(tag);
+    std::vector<H> h = to_half<H>(xv);
+    const auto hv = View<H, 4>::contiguous(h.data(), xv.shape);
+    const PairTiming pt = measure_pair(
+        [&] { apply_rope(freqs, RopeStyle::kHalf, xv, &pos, Direction::kForward, threads); },
+        [&] { apply_rope(freqs, RopeStyle::kHalf, hv, hv, &pos, Direction::kForward, threads); },
+        options);
+    r.timing = pt.b;
+    r.extra.emplace_back("vs_float32", pt.ratio);
+    r.extra.emplace_back("float32_median_s", pt.a.median_s);
+  };
+  if (dtype == "bf16") {
+    run(bf16{});
+  } else {
+    run(f16{});
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Suite.
 
 std::vector<Entry> suite(const SuiteOptions& options) {
@@ -897,6 +1022,15 @@ std::vector<Entry> suite(const SuiteOptions& options) {
                  [=] { return bench_naive_attention(attn, threads, timing); }});
   all.push_back({"decode_gqa_32x8_L" + std::to_string(decode_seq) + "_D128",
                  [=] { return bench_decode(decode, threads, timing); }});
+  for (const char* dtype : {"bf16", "f16"}) {
+    const std::string t = dtype;
+    all.push_back({"decode_gqa_32x8_L" + std::to_string(decode_seq) + "_D128_" + t,
+                   [=] { return bench_decode_half(t, decode, threads, timing); }});
+  }
+  all.push_back({attention_name("none", attn) + "_bf16",
+                 [=] { return bench_attention_half("bf16", attn, threads, timing); }});
+  all.push_back({"rope_neox_" + dims_name(rope_seq, 32, 128) + "_bf16",
+                 [=] { return bench_rope_half("bf16", rope_seq, 32, 128, threads, timing); }});
   all.push_back({"peak_memory_" + attention_name("none", peak),
                  [=] { return bench_peak_memory_attention(peak, threads); }});
   for (const char* scheme : {"none", "rope", "alibi", "t5", "shaw", "deberta", "xl"}) {

@@ -201,6 +201,20 @@ Result bench_naive_attention(const AttentionShape& shape, int threads,
 // bytes: kv_bytes; baselines copy_bandwidth, then read_bandwidth: decode only reads).
 Result bench_decode(const AttentionShape& shape, int threads, const TimingOptions& options);
 
+// Half precision (bf16 / f16): `dtype` "bf16" or "f16" appended to the float32 entry's name.
+// bench_attention_half: q, k, v and out in the half type, scheme none ("attention_none_..._bf16");
+// bench_decode_half: one decode step from a half KV cache, q and out half too
+// ("decode_gqa_..._bf16", bytes: the half KV cache; baselines as bench_decode);
+// bench_rope_half: rope_neox on a half tensor ("rope_neox_..._bf16", bytes: read + write in the
+// half type; baseline copy_bandwidth). Each has vs_float32: its time over the float32 entry of
+// the same shape, timed in alternation, and float32_median_s.
+Result bench_attention_half(const std::string& dtype, const AttentionShape& shape, int threads,
+                            const TimingOptions& options);
+Result bench_decode_half(const std::string& dtype, const AttentionShape& shape, int threads,
+                         const TimingOptions& options);
+Result bench_rope_half(const std::string& dtype, int64_t seq, int64_t heads, int64_t head_dim,
+                       int threads, const TimingOptions& options);
+
 // Peak memory of one posenc::attention call, scheme none: "peak_memory_attention_none_...".
 // Measured from the process's resident set (VmHWM reset through /proc/self/clear_refs), in MiB:
 //   peak_mb             peak RSS growth over allocating q, k, v, out and the call

@@ -215,6 +215,20 @@ TEST(BenchEntries, AttentionDecodeRopeAndPeakMemoryReportTheirFields) {
   EXPECT_EQ(rope.name, "rope_neox_8x4x16");
   EXPECT_DOUBLE_EQ(rope.bytes, 2.0 * 4 * 8 * 4 * 16);
 
+  // Half precision: names with the dtype, half the bytes, a positive vs_float32.
+  const pb::Result hdec = pb::bench_decode_half("bf16", d, 1, tiny_timing());
+  EXPECT_EQ(hdec.name, "decode_gqa_8x2_L32_D16_bf16");
+  EXPECT_DOUBLE_EQ(hdec.bytes, 2.0 * 2 * 32 * 2 * 16);
+  EXPECT_GT(extra(hdec, "vs_float32"), 0);
+  const pb::Result hatt = pb::bench_attention_half("f16", s, 1, tiny_timing());
+  EXPECT_EQ(hatt.name, "attention_none_causal_L32_H2_D16_f16");
+  EXPECT_GT(extra(hatt, "vs_float32"), 0);
+  const pb::Result hrope = pb::bench_rope_half("bf16", 8, 4, 16, 1, tiny_timing());
+  EXPECT_EQ(hrope.name, "rope_neox_8x4x16_bf16");
+  EXPECT_DOUBLE_EQ(hrope.bytes, 2.0 * 2 * 8 * 4 * 16);
+  EXPECT_GT(extra(hrope, "vs_float32"), 0);
+  EXPECT_THROW(pb::bench_rope_half("f8", 8, 4, 16, 1, tiny_timing()), posenc::Error);
+
   const pb::Result peak = pb::bench_peak_memory_attention(s, 1);
   EXPECT_EQ(peak.name, "peak_memory_attention_none_causal_L32_H2_D16");
   EXPECT_EQ(peak.timing.reps, 1);
@@ -240,7 +254,9 @@ TEST(BenchSuite, NamesFollowTheContract) {
         "attention_t5_causal_L4096_H8_D128", "attention_shaw_causal_L4096_H8_D128",
         "attention_deberta_causal_L4096_H8_D128", "attention_xl_causal_L4096_H8_D128",
         "attention_naive_causal_L4096_H8_D128", "decode_gqa_32x8_L32768_D128",
-        "peak_memory_attention_none_causal_L32768_H8_D128"}) {
+        "peak_memory_attention_none_causal_L32768_H8_D128", "decode_gqa_32x8_L32768_D128_bf16",
+        "decode_gqa_32x8_L32768_D128_f16", "attention_none_causal_L4096_H8_D128_bf16",
+        "rope_neox_4096x32x128_bf16"}) {
     EXPECT_NE(std::find(full.begin(), full.end(), want), full.end()) << want;
   }
   // Baselines come first.
@@ -250,7 +266,10 @@ TEST(BenchSuite, NamesFollowTheContract) {
   const std::vector<std::string> quick = names(true);
   EXPECT_NE(std::find(quick.begin(), quick.end(), "attention_none_causal_L512_H8_D128"),
             quick.end());
-  EXPECT_EQ(names(false, "decode"), std::vector<std::string>{"decode_gqa_32x8_L32768_D128"});
+  EXPECT_EQ(names(false, "decode"),
+            (std::vector<std::string>{"decode_gqa_32x8_L32768_D128",
+                                      "decode_gqa_32x8_L32768_D128_bf16",
+                                      "decode_gqa_32x8_L32768_D128_f16"}));
   EXPECT_TRUE(names(false, "no such entry").empty());
 }
 
