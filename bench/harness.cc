@@ -832,18 +832,30 @@ Result bench_peak_memory_attention_backward(const AttentionShape& shape, int thr
   return r;
 }
 
+// The rope_neox workload: x [1, seq, heads, head_dim] random, base 1e4, positions 0.. .
+struct RopeWorkload {
+  int64_t n;
+  Buffer x;
+  RopeFrequencies freqs;
+  Positions pos = Positions::offset(0);
+  View<float, 4> xv;
+  RopeWorkload(int64_t seq, int64_t heads, int64_t head_dim)
+      : n(seq * heads * head_dim),
+        x(n),
+        freqs(rope_frequencies(RopeConfig{.head_dim = head_dim, .base = 1e4}, seq)),
+        xv(view4<float>(x.data(), 1, seq, heads, head_dim)) {
+    Rng(3).fill(x.data(), n);
+  }
+};
+
 Result bench_rope(int64_t seq, int64_t heads, int64_t head_dim, int threads,
                   const TimingOptions& options) {
   threads = resolve_threads(threads);
-  const int64_t n = seq * heads * head_dim;
-  Buffer x(n);
-  Rng(3).fill(x.data(), n);
-  RopeConfig cfg;
-  cfg.head_dim = head_dim;
-  cfg.base = 1e4;
-  const RopeFrequencies freqs = rope_frequencies(cfg, seq);
-  const Positions pos = Positions::offset(0);
-  const View<float, 4> xv = view4<float>(x.data(), 1, seq, heads, head_dim);
+  RopeWorkload rw(seq, heads, head_dim);
+  const int64_t n = rw.n;
+  const RopeFrequencies& freqs = rw.freqs;
+  const Positions& pos = rw.pos;
+  const View<float, 4> xv = rw.xv;
   Result r;
   r.name = "rope_neox_" + dims_name(seq, heads, head_dim);
   r.threads = threads;
@@ -944,15 +956,11 @@ Result bench_rope_half(const std::string& dtype, int64_t seq, int64_t heads, int
                        int threads, const TimingOptions& options) {
   require_half(dtype);
   threads = resolve_threads(threads);
-  const int64_t n = seq * heads * head_dim;
-  Buffer x(n);
-  Rng(3).fill(x.data(), n);
-  RopeConfig cfg;
-  cfg.head_dim = head_dim;
-  cfg.base = 1e4;
-  const RopeFrequencies freqs = rope_frequencies(cfg, seq);
-  const Positions pos = Positions::offset(0);
-  const View<float, 4> xv = view4<float>(x.data(), 1, seq, heads, head_dim);
+  RopeWorkload rw(seq, heads, head_dim);
+  const int64_t n = rw.n;
+  const RopeFrequencies& freqs = rw.freqs;
+  const Positions& pos = rw.pos;
+  const View<float, 4> xv = rw.xv;
   Result r;
   r.name = "rope_neox_" + dims_name(seq, heads, head_dim) + "_" + dtype;
   r.threads = threads;

@@ -80,7 +80,9 @@ ParamMap load_params(const AttentionArgs& a, SchemeHolder& h) {
     if (a.reference) {
       std::vector<double>& v = h.arrays64.emplace_back(t->to_f64(what));
       check_finite(v, t->shape, what);
-      p.f64 = v.data();
+      // Never null, so an empty tensor reads as present (its shape is then checked).
+      static const double kEmpty = 0.0;
+      p.f64 = v.empty() ? &kEmpty : v.data();
     } else {
       p.f32 = h.arrays.emplace_back(to_float_array(*t, what, true)).ptr();
     }
