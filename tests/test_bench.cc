@@ -266,10 +266,9 @@ TEST(BenchSuite, NamesFollowTheContract) {
   const std::vector<std::string> quick = names(true);
   EXPECT_NE(std::find(quick.begin(), quick.end(), "attention_none_causal_L512_H8_D128"),
             quick.end());
-  EXPECT_EQ(names(false, "decode"),
-            (std::vector<std::string>{"decode_gqa_32x8_L32768_D128",
-                                      "decode_gqa_32x8_L32768_D128_bf16",
-                                      "decode_gqa_32x8_L32768_D128_f16"}));
+  EXPECT_EQ(names(false, "decode"), (std::vector<std::string>{"decode_gqa_32x8_L32768_D128",
+                                                              "decode_gqa_32x8_L32768_D128_bf16",
+                                                              "decode_gqa_32x8_L32768_D128_f16"}));
   EXPECT_TRUE(names(false, "no such entry").empty());
 }
 
