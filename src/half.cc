@@ -7,29 +7,6 @@
 
 namespace posenc {
 
-float to_float(f16 x) {
-  const uint16_t h = x.bits;
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float32
-    const float mag = std::ldexp(static_cast<float>(mant), -24);
-    return sign ? -mag : mag;
-  }
-  if (exp == 31) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));  // inf, NaN
-  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
-float to_float(bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16); }
-
-bf16 bf16_from_float(float x) {
-  const uint32_t u = std::bit_cast<uint32_t>(x);
-  if (std::isnan(x)) return bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};  // quiet NaN
-  // Round to nearest even on the dropped 16 bits (carries into the exponent: overflow -> inf).
-  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
-  return bf16{static_cast<uint16_t>(rounded >> 16)};
-}
-
 f16 f16_from_float(float x) {
   const uint32_t u = std::bit_cast<uint32_t>(x);
   const auto sign = static_cast<uint16_t>((u >> 16) & 0x8000u);

@@ -15,10 +15,25 @@ namespace posenc {
 namespace {
 
 // A contiguous float32 copy of x (any strides, stride 0 allowed).
+// True when v is row-major contiguous (a flat loop covers it).
+template <class V>
+bool dense(const V& v) {
+  int64_t s = 1;
+  for (std::size_t d = 4; d-- > 0;) {
+    if (v.shape[d] != 1 && v.stride[d] != s) return false;
+    s *= v.shape[d];
+  }
+  return true;
+}
+
 template <class T>
 std::vector<float> widen(View<const T, 4> x, const std::string& name) {
   detail::require_data(x, name);
   std::vector<float> out(static_cast<std::size_t>(x.numel()));
+  if (dense(x)) {
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = to_float(x.data[i]);
+    return out;
+  }
   std::size_t n = 0;
   for (int64_t a = 0; a < x.shape[0]; ++a)
     for (int64_t b = 0; b < x.shape[1]; ++b)
@@ -35,6 +50,10 @@ View<const float, 4> view_of(const std::vector<float>& data, const View<const T,
 // out = round(src), src contiguous with out's shape.
 template <class T>
 void narrow(const std::vector<float>& src, View<T, 4> out) {
+  if (dense(out)) {
+    for (std::size_t i = 0; i < src.size(); ++i) out.data[i] = from_float<T>(src[i]);
+    return;
+  }
   std::size_t n = 0;
   for (int64_t a = 0; a < out.shape[0]; ++a)
     for (int64_t b = 0; b < out.shape[1]; ++b)

@@ -75,8 +75,12 @@ TEST(Half, RoundsToNearestEven) {
   for (int i = 0; i < 300; ++i) {
     const float x = static_cast<float>((i % 2 ? -1.0 : 1.0) * std::exp2(e(rng.engine())));
     SCOPED_TRACE(x);
-    if (std::fabs(x) < 65504.0f) EXPECT_EQ(f16_from_float(x).bits, nearest<f16>(x));
-    if (std::fabs(x) < 1e30f) EXPECT_EQ(bf16_from_float(x).bits, nearest<bf16>(x));
+    if (std::fabs(x) < 65504.0f) {
+      EXPECT_EQ(f16_from_float(x).bits, nearest<f16>(x));
+    }
+    if (std::fabs(x) < 1e30f) {
+      EXPECT_EQ(bf16_from_float(x).bits, nearest<bf16>(x));
+    }
   }
 }
 
