@@ -97,6 +97,22 @@ class Case:
         out = reference.attention(q, k, v, self.scheme, params, **kw)
         return out, (q, k, v, params)
 
+    def reference_grads(self, dout_seed):
+        """Backpropagates a random dout (standard normal, seeded) through the float64 and the
+        float32 PyTorch references: (dout, ref, naive, ref_grads, naive_grads), the outputs as
+        tensors and the gradients as {"dq", "dk", "dv", "d<table>": tensor}."""
+        import torch
+        ref, (q, k, v, tables) = self.reference("float64", requires_grad=True)
+        naive, (q32, k32, v32, tables32) = self.reference("float32", requires_grad=True)
+        dout = np.random.default_rng(dout_seed).standard_normal(ref.shape)
+        (ref * torch.from_numpy(dout)).sum().backward()
+        (naive * torch.from_numpy(dout).float()).sum().backward()
+        ref_grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad}
+        ref_grads.update({"d" + n: t.grad for n, t in tables.items()})
+        naive_grads = {"dq": q32.grad, "dk": k32.grad, "dv": v32.grad}
+        naive_grads.update({"d" + n: t.grad for n, t in tables32.items()})
+        return dout, ref, naive, ref_grads, naive_grads
+
 
 def _t(a):
     import torch

@@ -37,15 +37,7 @@ def tol32(ref, naive):
 def test_forward_and_backward_against_the_pytorch_reference(scheme, variant, causal, pos):
     c = Case(scheme, seed=hash((scheme, variant, causal, pos)) % 2**32, causal=causal,
              variant=variant, positions=pos)
-    ref, (q, k, v, tables) = c.reference("float64", requires_grad=True)
-    naive, (q32, k32, v32, tables32) = c.reference("float32", requires_grad=True)
-    dout = np.random.default_rng(7).standard_normal(ref.shape)
-    (ref * torch.from_numpy(dout)).sum().backward()
-    (naive * torch.from_numpy(dout).float()).sum().backward()
-    ref_grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad}
-    ref_grads.update({"d" + n: t.grad for n, t in tables.items()})
-    naive_grads = {"dq": q32.grad, "dk": k32.grad, "dv": v32.grad}
-    naive_grads.update({"d" + n: t.grad for n, t in tables32.items()})
+    dout, ref, naive, ref_grads, naive_grads = c.reference_grads(7)
     ref_out = ref.detach().numpy()
 
     # float32: the fused kernels.

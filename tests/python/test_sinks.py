@@ -45,15 +45,7 @@ def test_sinks_and_chunk_against_the_pytorch_reference(scheme, variant, causal, 
     if not sinks:
         c.kw["allow_fully_masked"] = True
         c.ref_kw["allow_fully_masked"] = True
-    ref, (q, k, v, tables) = c.reference("float64", requires_grad=True)
-    naive, (q32, k32, v32, tables32) = c.reference("float32", requires_grad=True)
-    dout = np.random.default_rng(5).standard_normal(ref.shape)
-    (ref * torch.from_numpy(dout)).sum().backward()
-    (naive * torch.from_numpy(dout).float()).sum().backward()
-    ref_grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad}
-    ref_grads.update({"d" + n: t.grad for n, t in tables.items()})
-    naive_grads = {"dq": q32.grad, "dk": k32.grad, "dv": v32.grad}
-    naive_grads.update({"d" + n: t.grad for n, t in tables32.items()})
+    dout, ref, naive, ref_grads, naive_grads = c.reference_grads(5)
     ref_out = ref.detach().numpy()
     assert ("dsinks" in ref_grads) == sinks
 

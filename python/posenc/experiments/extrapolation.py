@@ -571,6 +571,20 @@ MARKERS = {"nope": "x", "sinusoidal": "o", "learned": "D", "rope": "s", "alibi":
            "t5": "v", "shaw": "P", "xl": "*", "deberta": "h"}
 
 
+def _finish(fig, ax, stem, legend_size):
+    """Grid, legend and layout of a results figure; writes stem.png and stem.svg, closes it."""
+    import matplotlib.pyplot as plt
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size, ncol=2)
+    fig.tight_layout()
+    paths = []
+    for ext in ("png", "svg"):
+        fig.savefig(f"{stem}.{ext}")
+        paths.append(f"{stem}.{ext}")
+    plt.close(fig)
+    return paths
+
+
 def draw(res, out_dir):
     """extrapolation.{png,svg}: perplexity against evaluation length (Press et al., Fig. 1);
     position-loss.{png,svg}: loss against position inside the longest windows."""
@@ -616,14 +630,7 @@ def draw(res, out_dir):
                  f"{s['layers']} layers, d = {s['d_model']}, {s['steps']} steps\n"
                  + (f"mean of seeds {', '.join(map(str, seeds))}, band: min to max"
                     if len(seeds) > 1 else f"seed {seeds[0]}"), fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    for ext in ("png", "svg"):
-        p = os.path.join(out_dir, f"extrapolation.{ext}")
-        fig.savefig(p)
-        written.append(p)
-    plt.close(fig)
+    written += _finish(fig, ax, os.path.join(out_dir, "extrapolation"), legend_size=8)
 
     fig, ax = plt.subplots(figsize=(7.2, 4.2), dpi=150)
     for name, v in res["schemes"].items():
@@ -642,14 +649,7 @@ def draw(res, out_dir):
     ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_title("Where the loss goes up: loss against position in the longest windows",
                  fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    for ext in ("png", "svg"):
-        p = os.path.join(out_dir, f"position-loss.{ext}")
-        fig.savefig(p)
-        written.append(p)
-    plt.close(fig)
+    written += _finish(fig, ax, os.path.join(out_dir, "position-loss"), legend_size=7)
     return written
 
 
