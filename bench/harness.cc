@@ -811,11 +811,12 @@ Result bench_peak_memory_attention(const AttentionShape& shape, int threads) {
   return r;
 }
 
-Result bench_peak_memory_attention_backward(const AttentionShape& shape, int threads) {
+Result bench_peak_memory_attention_backward(const AttentionShape& shape, int threads,
+                                            const std::string& scheme) {
   threads = resolve_threads(threads);
   Result r;
   r.name = "peak_memory_attention_backward_" +
-           attention_name("none", shape).substr(sizeof("attention_") - 1);
+           attention_name(scheme, shape).substr(sizeof("attention_") - 1);
   r.threads = threads;
   r.flops = 2.5 * attention_flops(shape);
   r.baselines = {"sgemm"};
@@ -825,7 +826,7 @@ Result bench_peak_memory_attention_backward(const AttentionShape& shape, int thr
   r = measure_peak_memory(
       r,
       [&] {
-        w = std::make_unique<AttentionWorkload>(shape, "none");
+        w = std::make_unique<AttentionWorkload>(shape, scheme);
         w->run_backward(threads);
       },
       [&] { w->run_backward(threads); }, [&] { return w->backward_bytes(); });
@@ -1046,8 +1047,11 @@ std::vector<Entry> suite(const SuiteOptions& options) {
     all.push_back({"attention_backward_" + attention_name(s, attn).substr(10),
                    [=] { return bench_attention_backward(s, attn, threads, timing); }});
   }
-  all.push_back({"peak_memory_attention_backward_" + attention_name("none", peak).substr(10),
-                 [=] { return bench_peak_memory_attention_backward(peak, threads); }});
+  for (const char* scheme : {"none", "rope"}) {
+    const std::string s = scheme;
+    all.push_back({"peak_memory_attention_backward_" + attention_name(s, peak).substr(10),
+                   [=] { return bench_peak_memory_attention_backward(peak, threads, s); }});
+  }
 
   if (options.filter.empty()) return all;
   std::vector<Entry> kept;

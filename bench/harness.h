@@ -225,10 +225,11 @@ Result bench_rope_half(const std::string& dtype, int64_t seq, int64_t heads, int
 // kernel offers no way to reset the peak (no /proc/self/clear_refs).
 Result bench_peak_memory_attention(const AttentionShape& shape, int threads);
 
-// Peak memory of one posenc::attention_backward call, scheme none:
-// "peak_memory_attention_backward_none_...", fields as bench_peak_memory_attention
+// Peak memory of one posenc::attention_backward call, scheme `scheme` ("none" or "rope"):
+// "peak_memory_attention_backward_<scheme>_...", fields as bench_peak_memory_attention
 // (inputs_outputs_mb: q, k, v, out, lse, dout, dq, dk, dv).
-Result bench_peak_memory_attention_backward(const AttentionShape& shape, int threads);
+Result bench_peak_memory_attention_backward(const AttentionShape& shape, int threads,
+                                            const std::string& scheme = "none");
 
 // RoPE in place on x [1, seq, heads, head_dim], half style (NeoX), base 1e4, positions offset 0:
 // "rope_neox_<seq>x<heads>x<head_dim>", bytes 2 x size (read + write), baseline copy_bandwidth.

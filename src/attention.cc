@@ -17,7 +17,9 @@
 #include <map>
 #include <unordered_map>
 
+#include "attention_half.h"
 #include "common.h"
+#include "hwy/aligned_allocator.h"
 #include "kernels/attention_kernels.h"
 #include "kernels/parallel.h"
 
@@ -105,6 +107,27 @@ void rotate_heads(const Rope& r, View<const T, 4> x, View<T, 4> out, const Posit
   }
 }
 
+// q and k rotated by RoPE into contiguous copies.
+template <class T>
+void rotated_copies(const Rope& r, const View<const T, 4>& q, const View<const T, 4>& k,
+                    const Positions& qp, const Positions& kp, int threads, std::vector<T>& q_rot,
+                    std::vector<T>& k_rot) {
+  q_rot.resize(static_cast<std::size_t>(q.numel()));
+  k_rot.resize(static_cast<std::size_t>(k.numel()));
+  auto qo = View<T, 4>::contiguous(q_rot.data(), q.shape);
+  auto ko = View<T, 4>::contiguous(k_rot.data(), k.shape);
+  if (r.offset > 0) {
+    rotate_heads<T>(r, q, qo, &qp, Direction::kForward, threads);
+    rotate_heads<T>(r, k, ko, &kp, Direction::kForward, threads);
+  } else if constexpr (std::is_same_v<T, double>) {
+    ref::apply_rope(r.freqs, r.style, q, qo, &qp);
+    ref::apply_rope(r.freqs, r.style, k, ko, &kp);
+  } else {
+    apply_rope(r.freqs, r.style, q, qo, &qp, Direction::kForward, threads);
+    apply_rope(r.freqs, r.style, k, ko, &kp, Direction::kForward, threads);
+  }
+}
+
 // Everything a scheme needs, validated and precomputed once per call (O(L) or O(L*K)). Parameter
 // tables are views of scalar T: the scheme's float32 views for T = float; for T = double (the
 // oracle) the float64 tables of ref::SchemeTables when given, else the float32 ones widened.
@@ -115,7 +138,9 @@ struct Prepared {
   // Attention sinks [heads_q] (AttentionOptions::sinks, or ref::SchemeTables::sinks for the
   // oracle); empty: none.
   std::vector<T> sinks;
-  // rope: rotated copies of q and k (contiguous [B, L, H, D]).
+  // rope: the scheme, and rotated copies of q and k (contiguous [B, L, H, D]) for the simple
+  // paths (the fused kernels rotate rows as they load them, see fill_fused_params).
+  const Rope* rope = nullptr;
   std::vector<T> q_rot, k_rot;
   // alibi
   std::vector<double> slopes;
@@ -183,10 +208,12 @@ void check_tables_belong(const PositionScheme& scheme, const ref::SchemeTables& 
   check(t.pos_query.data, kind == 6, "pos_query");
 }
 
+// simple_path: also build what only the simple (non-fused) paths use: RoPE's rotated copies of
+// q and k, Transformer-XL's projected distance table.
 template <class T>
 Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, const Dims& d,
                     const View<const T, 4>& q, const View<const T, 4>& k, const Positions& qp,
-                    const Positions& kp, bool build_xl_table = true,
+                    const Positions& kp, bool simple_path = true,
                     const ref::SchemeTables* tables = nullptr) {
   Prepared<T> p;
   if (tables) check_tables_belong(scheme, *tables);
@@ -216,20 +243,14 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
                        (r->offset > 0 ? " from offset " + std::to_string(r->offset) : "") +
                        " exceeds head_dim (" + std::to_string(d.head_dim) + ")");
     }
-    p.q_rot.resize(static_cast<std::size_t>(q.numel()));
-    p.k_rot.resize(static_cast<std::size_t>(k.numel()));
-    auto qo = View<T, 4>::contiguous(p.q_rot.data(), q.shape);
-    auto ko = View<T, 4>::contiguous(p.k_rot.data(), k.shape);
-    if (r->offset > 0) {
-      rotate_heads<T>(*r, q, qo, &qp, Direction::kForward, opt.num_threads);
-      rotate_heads<T>(*r, k, ko, &kp, Direction::kForward, opt.num_threads);
-    } else if constexpr (std::is_same_v<T, double>) {
-      ref::apply_rope(f, r->style, q, qo, &qp);
-      ref::apply_rope(f, r->style, k, ko, &kp);
-    } else {
-      apply_rope(f, r->style, q, qo, &qp, Direction::kForward, opt.num_threads);
-      apply_rope(f, r->style, k, ko, &kp, Direction::kForward, opt.num_threads);
+    for (double w : f.inv_freq) {
+      if (!std::isfinite(w)) fail("attention: rope: freqs.inv_freq has a non-finite entry");
     }
+    if (!std::isfinite(f.attention_factor) || f.attention_factor <= 0) {
+      fail("attention: rope: attention_factor must be finite and > 0");
+    }
+    p.rope = r;
+    if (simple_path) rotated_copies(*r, q, k, qp, kp, opt.num_threads, p.q_rot, p.k_rot);
   } else if (const auto* a = std::get_if<Alibi>(&scheme)) {
     if (a->slopes.empty()) {
       p.slopes = alibi_slopes(AlibiConfig{.heads = d.heads_q, .max_bias = a->max_bias});
@@ -317,7 +338,7 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
       }
       p.xl_r.emplace(delta, std::move(proj));
     };
-    for (int64_t b = 0; build_xl_table && b < d.batch && d.seq_q > 0 && d.seq_k > 0; ++b) {
+    for (int64_t b = 0; simple_path && b < d.batch && d.seq_q > 0 && d.seq_k > 0; ++b) {
       int64_t qlo = qp.at(b, 0), qhi = qlo, klo = kp.at(b, 0), khi = klo;
       for (int64_t i = 1; i < d.seq_q; ++i) {
         qlo = std::min(qlo, qp.at(b, i));
@@ -862,10 +883,15 @@ void check_fully_masked(const Problem<float>& pr) {
 struct FusedTables {
   std::vector<int32_t> qpos, kpos, dmax, c2p, p2c;
   std::vector<float> bias, rel_k, rel_v, pos_key, pos_query, xl_sin, xl_rnet, xl_u, xl_v, sinks;
+  // RoPE: cos/sin by position and the per-row table offsets, or (outside the table's domain)
+  // rotated copies of q and k.
+  hwy::AlignedFreeUniquePtr<double[]> rope_cs;
+  std::vector<int64_t> rope_base;
+  std::vector<float> q_rot, k_rot;
 };
 
 bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, FusedTables& tab,
-                       kernels::FusedAttentionParams& fp) {
+                       kernels::FusedAttentionParams& fp, bool allow_rope_copies = true) {
   const Dims& d = pr.d;
   constexpr int64_t kPad = 64;  // the kernel's key tile: tables are padded by one tile
   // Positions relative to a per-row base; distance range per row.
@@ -877,6 +903,9 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   dmax.assign(static_cast<std::size_t>(d.batch), 0);
   int64_t range = 0, gdmin = std::numeric_limits<int64_t>::max(),
           gdmax = std::numeric_limits<int64_t>::min();
+  // Per-row bases and the range of absolute positions (RoPE's table).
+  std::vector<int64_t> bases(static_cast<std::size_t>(d.batch));
+  int64_t plo = std::numeric_limits<int64_t>::max(), phi = std::numeric_limits<int64_t>::min();
   for (int64_t b = 0; b < d.batch; ++b) {
     int64_t qlo = pr.qp.at(b, 0), qhi = qlo, klo = pr.kp.at(b, 0), khi = klo;
     for (int64_t i = 0; i < d.seq_q; ++i) {
@@ -893,6 +922,9 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
       const int64_t c = *pr.opt.chunk;
       base = (base >= 0 ? base / c : -((-base + c - 1) / c)) * c;
     }
+    bases[static_cast<std::size_t>(b)] = base;
+    plo = std::min({plo, qlo, klo});
+    phi = std::max({phi, qhi, khi});
     if (std::max(qhi, khi) - base >= (int64_t{1} << 30)) return false;
     for (int64_t i = 0; i < d.seq_q; ++i) {
       qpos[static_cast<std::size_t>(b * d.seq_q + i)] = static_cast<int32_t>(pr.qp.at(b, i) - base);
@@ -912,11 +944,42 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   fp.q_stride = {pr.q.stride[0], pr.q.stride[1], pr.q.stride[2]};
   fp.k = pr.k.data;
   fp.k_stride = {pr.k.stride[0], pr.k.stride[1], pr.k.stride[2]};
-  if (p.kind == 1) {  // RoPE: the rotated contiguous copies
-    fp.q = p.q_rot.data();
-    fp.q_stride = {d.seq_q * d.heads_q * d.head_dim, d.heads_q * d.head_dim, d.head_dim};
-    fp.k = p.k_rot.data();
-    fp.k_stride = {d.seq_k * d.heads_kv * d.head_dim, d.heads_kv * d.head_dim, d.head_dim};
+  if (p.kind == 1) {
+    // RoPE: the kernels rotate q and k rows as they load them, from cos/sin by absolute position
+    // (O(positions x rotary_dim) doubles) when that table is no larger than rotated copies of q
+    // and k would be (sparse positions) and the angles are the accurate ones; else the copies.
+    const Rope& r = *p.rope;
+    const int64_t pairs = static_cast<int64_t>(r.freqs.inv_freq.size());
+    const int64_t padded = kernels::rope_table_padded(pairs);
+    const double table_bytes =
+        static_cast<double>(phi - plo + 1) * static_cast<double>(2 * padded * 8);
+    const double copy_bytes =
+        static_cast<double>(d.batch * (d.seq_q * d.heads_q + d.seq_k * d.heads_kv)) *
+        static_cast<double>(d.head_dim * 4);
+    if (r.freqs.angles == RopeAngles::kAccurate && table_bytes <= copy_bytes) {
+      const int64_t n = phi - plo + 1;
+      tab.rope_cs = hwy::AllocateAligned<double>(static_cast<std::size_t>(n * 2 * padded));
+      kernels::rope_fill_table(r.freqs.inv_freq.data(), pairs, r.freqs.attention_factor, plo, n,
+                               tab.rope_cs.get(), kernels::resolve_threads(pr.opt.num_threads));
+      tab.rope_base.resize(static_cast<std::size_t>(d.batch));
+      for (int64_t b = 0; b < d.batch; ++b) {
+        tab.rope_base[static_cast<std::size_t>(b)] = bases[static_cast<std::size_t>(b)] - plo;
+      }
+      fp.rope.cs = tab.rope_cs.get();
+      fp.rope.padded = padded;
+      fp.rope.pairs = pairs;
+      fp.rope.offset = r.offset;
+      fp.rope.head_dim = d.head_dim;
+      fp.rope.interleaved = r.style == RopeStyle::kInterleaved;
+      fp.rope_base = tab.rope_base.data();
+    } else {
+      if (!allow_rope_copies) return false;
+      rotated_copies(r, pr.q, pr.k, pr.qp, pr.kp, pr.opt.num_threads, tab.q_rot, tab.k_rot);
+      fp.q = tab.q_rot.data();
+      fp.q_stride = {d.seq_q * d.heads_q * d.head_dim, d.heads_q * d.head_dim, d.head_dim};
+      fp.k = tab.k_rot.data();
+      fp.k_stride = {d.seq_k * d.heads_kv * d.head_dim, d.heads_kv * d.head_dim, d.head_dim};
+    }
   }
   fp.v = pr.v.data;
   fp.v_stride = {pr.v.stride[0], pr.v.stride[1], pr.v.stride[2]};
@@ -1263,7 +1326,7 @@ void attention_impl(View<const float, 4> q, View<const float, 4> k, View<const f
   bool fused = false;
   {
     const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
-                                  /*build_xl_table=*/false);
+                                  /*simple_path=*/false);
     check_fully_masked(pr);
     fused = run_fused(pr, p, out, &nan_score, lse);
   }
@@ -1282,6 +1345,63 @@ void attention_impl(View<const float, 4> q, View<const float, 4> k, View<const f
 }
 
 }  // namespace
+
+bool detail::attention_fused_storage(const StorageViews& s, const PositionScheme& scheme,
+                                     const AttentionOptions& options,
+                                     const Positions* query_positions,
+                                     const Positions* key_positions) {
+  detail::require_data(s.out, "attention: out");
+  auto pr = make_problem<float>(s.q, s.k, s.v, s.out.shape, options, query_positions, key_positions,
+                                /*check_finite=*/false);
+  const Dims& d = pr.d;
+  if (!s.q.last_dim_contiguous() || !s.k.last_dim_contiguous() || !s.v.last_dim_contiguous() ||
+      !s.out.last_dim_contiguous() || d.batch == 0 || d.seq_q == 0 || d.seq_k == 0) {
+    return false;
+  }
+  const auto p = prepare<float>(scheme, options, d, s.q, s.k, pr.qp, pr.kp,
+                                /*simple_path=*/false);
+  check_fully_masked(pr);
+  kernels::FusedAttentionParams fp;
+  FusedTables tables;
+  if (!fill_fused_params(pr, p, tables, fp, /*allow_rope_copies=*/false)) return false;
+  using Elem = kernels::FusedAttentionParams::Elem;
+  auto elem = [](Storage t) {
+    return t == Storage::kBF16 ? Elem::kBF16 : t == Storage::kF16 ? Elem::kF16 : Elem::kF32;
+  };
+  auto bits = [](const float* x) { return reinterpret_cast<const uint16_t*>(x); };
+  fp.q_type = elem(s.q_type);
+  fp.kv_type = elem(s.kv_type);
+  fp.out_type = elem(s.out_type);
+  if (fp.q_type != Elem::kF32) fp.q16 = bits(fp.q), fp.q = nullptr;
+  if (fp.kv_type != Elem::kF32) {
+    fp.k16 = bits(fp.k), fp.k = nullptr;
+    fp.v16 = bits(fp.v), fp.v = nullptr;
+  }
+  fp.out = s.out.data;
+  fp.out_stride = {s.out.stride[0], s.out.stride[1], s.out.stride[2]};
+  if (fp.out_type != Elem::kF32) {
+    fp.out16 = reinterpret_cast<uint16_t*>(fp.out);
+    fp.out = nullptr;
+  }
+  int nan_score = 0;
+  fp.nan_score = &nan_score;
+  kernels::fused_attention(fp);
+  if (nan_score != 0) return false;
+  if (fp.out_type == Elem::kF32) return all_finite(s.out);
+  // Half output: an infinity or NaN may come from the float32 result (the widened path reports
+  // it) or from rounding a finite result past the type's range (the widened path gives the same).
+  const uint16_t exp_mask = fp.out_type == Elem::kBF16 ? 0x7f80 : 0x7c00;
+  for (int64_t b = 0; b < d.batch; ++b)
+    for (int64_t i = 0; i < d.seq_q; ++i)
+      for (int64_t h = 0; h < d.heads_q; ++h) {
+        const uint16_t* row =
+            fp.out16 + b * s.out.stride[0] + i * s.out.stride[1] + h * s.out.stride[2];
+        for (int64_t c = 0; c < d.head_dim; ++c) {
+          if ((row[c] & exp_mask) == exp_mask) return false;
+        }
+      }
+  return true;
+}
 
 void attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
                const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
@@ -1342,7 +1462,7 @@ void attention_backward(View<const float, 4> q, View<const float, 4> k, View<con
                         const Positions* query_positions, const Positions* key_positions) {
   auto pr = make_problem<float>(q, k, v, q.shape, options, query_positions, key_positions);
   const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
-                                /*build_xl_table=*/false);
+                                /*simple_path=*/false);
   check_backward_args(pr, scheme, p, out, lse, dout, grads);
   if (!run_fused_backward(pr, p, out, lse, dout, grads, scheme)) {
     // Outside the fused kernel's domain: the simple path.

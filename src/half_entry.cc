@@ -1,17 +1,33 @@
 // src/half_entry.cc - bf16 / f16 entry points of attention, apply_rope and rerotate_rope: the
 // half-precision views widened exactly into float32 buffers, the float32 function, and one
-// rounding of the result to the output's type.
+// rounding of the result to the output's type. apply_rope / rerotate_rope take the native
+// row-by-row kernel (src/rope.cc, src/kernels/rope_hwy.cc) when it applies, with the same bits.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "attention_half.h"
 #include "common.h"
 #include "posenc/attention.h"
 #include "posenc/half.h"
 #include "posenc/rope.h"
 
 namespace posenc {
+
+namespace detail {
+// src/rope.cc: the checks of apply_rope / rerotate_rope on the half views, then the native
+// kernel when it applies (accurate angles, unit-stride head_dim, rows that do not overlap);
+// false when the caller takes the widening path instead.
+template <class T>
+bool apply_rope_half(const RopeFrequencies& freqs, RopeStyle style, View<const T, 4> x,
+                     View<T, 4> out, const Positions* positions, Direction direction,
+                     int num_threads);
+template <class T>
+bool rerotate_rope_half(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
+                        View<T, 4> k, const Positions* positions);
+}  // namespace detail
+
 namespace {
 
 // A contiguous float32 copy of x (any strides, stride 0 allowed).
@@ -61,11 +77,43 @@ void narrow(const std::vector<float>& src, View<T, 4> out) {
         for (int64_t d = 0; d < out.shape[3]; ++d) out(a, b, c, d) = from_float<T>(src[n++]);
 }
 
+template <class T>
+detail::Storage storage_of() {
+  return std::is_same_v<T, bf16>  ? detail::Storage::kBF16
+         : std::is_same_v<T, f16> ? detail::Storage::kF16
+                                  : detail::Storage::kF32;
+}
+
+// Shape-and-stride views of the storage (see detail::StorageViews).
+template <class T>
+View<const float, 4> as_float_view(const View<const T, 4>& x) {
+  return View<const float, 4>{reinterpret_cast<const float*>(x.data), x.shape, x.stride};
+}
+
+template <class Q, class KV, class O>
+detail::StorageViews storage_views(const View<const Q, 4>& q, const View<const KV, 4>& k,
+                                   const View<const KV, 4>& v, const View<O, 4>& out) {
+  detail::StorageViews s;
+  s.q = as_float_view(q);
+  s.k = as_float_view(k);
+  s.v = as_float_view(v);
+  s.out = View<float, 4>{reinterpret_cast<float*>(out.data), out.shape, out.stride};
+  s.q_type = storage_of<Q>();
+  s.kv_type = storage_of<KV>();
+  s.out_type = storage_of<O>();
+  return s;
+}
+
 template <class Q, class KV, class O>
 void attention_half(View<const Q, 4> q, View<const KV, 4> k, View<const KV, 4> v,
                     const PositionScheme& scheme, const AttentionOptions& options, View<O, 4> out,
                     const Positions* qp, const Positions* kp) {
   detail::require_data(out, "attention: out");
+  // The fused kernel on the storage itself; outside its domain (or to report a non-finite
+  // result), the inputs widened into float32 buffers and the float32 function.
+  if (detail::attention_fused_storage(storage_views(q, k, v, out), scheme, options, qp, kp)) {
+    return;
+  }
   const std::vector<float> kf = widen(k, "attention: k"), vf = widen(v, "attention: v");
   if constexpr (std::is_same_v<Q, float> && std::is_same_v<O, float>) {
     attention(q, view_of(kf, k), view_of(vf, v), scheme, options, out, qp, kp);
@@ -82,6 +130,8 @@ template <class T>
 void rope_half(const RopeFrequencies& freqs, RopeStyle style, View<const T, 4> x, View<T, 4> out,
                const Positions* positions, Direction direction, int num_threads) {
   detail::require_data(out, "apply_rope: out");
+  detail::require_data(x, "apply_rope: x");
+  if (detail::apply_rope_half(freqs, style, x, out, positions, direction, num_threads)) return;
   std::vector<float> xf = widen(x, "apply_rope: x");
   std::vector<float> of(xf.size());
   apply_rope(freqs, style, View<const float, 4>::contiguous(xf.data(), x.shape),
@@ -92,6 +142,8 @@ void rope_half(const RopeFrequencies& freqs, RopeStyle style, View<const T, 4> x
 template <class T>
 void rerotate_half(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
                    View<T, 4> k, const Positions* positions) {
+  detail::require_data(k, "rerotate_rope: k");
+  if (detail::rerotate_rope_half(from, to, style, k, positions)) return;
   std::vector<float> kf = widen(View<const T, 4>(k), "rerotate_rope: k");
   rerotate_rope(from, to, style, View<float, 4>::contiguous(kf.data(), k.shape), positions);
   narrow(kf, k);

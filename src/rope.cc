@@ -11,13 +11,18 @@
 #include "posenc/rope.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <numbers>
+#include <utility>
 #include <vector>
 
 #include "common.h"
 #include "kernels/parallel.h"
 #include "kernels/rope_kernels.h"
+#include "posenc/half.h"
 
 namespace posenc {
 namespace {
@@ -457,9 +462,10 @@ kernels::RopeTensor kernel_tensor(const View<const float, 4>& x, const View<floa
   return t;
 }
 
+template <class T>
 kernels::RopeParams kernel_params(const RopeFrequencies& freqs, RopeStyle style,
-                                  const View<const float, 4>& x, const Positions& pos,
-                                  Direction dir, int num_threads) {
+                                  const View<const T, 4>& x, const Positions& pos, Direction dir,
+                                  int num_threads) {
   kernels::RopeParams p;
   p.batch = x.shape[0];
   p.seq = x.shape[1];
@@ -550,7 +556,7 @@ void apply_rope_qk(const RopeFrequencies& freqs, RopeStyle style, View<float, 4>
   pos.validate(q.shape[0], q.shape[1], fn + ": positions");
   if (kernel_applies(freqs, q, q) && kernel_applies(freqs, k, k)) {
     // One pass: each token's cos/sin rotate the heads of q, then those of k.
-    kernels::RopeParams p = kernel_params(freqs, style, q, pos, direction, num_threads);
+    kernels::RopeParams p = kernel_params<float>(freqs, style, q, pos, direction, num_threads);
     p.tensors[0] = kernel_tensor(q, q);
     p.tensors[1] = kernel_tensor(k, k);
     p.num_tensors = 2;
@@ -561,10 +567,14 @@ void apply_rope_qk(const RopeFrequencies& freqs, RopeStyle style, View<float, 4>
   apply_checked<float>(freqs, style, k, k, &pos, direction, "apply_rope_qk: k", num_threads);
 }
 
-void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
-                   View<float, 4> k, const Positions* positions) {
+namespace {
+
+// rerotate_rope's checks on k (any element type); returns the positions.
+template <class T>
+Positions validate_rerotate(const RopeFrequencies& from, const RopeFrequencies& to,
+                            const View<T, 4>& k, const Positions* positions) {
   const std::string fn = "rerotate_rope";
-  validate_apply<float>(to, k, k, fn);
+  validate_apply<T>(to, k, k, fn);
   validate_freqs(from, fn + ": from");
   if (from.inv_freq.size() != to.inv_freq.size()) {
     detail::fail<ShapeError>(fn + ": from and to have different rotary dims (" +
@@ -576,18 +586,148 @@ void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeS
   }
   const Positions pos = positions ? *positions : Positions::offset(0);
   pos.validate(k.shape[0], k.shape[1], fn + ": positions");
+  return pos;
+}
+
+// cos/sin of the re-rotation at position p (cs[2j], cs[2j + 1]).
+void rerotate_angles(const RopeFrequencies& from, const RopeFrequencies& to, int64_t pos,
+                     double* cs) {
   const double scale = to.attention_factor / from.attention_factor;
   const std::size_t pairs = to.inv_freq.size();
-  rotate<float>(static_cast<int64_t>(pairs), style, false, k, k,
-                [&](int64_t b, int64_t i, double* cs) {
-                  const double p = static_cast<double>(pos.at(b, i));
-                  for (std::size_t j = 0; j < pairs; ++j) {
-                    const double a = p * to.inv_freq[j] - p * from.inv_freq[j];
-                    cs[2 * j] = std::cos(a) * scale;
-                    cs[2 * j + 1] = std::sin(a) * scale;
-                  }
-                });
+  const double p = static_cast<double>(pos);
+  for (std::size_t j = 0; j < pairs; ++j) {
+    const double a = p * to.inv_freq[j] - p * from.inv_freq[j];
+    cs[2 * j] = std::cos(a) * scale;
+    cs[2 * j + 1] = std::sin(a) * scale;
+  }
 }
+
+// True when no two elements of v share an address.
+template <class T>
+bool distinct_elements(const View<T, 4>& v) {
+  std::array<std::pair<int64_t, int64_t>, 4> dims{};  // (|stride|, shape)
+  for (std::size_t d = 0; d < 4; ++d) dims[d] = {std::abs(v.stride[d]), v.shape[d]};
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;
+  for (const auto& [stride, n] : dims) {
+    if (n <= 1) continue;
+    if (stride < extent) return false;
+    extent += stride * (n - 1);
+  }
+  return true;
+}
+
+// The bytes [lo, hi) that v's elements span.
+template <class T>
+std::pair<uintptr_t, uintptr_t> byte_range(const View<T, 4>& v) {
+  int64_t lo = 0, hi = 0;
+  for (std::size_t d = 0; d < 4; ++d) {
+    const int64_t span = v.stride[d] * (v.shape[d] - 1);
+    (span < 0 ? lo : hi) += span;
+  }
+  const auto base = reinterpret_cast<uintptr_t>(v.data);
+  return {base + static_cast<uintptr_t>(lo * static_cast<int64_t>(sizeof(T))),
+          base + static_cast<uintptr_t>((hi + 1) * static_cast<int64_t>(sizeof(T)))};
+}
+
+// The kernel writes rows of out as it reads the same rows of x, in parallel: out's elements must
+// be distinct and x either the same view (in place) or elsewhere.
+template <class T>
+bool rows_independent(const View<const T, 4>& x, const View<T, 4>& out) {
+  if (!distinct_elements(out)) return false;
+  if (static_cast<const void*>(x.data) == static_cast<const void*>(out.data) &&
+      x.stride == out.stride) {
+    return true;
+  }
+  const auto [xlo, xhi] = byte_range(x);
+  const auto [olo, ohi] = byte_range(out);
+  return xhi <= olo || ohi <= xlo;
+}
+
+template <class T>
+constexpr kernels::RopeDType half_dtype() {
+  return std::is_same_v<T, bf16> ? kernels::RopeDType::kBF16 : kernels::RopeDType::kF16;
+}
+
+}  // namespace
+
+void rerotate_rope(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
+                   View<float, 4> k, const Positions* positions) {
+  const Positions pos = validate_rerotate(from, to, k, positions);
+  rotate<float>(
+      static_cast<int64_t>(to.inv_freq.size()), style, false, k, k,
+      [&](int64_t b, int64_t i, double* cs) { rerotate_angles(from, to, pos.at(b, i), cs); });
+}
+
+namespace detail {
+
+template <class T>
+bool apply_rope_half(const RopeFrequencies& freqs, RopeStyle style, View<const T, 4> x,
+                     View<T, 4> out, const Positions* positions, Direction direction,
+                     int num_threads) {
+  const char* fn = "apply_rope";
+  validate_apply(freqs, x, out, fn);
+  require_threads(num_threads, fn);
+  const Positions pos = positions ? *positions : Positions::offset(0);
+  pos.validate(x.shape[0], x.shape[1], std::string(fn) + ": positions");
+  if (freqs.angles != RopeAngles::kAccurate || !x.last_dim_contiguous() ||
+      !out.last_dim_contiguous() || x.numel() == 0 || !rows_independent(x, out)) {
+    return false;
+  }
+  kernels::RopeParams p = kernel_params<T>(freqs, style, x, pos, direction, num_threads);
+  kernels::RopeTensor& t = p.tensors[0];
+  t.x_half = reinterpret_cast<const uint16_t*>(x.data);
+  t.out_half = reinterpret_cast<uint16_t*>(out.data);
+  t.dtype = half_dtype<T>();
+  t.heads = x.shape[2];
+  for (std::size_t d = 0; d < 3; ++d) {
+    t.x_stride[d] = x.stride[d];
+    t.out_stride[d] = out.stride[d];
+  }
+  kernels::rope_f32(p);
+  return true;
+}
+
+template <class T>
+bool rerotate_rope_half(const RopeFrequencies& from, const RopeFrequencies& to, RopeStyle style,
+                        View<T, 4> k, const Positions* positions) {
+  const Positions pos = validate_rerotate(from, to, k, positions);
+  if (!k.last_dim_contiguous() || k.numel() == 0 || !distinct_elements(k)) return false;
+  // Token by token: its rows widened into `row`, re-rotated there by rerotate_rope's float32
+  // code, rounded back once.
+  const int64_t heads = k.shape[2], dim = k.shape[3];
+  const kernels::RopeDType dt = half_dtype<T>();
+  std::vector<float> row(static_cast<std::size_t>(heads * dim));
+  const auto rv = View<float, 4>::contiguous(row.data(), {1, 1, heads, dim});
+  for (int64_t b = 0; b < k.shape[0]; ++b) {
+    for (int64_t i = 0; i < k.shape[1]; ++i) {
+      T* base = k.data + b * k.stride[0] + i * k.stride[1];
+      for (int64_t h = 0; h < heads; ++h) {
+        kernels::half_to_float(dt, reinterpret_cast<const uint16_t*>(base + h * k.stride[2]),
+                               row.data() + h * dim, dim);
+      }
+      const int64_t p = pos.at(b, i);
+      rotate<float>(static_cast<int64_t>(to.inv_freq.size()), style, false, rv, rv,
+                    [&](int64_t, int64_t, double* cs) { rerotate_angles(from, to, p, cs); });
+      for (int64_t h = 0; h < heads; ++h) {
+        kernels::float_to_half(dt, row.data() + h * dim,
+                               reinterpret_cast<uint16_t*>(base + h * k.stride[2]), dim);
+      }
+    }
+  }
+  return true;
+}
+
+template bool apply_rope_half(const RopeFrequencies&, RopeStyle, View<const bf16, 4>, View<bf16, 4>,
+                              const Positions*, Direction, int);
+template bool apply_rope_half(const RopeFrequencies&, RopeStyle, View<const f16, 4>, View<f16, 4>,
+                              const Positions*, Direction, int);
+template bool rerotate_rope_half(const RopeFrequencies&, const RopeFrequencies&, RopeStyle,
+                                 View<bf16, 4>, const Positions*);
+template bool rerotate_rope_half(const RopeFrequencies&, const RopeFrequencies&, RopeStyle,
+                                 View<f16, 4>, const Positions*);
+
+}  // namespace detail
 
 int mrope_component(const MRope& m, int64_t pair) {
   const auto& s = m.sections;

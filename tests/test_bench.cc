@@ -256,7 +256,8 @@ TEST(BenchSuite, NamesFollowTheContract) {
         "attention_naive_causal_L4096_H8_D128", "decode_gqa_32x8_L32768_D128",
         "peak_memory_attention_none_causal_L32768_H8_D128", "decode_gqa_32x8_L32768_D128_bf16",
         "decode_gqa_32x8_L32768_D128_f16", "attention_none_causal_L4096_H8_D128_bf16",
-        "rope_neox_4096x32x128_bf16"}) {
+        "rope_neox_4096x32x128_bf16", "peak_memory_attention_backward_none_causal_L32768_H8_D128",
+        "peak_memory_attention_backward_rope_causal_L32768_H8_D128"}) {
     EXPECT_NE(std::find(full.begin(), full.end(), want), full.end()) << want;
   }
   // Baselines come first.

@@ -192,12 +192,20 @@ class BackwardKernel {
 
   // Key rows kp [nk x dpad] (zero padded), K^T and V^T [dim x kTileK] of keys [j0, j0 + nk) of one
   // (batch row, kv head); columns past nk stay as they are (zero-filled by the caller).
-  void TileOperands(const float* kbase, const float* vbase, int64_t j0, int64_t nk, float* kp,
-                    float* ktr, float* vtr) const {
+  void TileOperands(int64_t bb, const float* kbase, const float* vbase, int64_t j0, int64_t nk,
+                    float* kp, float* ktr, float* vtr) const {
+    if (p_.rope.cs != nullptr) {  // RoPE: key rows rotated as they are loaded
+      rope_rotate_rows(p_.rope, p_.kpos + bb * p_.seq_k + j0, p_.rope_base[bb], nk,
+                       kbase + j0 * p_.k_stride[1], p_.k_stride[1], kp, dpad_);
+    }
     for (int64_t c = 0; c < nk; ++c) {
       const float* kr = kbase + (j0 + c) * p_.k_stride[1];
       const float* vr = vbase + (j0 + c) * p_.v_stride[1];
-      std::memcpy(kp + c * dpad_, kr, static_cast<size_t>(dim_) * sizeof(float));
+      if (p_.rope.cs != nullptr) {
+        kr = kp + c * dpad_;
+      } else {
+        std::memcpy(kp + c * dpad_, kr, static_cast<size_t>(dim_) * sizeof(float));
+      }
       for (int64_t x = 0; x < dim_; ++x) {
         ktr[x * kTileK + c] = kr[x];
         vtr[x * kTileK + c] = vr[x];
@@ -285,8 +293,10 @@ class BackwardKernel {
   }
 
   // A per-row table (Shaw's rel_k, rel_v; DeBERTa's pos_key): rows u < n of [n, heads, dim],
-  // padded to dpad (the rows AccumulateTile reads) and transposed in chunks of kTileK rows
-  // times `scale` (the operand ScoresTile reads): tr[h][ch][x][u % kTileK].
+  // padded to dpad per head (pad[h][u], the rows AccumulateTile reads: a head's rows adjacent,
+  // not heads x dpad floats apart, which at 8 heads of 128 put every row on the same cache
+  // sets) and transposed in chunks of kTileK rows times `scale` (the operand ScoresTile reads):
+  // tr[h][ch][x][u % kTileK].
   struct RowTable {
     int64_t n = 0, heads = 1, nch = 0;
     hwy::AlignedFreeUniquePtr<float[]> pad, tr;
@@ -303,7 +313,7 @@ class BackwardKernel {
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t x = 0; x < dim_; ++x) {
           const float val = src[u * src_row_stride + h * dim_ + x];
-          t.pad[static_cast<size_t>((u * heads + h) * dpad_ + x)] = val;
+          t.pad[static_cast<size_t>((h * n + u) * dpad_ + x)] = val;
           t.tr[static_cast<size_t>(((h * t.nch + u / kTileK) * dim_ + x) * kTileK + u % kTileK)] =
               scale * val;
         }
@@ -342,15 +352,15 @@ class BackwardKernel {
       const int64_t r4 = nrows / 4 * 4;
       for (int64_t ch = br.c0; ch < br.c1; ++ch) {
         const int64_t ncol = std::min(kTileK, t.n - ch * kTileK);
-        const float* tab = t.pad.get() + (ch * kTileK * t.heads + th) * dpad_;
+        const float* tab = t.pad.get() + (th * t.n + ch * kTileK) * dpad_;
         const float* wc = w + ch * br.cs + r0 * kTileK;
         if (r4 > 0) {
-          AccumulateTile(wc, ncol, tab, t.heads * dpad_, dpad_, r4, dq + r0 * dpad_, kTileK, dpad_);
+          AccumulateTile(wc, ncol, tab, dpad_, dpad_, r4, dq + r0 * dpad_, kTileK, dpad_);
         }
         for (int64_t r = r4; r < nrows; ++r)
           for (int64_t u = 0; u < ncol; ++u) {
             const float a = wc[r * kTileK + u];
-            if (a != 0.0f) Axpy(a, tab + u * t.heads * dpad_, dq + (r0 + r) * dpad_, dim_);
+            if (a != 0.0f) Axpy(a, tab + u * dpad_, dq + (r0 + r) * dpad_, dim_);
           }
       }
     };
@@ -601,7 +611,7 @@ class BackwardKernel {
       std::fill(kp_all, kp_all + 5 * n_all + 2 * n_p2c, 0.0f);
       for (int64_t t = 0; t < ntiles_; ++t) {
         const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
-        TileOperands(kbase, vbase, j0, nk, kp_all + j0 * dp, kt_all + t * dim_ * kt,
+        TileOperands(bb, kbase, vbase, j0, nk, kp_all + j0 * dp, kt_all + t * dim_ * kt,
                      vt_all + t * dim_ * kt);
         const auto [ulo, uhi] =
             deberta_ ? p2c_rows[static_cast<size_t>(t)] : std::pair<int64_t, int64_t>{0, -1};
@@ -650,7 +660,12 @@ class BackwardKernel {
             p_.out + bb * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
         const float* dor =
             b_.dout + bb * b_.dout_stride[0] + i * b_.dout_stride[1] + h * b_.dout_stride[2];
-        std::memcpy(qb + r * dp, qr, static_cast<size_t>(dim_) * sizeof(float));
+        if (p_.rope.cs != nullptr) {
+          rope_rotate_rows(p_.rope, p_.qpos + bb * p_.seq_q + i, p_.rope_base[bb], 1, qr, 0,
+                           qb + r * dp, 0);
+        } else {
+          std::memcpy(qb + r * dp, qr, static_cast<size_t>(dim_) * sizeof(float));
+        }
         std::memcpy(dob + r * dp, dor, static_cast<size_t>(dim_) * sizeof(float));
         if (xl_) {
           for (int64_t x = 0; x < dim_; ++x) {
@@ -726,7 +741,7 @@ class BackwardKernel {
           dvt = dv_all + t * dp * kt;
         } else {
           std::fill(kp, kp + n_ktile, 0.0f);
-          TileOperands(kbase, vbase, j0, nk, kp, ktr, vtr);
+          TileOperands(bb, kbase, vbase, j0, nk, kp, ktr, vtr);
           std::fill(dkt, dkt + n_ktile, 0.0f);
           std::fill(dvt, dvt + n_ktile, 0.0f);
         }

@@ -31,6 +31,7 @@
 #include "kernels/attention_kernels.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
+#include "posenc/half.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/attention_hwy.cc"
@@ -80,10 +81,40 @@ struct Item {
   int64_t rows_pad = 0;  // = rows = nkv * gstride (a multiple of 4)
 };
 
+// Key / value elements as float32 vectors: float32 as is, bf16 and f16 widened exactly.
+HWY_INLINE hn::Vec<DF> LoadKV(DF d, const float* p) { return hn::LoadU(d, p); }
+HWY_INLINE hn::Vec<DF> LoadKV(DF d, const bf16* p) {
+  const hn::Rebind<hwy::bfloat16_t, DF> dh;
+  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(p)));
+}
+HWY_INLINE hn::Vec<DF> LoadKV(DF d, const f16* p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+}
+
+// dst[x] = src[x] widened to float32, x < n.
+template <class T>
+HWY_INLINE void WidenRow(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, int64_t n) {
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  int64_t x = 0;
+  for (; x + lanes <= n; x += lanes) hn::StoreU(LoadKV(d, src + x), d, dst + x);
+  for (; x < n; ++x) dst[x] = to_float(src[x]);
+}
+HWY_INLINE void WidenRow(FusedAttentionParams::Elem type, const uint16_t* src, float* dst,
+                         int64_t n) {
+  if (type == FusedAttentionParams::Elem::kBF16) {
+    WidenRow(reinterpret_cast<const bf16*>(src), dst, n);
+  } else {
+    WidenRow(reinterpret_cast<const f16*>(src), dst, n);
+  }
+}
+
 // S[r][c] = q_r . k_c straight from row-major keys (no transposition), for few rows (decoding):
 // each key row is loaded once and reduced against up to 4 query rows. Columns >= nk get 0.
-HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const float* k,
-                          int64_t kstride, int64_t nk, int64_t rows_pad, float* HWY_RESTRICT s,
+template <class T>
+HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const T* k, int64_t kstride,
+                          int64_t nk, int64_t rows_pad, float* HWY_RESTRICT s,
                           bool zero_tail = true) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
@@ -91,10 +122,10 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const float
   for (int64_t r = 0; r < rows_pad; r += 4) {
     const float* q0 = qp + r * dim;
     for (int64_t c = 0; c < nk; ++c) {
-      const float* kr = k + c * kstride;
+      const T* kr = k + c * kstride;
       auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
       for (int64_t x = 0; x < dv; x += n) {
-        const auto kv = hn::LoadU(d, kr + x);
+        const auto kv = LoadKV(d, kr + x);
         a0 = hn::MulAdd(hn::LoadU(d, q0 + x), kv, a0);
         a1 = hn::MulAdd(hn::LoadU(d, q0 + dim + x), kv, a1);
         a2 = hn::MulAdd(hn::LoadU(d, q0 + 2 * dim + x), kv, a2);
@@ -102,9 +133,12 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const float
       }
       float t0 = hn::GetLane(hn::SumOfLanes(d, a0)), t1 = hn::GetLane(hn::SumOfLanes(d, a1));
       float t2 = hn::GetLane(hn::SumOfLanes(d, a2)), t3 = hn::GetLane(hn::SumOfLanes(d, a3));
+      // Tails with explicit fused multiply-adds: the same bits whatever the compiler contracts
+      // or vectorizes for each key type.
       for (int64_t x = dv; x < dim; ++x) {
-        t0 += q0[x] * kr[x], t1 += q0[dim + x] * kr[x];
-        t2 += q0[2 * dim + x] * kr[x], t3 += q0[3 * dim + x] * kr[x];
+        const float kx = to_float(kr[x]);
+        t0 = std::fma(q0[x], kx, t0), t1 = std::fma(q0[dim + x], kx, t1);
+        t2 = std::fma(q0[2 * dim + x], kx, t2), t3 = std::fma(q0[3 * dim + x], kx, t3);
       }
       s[r * kTileK + c] = t0, s[(r + 1) * kTileK + c] = t1;
       s[(r + 2) * kTileK + c] = t2, s[(r + 3) * kTileK + c] = t3;
@@ -115,30 +149,99 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const float
   }
 }
 
-// Decoding, all kv heads at once: S[g gstride + r][c] = q_{g, r} . k_{c, g} with the key loop
-// outside the head loop, so that each key's heads (adjacent in a [seq, heads, dim] layout) are
-// read as one contiguous run. gstride is a multiple of 4; columns >= nk get 0.
-// Prefetches the rows of key c + kAhead (all nkv heads) when it is among the `avail` keys from
-// `base`: each key's heads are one page-sized run, which the hardware prefetcher, confined to a
-// page, would otherwise only pick up after its first misses.
-constexpr int64_t kAhead = 4;
-HWY_INLINE void PrefetchKey(const float* base, int64_t c, int64_t avail, int64_t stride,
-                            int64_t hstride, int64_t nkv, int64_t dim) {
-  if (c + kAhead >= avail) return;
-  const float* row = base + (c + kAhead) * stride;
-  for (int64_t g = 0; g < nkv; ++g) {
-    for (int64_t x = 0; x < dim; x += 16) hwy::Prefetch(row + g * hstride + x);
+// The decoding kernels work on blocks of kKeys = lanes / 4 keys and 4 query rows: the 4 kKeys
+// = lanes accumulators of a block are reduced together by a transpose-and-add tree (lane a of
+// the result is the sum of accumulator a), about two operations per score instead of a full
+// horizontal sum each. Targets with fewer than 4 float lanes use DotScores.
+constexpr size_t kLanesMax = HWY_LANES(float);
+#if HWY_TARGET != HWY_SCALAR
+constexpr bool kBlockedDecode = kLanesMax >= 4 && kLanesMax <= 16;
+
+// v[0, n) (n = lanes) reduced: lane a of the result is the sum of the lanes of v[a].
+HWY_INLINE hn::Vec<DF> ReduceTree(DF d, hn::Vec<DF>* v, size_t n) {
+  for (size_t i = 0; i < n / 2; ++i) {
+    v[i] = hn::Add(hn::ConcatLowerLower(d, v[2 * i + 1], v[2 * i]),
+                   hn::ConcatUpperUpper(d, v[2 * i + 1], v[2 * i]));
   }
+  for (size_t count = n / 2; count > 1; count /= 2) {
+    for (size_t i = 0; i < count / 2; ++i) {
+      v[i] = hn::Add(hn::ConcatEven(d, v[2 * i + 1], v[2 * i]),
+                     hn::ConcatOdd(d, v[2 * i + 1], v[2 * i]));
+    }
+  }
+  return v[0];
 }
 
+// S[r][c] = q_r . k_c for 4 rows r (qp, dim floats apart) and keys c < kb <= lanes / 4 (rows
+// kstride apart from k); S rows kTileK apart.
+template <class T>
+HWY_INLINE void DotBlock(const float* HWY_RESTRICT qp, int64_t dim, const T* k, int64_t kstride,
+                         int64_t kb, float* HWY_RESTRICT s) {
+  const DF d;
+  constexpr size_t kMax = kBlockedDecode ? kLanesMax : 4;
+  const size_t n = hn::Lanes(d), keys = n / 4;
+  const int64_t nn = static_cast<int64_t>(n);
+  const int64_t dv = dim / nn * nn;
+  hn::Vec<DF> acc[kMax];
+  for (size_t a = 0; a < n; ++a) acc[a] = hn::Zero(d);
+  const T* kr[kMax / 4];
+  for (size_t j = 0; j < keys; ++j) {
+    kr[j] = k + std::min<int64_t>(static_cast<int64_t>(j), kb - 1) * kstride;
+  }
+  for (int64_t x = 0; x < dv; x += nn) {
+    hn::Vec<DF> kv[kMax / 4];
+    for (size_t j = 0; j < keys; ++j) kv[j] = LoadKV(d, kr[j] + x);
+    for (size_t r = 0; r < 4; ++r) {
+      const auto qv = hn::LoadU(d, qp + static_cast<int64_t>(r) * dim + x);
+      for (size_t j = 0; j < keys; ++j)
+        acc[r * keys + j] = hn::MulAdd(qv, kv[j], acc[r * keys + j]);
+    }
+  }
+  HWY_ALIGN float sum[kMax];
+  hn::Store(ReduceTree(d, acc, n), d, sum);
+  for (size_t r = 0; r < 4; ++r) {
+    const float* q = qp + static_cast<int64_t>(r) * dim;
+    for (int64_t j = 0; j < kb; ++j) {
+      float t = sum[r * keys + static_cast<size_t>(j)];
+      // Tails with explicit fused multiply-adds (the same bits for every key type).
+      for (int64_t x = dv; x < dim; ++x) t = std::fma(q[x], to_float(kr[j][x]), t);
+      s[static_cast<int64_t>(r) * kTileK + j] = t;
+    }
+  }
+}
+#else
+constexpr bool kBlockedDecode = false;
+#endif
+
+// Decoding, all kv heads at once: S[g gstride + r][c] = q_{g, r} . k_{c, g} with the key loop
+// outside the head loop, so that each key's heads (adjacent in a [seq, heads, dim] layout) are
+// read as one contiguous run. gstride is a multiple of 4; columns >= nk get 0. (No software
+// prefetch: on this kind of machine it slowed decoding by 10-20 %, the hardware prefetcher
+// follows the runs.)
+template <class T>
 HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t gstride,
-                              int64_t nkv, const float* k, int64_t kstride, int64_t hstride,
-                              int64_t nk, float* HWY_RESTRICT s, int64_t avail) {
-  for (int64_t c = 0; c < nk; ++c) {
-    PrefetchKey(k, c, avail, kstride, hstride, nkv, dim);
-    for (int64_t g = 0; g < nkv; ++g) {
-      DotScores(qp + g * gstride * dim, dim, k + c * kstride + g * hstride, kstride, 1, gstride,
-                s + g * gstride * kTileK + c, /*zero_tail=*/false);
+                              int64_t nkv, const T* k, int64_t kstride, int64_t hstride, int64_t nk,
+                              float* HWY_RESTRICT s) {
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kBlockedDecode) {
+    const int64_t keys = static_cast<int64_t>(hn::Lanes(DF())) / 4;
+    for (int64_t c = 0; c < nk; c += keys) {
+      const int64_t kb = std::min(keys, nk - c);
+      for (int64_t g = 0; g < nkv; ++g) {
+        for (int64_t r = 0; r < gstride; r += 4) {
+          DotBlock(qp + (g * gstride + r) * dim, dim, k + c * kstride + g * hstride, kstride, kb,
+                   s + (g * gstride + r) * kTileK + c);
+        }
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t c = 0; c < nk; ++c) {
+      for (int64_t g = 0; g < nkv; ++g) {
+        DotScores(qp + g * gstride * dim, dim, k + c * kstride + g * hstride, kstride, 1, gstride,
+                  s + g * gstride * kTileK + c, /*zero_tail=*/false);
+      }
     }
   }
   for (int64_t r = 0; r < nkv * gstride; ++r) {
@@ -147,42 +250,55 @@ HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t
 }
 
 // Decoding PV, all kv heads at once (key loop outside): O[g gstride + r][:] +=
-// P[g gstride + r][c] * v_{c, g}. O and P stay in L1; V is read key by key across heads.
-HWY_INLINE void AccumulateWide(const float* HWY_RESTRICT pm, int64_t nk, const float* v,
+// P[g gstride + r][c] * v_{c, g}. O and P stay in L1; V is read key by key across heads, in
+// blocks of 4 keys x 4 rows: each value vector is loaded (widened) once per block and each O
+// vector loaded and stored once per block. A key no row of the block sees (weight 0 in every
+// row) is not read, so values under the mask never reach the output.
+template <class T>
+HWY_INLINE void AccumulateWide(const float* HWY_RESTRICT pm, int64_t nk, const T* v,
                                int64_t vstride, int64_t hstride, int64_t nkv, int64_t gstride,
-                               int64_t dim, int64_t dpad, float* HWY_RESTRICT o, int64_t avail) {
+                               int64_t dim, int64_t dpad, float* HWY_RESTRICT o) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = dim / n * n;
-  const int64_t d4 = dim / (4 * n) * (4 * n);
-  for (int64_t c = 0; c < nk; ++c) {
-    PrefetchKey(v, c, avail, vstride, hstride, nkv, dim);
+  constexpr int64_t kKeys = 4, kRows = 4;
+  for (int64_t c = 0; c < nk; c += kKeys) {
+    const int64_t kb = std::min(kKeys, nk - c);
     for (int64_t g = 0; g < nkv; ++g) {
-      const float* vr = v + c * vstride + g * hstride;
-      // Each run of 4 vectors of the value row is loaded once for all the head's rows.
-      for (int64_t x = 0; x < d4; x += 4 * n) {
-        const auto v0 = hn::LoadU(d, vr + x), v1 = hn::LoadU(d, vr + x + n),
-                   v2 = hn::LoadU(d, vr + x + 2 * n), v3 = hn::LoadU(d, vr + x + 3 * n);
-        for (int64_t r = g * gstride; r < (g + 1) * gstride; ++r) {
-          const float pr = pm[r * kTileK + c];
-          if (pr == 0.0f) continue;
-          const auto bp = hn::Set(d, pr);
-          float* orow = o + r * dpad + x;
-          hn::Store(hn::MulAdd(bp, v0, hn::Load(d, orow)), d, orow);
-          hn::Store(hn::MulAdd(bp, v1, hn::Load(d, orow + n)), d, orow + n);
-          hn::Store(hn::MulAdd(bp, v2, hn::Load(d, orow + 2 * n)), d, orow + 2 * n);
-          hn::Store(hn::MulAdd(bp, v3, hn::Load(d, orow + 3 * n)), d, orow + 3 * n);
+      for (int64_t r0 = g * gstride; r0 < (g + 1) * gstride; r0 += kRows) {
+        // Weights of the block (0 past kb), and which keys any of its rows sees.
+        float pw[kRows][kKeys];
+        bool used[kKeys] = {false, false, false, false};
+        bool any = false;
+        for (int64_t rr = 0; rr < kRows; ++rr)
+          for (int64_t j = 0; j < kKeys; ++j) {
+            pw[rr][j] = j < kb ? pm[(r0 + rr) * kTileK + c + j] : 0.0f;
+            used[j] = used[j] || pw[rr][j] != 0.0f;
+          }
+        for (int64_t j = 0; j < kKeys; ++j) any = any || used[j];
+        if (!any) continue;
+        const T* vr[kKeys];
+        for (int64_t j = 0; j < kKeys; ++j) vr[j] = v + (c + j) * vstride + g * hstride;
+        for (int64_t x = 0; x < dv; x += n) {
+          hn::Vec<DF> vv[kKeys];
+          for (int64_t j = 0; j < kKeys; ++j) vv[j] = used[j] ? LoadKV(d, vr[j] + x) : hn::Zero(d);
+          for (int64_t rr = 0; rr < kRows; ++rr) {
+            float* orow = o + (r0 + rr) * dpad + x;
+            auto acc = hn::Load(d, orow);
+            for (int64_t j = 0; j < kKeys; ++j) acc = hn::MulAdd(hn::Set(d, pw[rr][j]), vv[j], acc);
+            hn::Store(acc, d, orow);
+          }
         }
-      }
-      for (int64_t r = g * gstride; r < (g + 1) * gstride; ++r) {
-        const float pr = pm[r * kTileK + c];
-        if (pr == 0.0f) continue;
-        const auto bp = hn::Set(d, pr);
-        float* orow = o + r * dpad;
-        for (int64_t x = d4; x < dv; x += n) {
-          hn::Store(hn::MulAdd(bp, hn::LoadU(d, vr + x), hn::Load(d, orow + x)), d, orow + x);
+        for (int64_t rr = 0; rr < kRows; ++rr) {
+          float* orow = o + (r0 + rr) * dpad;
+          for (int64_t x = dv; x < dim; ++x) {
+            float t = orow[x];
+            for (int64_t j = 0; j < kKeys; ++j) {
+              if (used[j]) t = std::fma(pw[rr][j], to_float(vr[j][x]), t);
+            }
+            orow[x] = t;
+          }
         }
-        for (int64_t x = dv; x < dim; ++x) orow[x] += pr * vr[x];
       }
     }
   }
@@ -376,12 +492,40 @@ class Kernel {
     });
   }
 
+  // A thread's buffer of at least n floats for rotated key rows (RoPE).
+  static float* RopeRows(int64_t n) {
+    thread_local hwy::AlignedFreeUniquePtr<float[]> buf;
+    thread_local int64_t have = 0;
+    if (have < n) {
+      buf = hwy::AllocateAligned<float>(static_cast<size_t>(n));
+      have = n;
+    }
+    return buf.get();
+  }
+
   // Kt[x][c] = k[j0 + c][x] for the keys of one tile (zeros past seq_k).
   void TransposeTile(int64_t b, int64_t hk, int64_t j0, float* kt) const {
-    const float* kbase = p_.k + b * p_.k_stride[0] + hk * p_.k_stride[2];
     const int64_t nk = std::min(kTileK, p_.seq_k - j0);
+    const float* k0 = nullptr;  // key j0's row
+    int64_t ks = p_.k_stride[1];
+    if (p_.k16 != nullptr) {  // half precision: the tile's rows widened first
+      float* rows = RopeRows(nk * dim_);
+      const uint16_t* h0 = p_.k16 + b * p_.k_stride[0] + hk * p_.k_stride[2] + j0 * ks;
+      for (int64_t c = 0; c < nk; ++c) WidenRow(p_.kv_type, h0 + c * ks, rows + c * dim_, dim_);
+      k0 = rows;
+      ks = dim_;
+    } else {
+      k0 = p_.k + b * p_.k_stride[0] + hk * p_.k_stride[2] + j0 * ks;
+    }
+    if (p_.rope.cs != nullptr) {  // RoPE: the tile's rows rotated first (in place if widened)
+      float* rows = RopeRows(nk * dim_);
+      rope_rotate_rows(p_.rope, p_.kpos + b * p_.seq_k + j0, p_.rope_base[b], nk, k0, ks, rows,
+                       dim_);
+      k0 = rows;
+      ks = dim_;
+    }
     for (int64_t c = 0; c < nk; ++c) {
-      const float* kr = kbase + (j0 + c) * p_.k_stride[1];
+      const float* kr = k0 + c * ks;
       for (int64_t x = 0; x < dim_; ++x) kt[x * kTileK + c] = kr[x];
     }
     if (nk < kTileK) {
@@ -679,8 +823,19 @@ class Kernel {
     for (int64_t r = 0; r < it.rows; ++r) {
       if (!Valid(it, r)) continue;
       const int64_t h = HeadOf(it, r), i = QueryOf(it, r);
-      const float* src = p_.q + it.b * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
-      std::memcpy(qp + r * dim_, src, static_cast<size_t>(dim_) * sizeof(float));
+      const int64_t at = it.b * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
+      const float* src = qp + r * dim_;
+      if (p_.q16 != nullptr) {
+        WidenRow(p_.q_type, p_.q16 + at, qp + r * dim_, dim_);
+      } else {
+        src = p_.q + at;
+      }
+      if (p_.rope.cs != nullptr) {
+        rope_rotate_rows(p_.rope, p_.qpos + it.b * p_.seq_q + i, p_.rope_base[it.b], 1, src, 0,
+                         qp + r * dim_, 0);
+      } else if (src != qp + r * dim_) {
+        std::memcpy(qp + r * dim_, src, static_cast<size_t>(dim_) * sizeof(float));
+      }
     }
     const int64_t nq4 = RoundUp(it.nq, 4);
     if (p_.xl_sin != nullptr) {
@@ -758,7 +913,7 @@ class Kernel {
     PackQueries(it, j_begin, j_end, sc, rt);
     Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
     Scratch::Ensure(sc.s, sc.s_n, static_cast<size_t>(it.rows_pad * kTileK));
-    const bool pack_v = dim_ % lanes_ != 0;
+    const bool pack_v = dim_ % lanes_ != 0 || p_.v16 != nullptr;
     if (pack_v) Scratch::Ensure(sc.vt, sc.vt_n, static_cast<size_t>(kTileK * dpad_));
     if (!sc.kpos) sc.kpos = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
 
@@ -768,7 +923,9 @@ class Kernel {
       qlo = std::min(qlo, p_.qpos[it.b * p_.seq_q + i]);
       qhi = std::max(qhi, p_.qpos[it.b * p_.seq_q + i]);
     }
-    const float* vbase = p_.v + it.b * p_.v_stride[0] + it.hk * p_.v_stride[2];
+    const int64_t vat = it.b * p_.v_stride[0] + it.hk * p_.v_stride[2];
+    const float* vbase = p_.v == nullptr ? nullptr : p_.v + vat;
+    const uint16_t* vbase16 = p_.v16 == nullptr ? nullptr : p_.v16 + vat;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
       const int64_t t = j0 / kTileK;
       const size_t ta = static_cast<size_t>(it.b * ntiles_ + t);
@@ -804,9 +961,37 @@ class Kernel {
         kp[c] = p_.kpos[it.b * p_.seq_k + std::min(j0 + c, p_.seq_k - 1)];
       }
       if (dot) {
-        DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
-                      p_.k + it.b * p_.k_stride[0] + it.hk * p_.k_stride[2] + j0 * p_.k_stride[1],
-                      p_.k_stride[1], p_.k_stride[2], nk, sc.s.get(), j_end - j0);
+        const int64_t kat = it.b * p_.k_stride[0] + it.hk * p_.k_stride[2] + j0 * p_.k_stride[1];
+        int64_t ks1 = p_.k_stride[1], ks2 = p_.k_stride[2];
+        if (p_.rope.cs != nullptr) {
+          // RoPE: the tile's rows of every kv head widened (half precision) and rotated first.
+          float* rows = RopeRows(nk * it.nkv * dim_);
+          const float* krows = p_.k == nullptr ? nullptr : p_.k + kat;
+          int64_t rs1 = ks1, rs2 = ks2;
+          if (p_.k16 != nullptr) {
+            for (int64_t c = 0; c < nk; ++c)
+              for (int64_t g = 0; g < it.nkv; ++g) {
+                WidenRow(p_.kv_type, p_.k16 + kat + c * ks1 + g * ks2,
+                         rows + (c * it.nkv + g) * dim_, dim_);
+              }
+            krows = rows, rs1 = it.nkv * dim_, rs2 = dim_;
+          }
+          for (int64_t g = 0; g < it.nkv; ++g) {
+            rope_rotate_rows(p_.rope, p_.kpos + it.b * p_.seq_k + j0, p_.rope_base[it.b], nk,
+                             krows + g * rs2, rs1, rows + g * dim_, it.nkv * dim_);
+          }
+          DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv, static_cast<const float*>(rows),
+                        it.nkv * dim_, dim_, nk, sc.s.get());
+        } else if (p_.k16 == nullptr) {
+          DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv, p_.k + kat, ks1, ks2, nk,
+                        sc.s.get());
+        } else if (p_.kv_type == FusedAttentionParams::Elem::kBF16) {
+          DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
+                        reinterpret_cast<const bf16*>(p_.k16 + kat), ks1, ks2, nk, sc.s.get());
+        } else {
+          DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
+                        reinterpret_cast<const f16*>(p_.k16 + kat), ks1, ks2, nk, sc.s.get());
+        }
       } else {
         ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get());
       }
@@ -815,18 +1000,32 @@ class Kernel {
         if (Valid(it, r)) RowUpdate(it, r, j0, nk, full, consec, rt, sc);
       }
       if (dot) {
-        AccumulateWide(sc.s.get(), nk, vbase + j0 * p_.v_stride[1], p_.v_stride[1], p_.v_stride[2],
-                       it.nkv, it.gstride, dim_, dpad_, sc.o.get(), j_end - j0);
+        const int64_t vs1 = p_.v_stride[1], vs2 = p_.v_stride[2];
+        if (vbase16 == nullptr) {
+          AccumulateWide(sc.s.get(), nk, vbase + j0 * vs1, vs1, vs2, it.nkv, it.gstride, dim_,
+                         dpad_, sc.o.get());
+        } else if (p_.kv_type == FusedAttentionParams::Elem::kBF16) {
+          AccumulateWide(sc.s.get(), nk, reinterpret_cast<const bf16*>(vbase16 + j0 * vs1), vs1,
+                         vs2, it.nkv, it.gstride, dim_, dpad_, sc.o.get());
+        } else {
+          AccumulateWide(sc.s.get(), nk, reinterpret_cast<const f16*>(vbase16 + j0 * vs1), vs1, vs2,
+                         it.nkv, it.gstride, dim_, dpad_, sc.o.get());
+        }
         continue;
       }
       for (int64_t g2 = 0; g2 < it.nkv; ++g2) {
-        const float* vsrc = vbase + g2 * p_.v_stride[2] + j0 * p_.v_stride[1];
+        const int64_t voff = g2 * p_.v_stride[2] + j0 * p_.v_stride[1];
+        const float* vsrc = vbase16 == nullptr ? vbase + voff : nullptr;
         int64_t vstride = p_.v_stride[1];
         if (pack_v) {
           float* vt = sc.vt.get();
           for (int64_t c = 0; c < nk; ++c) {
-            std::memcpy(vt + c * dpad_, vsrc + c * p_.v_stride[1],
-                        static_cast<size_t>(dim_) * sizeof(float));
+            if (vbase16 != nullptr) {
+              WidenRow(p_.kv_type, vbase16 + voff + c * p_.v_stride[1], vt + c * dpad_, dim_);
+            } else {
+              std::memcpy(vt + c * dpad_, vsrc + c * p_.v_stride[1],
+                          static_cast<size_t>(dim_) * sizeof(float));
+            }
             std::fill(vt + c * dpad_ + dim_, vt + (c + 1) * dpad_, 0.0f);
           }
           vsrc = vt;
@@ -1088,7 +1287,24 @@ class Kernel {
     for (int64_t r = 0; r < it.rows; ++r) {
       if (!Valid(it, r)) continue;
       const int64_t h = HeadOf(it, r), i = QueryOf(it, r);
-      float* dst = p_.out + it.b * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
+      const int64_t oat = it.b * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
+      // Half-precision output: the row in float32 first, rounded once below.
+      float* dst = p_.out16 != nullptr ? RopeRows(dim_) : p_.out + oat;
+      FinishRow(it, r, h, i, dst, sc);
+      if (p_.out16 != nullptr) {
+        uint16_t* o16 = p_.out16 + oat;
+        if (p_.out_type == FusedAttentionParams::Elem::kBF16) {
+          for (int64_t x = 0; x < dim_; ++x) o16[x] = bf16_from_float(dst[x]).bits;
+        } else {
+          for (int64_t x = 0; x < dim_; ++x) o16[x] = f16_from_float(dst[x]).bits;
+        }
+      }
+    }
+  }
+
+  // Row r's output (query head h, query i) into dst, and its log-sum-exp.
+  void FinishRow(const Item& it, int64_t r, int64_t h, int64_t i, float* dst, Scratch& sc) const {
+    {
       float l = sc.l[static_cast<size_t>(r)];
       float m = sc.m[static_cast<size_t>(r)];
       const float* o = sc.o.get() + r * dpad_;
@@ -1108,7 +1324,7 @@ class Kernel {
       }
       if (l == 0.0f || o_scale == 0.0f) {
         std::fill(dst, dst + dim_, 0.0f);
-        continue;
+        return;
       }
       const float inv = o_scale / l;
       if (p_.shaw_rel_v != nullptr && !sc.wsum.empty()) {

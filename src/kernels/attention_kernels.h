@@ -2,13 +2,15 @@
 //
 // src/attention.cc validates the public call, precomputes the per-scheme data that is O(L) or
 // O(L*K) (bias-by-distance tables for ALiBi and T5, per-query / per-key projections for Shaw and
-// DeBERTa, the projected distance table of Transformer-XL, rotated copies for RoPE) and fills
+// DeBERTa, the projected distance table of Transformer-XL, RoPE's cos/sin by position) and fills
 // this struct; the kernel (attention_hwy.cc) never sees views or schemes, only pointers and
 // sizes. No Highway types cross this header.
 #pragma once
 
 #include <array>
 #include <cstdint>
+
+#include "kernels/rope_kernels.h"
 
 namespace posenc::kernels {
 
@@ -25,6 +27,17 @@ struct FusedAttentionParams {
   float* out = nullptr;
   std::array<int64_t, 3> out_stride{};
   int64_t batch = 0, seq_q = 0, seq_k = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+
+  // Half-precision storage (forward only): q_type for q, kv_type for k and v, out_type for out,
+  // each kF32 (the float pointers above) or kBF16 / kF16 (the pointers below, same strides in
+  // elements; the float pointer is then null). Rows are widened exactly as they are loaded and
+  // the output rounded once (to nearest even).
+  enum class Elem : uint8_t { kF32, kBF16, kF16 };
+  Elem q_type = Elem::kF32, kv_type = Elem::kF32, out_type = Elem::kF32;
+  const uint16_t* q16 = nullptr;
+  const uint16_t* k16 = nullptr;
+  const uint16_t* v16 = nullptr;
+  uint16_t* out16 = nullptr;
 
   float scale = 1.0f;
   bool causal = false;
@@ -79,6 +92,12 @@ struct FusedAttentionParams {
   int64_t xl_dmax = 0;
   const float* xl_u = nullptr;
   const float* xl_v = nullptr;
+
+  // RoPE, rotated by the kernels as they load rows (rope.cs != nullptr; q and k above are then
+  // the unrotated inputs): query row (b, i) by table row qpos[b, i] + rope_base[b], key row
+  // (b, j) by kpos[b, j] + rope_base[b]. The rotated rows equal apply_rope's bit for bit.
+  RopeRowTable rope;
+  const int64_t* rope_base = nullptr;  // [batch]
 
   int num_threads = 0;
 

@@ -36,6 +36,7 @@
 #include "kernels/parallel.h"
 #include "kernels/rope_kernels.h"
 #include "kernels/simd.h"
+#include "posenc/half.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/rope_hwy.cc"
@@ -223,6 +224,241 @@ HWY_INLINE void RotateInterleaved(const float* x, float* out, size_t rotary,
   }
 }
 
+// Half-precision rows (RopeDType::kBF16 / kF16): the exact widening to_float and the rounding
+// from_float<T> of posenc/half.h, lane by lane with integer operations, the same on every target
+// (Highway 1.0.3's DemoteTo to bf16 truncates, and its f16 conversions are emulated on some
+// targets); scalar tails take the functions of posenc/half.h themselves. Like f16_from_float,
+// the f16 subnormal rounding assumes the default floating-point environment (round to nearest,
+// no flush to zero).
+
+// Lanes(d) values at p widened exactly to float32 (d: a float descriptor).
+template <bool kBF16, class D>
+HWY_INLINE hn::Vec<D> WidenVec(D df, const uint16_t* p) {
+  const hn::RebindToSigned<D> di;
+  const hn::RebindToUnsigned<D> du;
+  const hn::Rebind<uint16_t, D> dh;
+  const auto h = hn::PromoteTo(du, hn::LoadU(dh, p));
+  if constexpr (kBF16) {
+    return hn::BitCast(df, hn::ShiftLeft<16>(h));
+  } else {
+    const auto k7fff = hn::Set(di, 0x7fff);
+    const auto hi = hn::BitCast(di, h);
+    const auto em = hn::And(hi, k7fff);
+    const auto sign = hn::BitCast(di, hn::ShiftLeft<16>(hn::And(h, hn::Set(du, 0x8000u))));
+    // Normal: rebias the exponent by 127 - 15; infinity / NaN (exponent 31): to 255.
+    const auto bias = hn::IfThenElse(hn::Gt(em, hn::Set(di, 0x7bff)), hn::Set(di, 0x70000000),
+                                     hn::Set(di, 0x38000000));
+    auto bits = hn::Add(hn::ShiftLeft<13>(em), bias);
+    // Zero and subnormals: em * 2^-24, exact in float32.
+    const auto sub = hn::BitCast(di, hn::Mul(hn::ConvertTo(df, em), hn::Set(df, 0x1p-24f)));
+    bits = hn::IfThenElse(hn::Lt(em, hn::Set(di, 0x400)), sub, bits);
+    return hn::BitCast(df, hn::Or(sign, bits));
+  }
+}
+
+// v rounded to nearest even (bf16_from_float / f16_from_float): the result's bits are the high
+// half of each 32-bit lane for bf16, the low half for f16 (the other half is garbage).
+template <bool kBF16, class D>
+HWY_INLINE hn::Vec<hn::RebindToSigned<D>> NarrowBits(D df, hn::Vec<D> v) {
+  const hn::RebindToSigned<D> di;
+  const hn::RebindToUnsigned<D> du;
+  if constexpr (kBF16) {
+    const auto u = hn::BitCast(du, v);
+    // Round to nearest even on the dropped 16 bits (a carry into the exponent gives infinity);
+    // NaN: the quiet bit set, (u >> 16) | 0x40 in the high half.
+    const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+    const auto rounded = hn::Add(hn::Add(u, hn::Set(du, 0x7fffu)), lsb);
+    const auto quiet = hn::Or(u, hn::Set(du, 0x400000u));
+    return hn::BitCast(di, hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), quiet, rounded));
+  } else {
+    const auto u = hn::BitCast(di, v);
+    const auto abs = hn::And(u, hn::Set(di, 0x7fffffff));
+    const auto sign =
+        hn::And(hn::BitCast(di, hn::ShiftRight<16>(hn::BitCast(du, u))), hn::Set(di, 0x8000));
+    // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
+    const auto rebias = hn::Sub(abs, hn::Set(di, 112 << 23));
+    auto r = hn::ShiftRight<13>(hn::Add(hn::Add(rebias, hn::Set(di, 0xfff)),
+                                        hn::And(hn::ShiftRight<13>(rebias), hn::Set(di, 1))));
+    // Below 2^-14: m = round(|x| 2^24) to nearest even, the float32 sum |x| + 1/2 (ulp 2^-24).
+    const auto sub = hn::Sub(hn::BitCast(di, hn::Add(hn::BitCast(df, abs), hn::Set(df, 0.5f))),
+                             hn::Set(di, 0x3f000000));
+    r = hn::IfThenElse(hn::Lt(abs, hn::Set(di, 0x38800000)), sub, r);
+    // >= 65520 rounds to infinity; NaN keeps its top payload bits, quiet.
+    r = hn::IfThenElse(hn::Lt(abs, hn::Set(di, 0x477ff000)), r, hn::Set(di, 0x7c00));
+    const auto nan =
+        hn::Or(hn::Set(di, 0x7e00), hn::And(hn::ShiftRight<13>(abs), hn::Set(di, 0x3ff)));
+    r = hn::IfThenElse(hn::Gt(abs, hn::Set(di, 0x7f800000)), nan, r);
+    return hn::Or(sign, r);
+  }
+}
+
+// Stores v rounded to nearest even at p.
+template <bool kBF16, class D>
+HWY_INLINE void NarrowVec(D df, hn::Vec<D> v, uint16_t* p) {
+  const hn::RebindToSigned<D> di;
+  const hn::RebindToUnsigned<D> du;
+  const hn::Rebind<uint16_t, D> dh;
+  auto bits = NarrowBits<kBF16>(df, v);
+  if constexpr (kBF16) {
+    bits = hn::BitCast(di, hn::ShiftRight<16>(hn::BitCast(du, bits)));
+  } else {
+    bits = hn::And(bits, hn::Set(di, 0xffff));
+  }
+  hn::StoreU(hn::DemoteTo(dh, bits), dh, p);  // bits <= 0xffff: exact
+}
+
+// NarrowVec of a at pa and of b at pb, the two packed together.
+template <bool kBF16, class D>
+HWY_INLINE void NarrowVec2(D df, hn::Vec<D> a, hn::Vec<D> b, uint16_t* pa, uint16_t* pb) {
+#if HWY_TARGET == HWY_SCALAR
+  NarrowVec<kBF16>(df, a, pa);
+  NarrowVec<kBF16>(df, b, pb);
+#else
+  const hn::Repartition<uint16_t, D> dh2;  // 2 Lanes(df) halves: a's, then b's
+  const hn::Half<decltype(dh2)> dh;
+  const auto ta = hn::BitCast(dh2, NarrowBits<kBF16>(df, a));
+  const auto tb = hn::BitCast(dh2, NarrowBits<kBF16>(df, b));
+  const auto both = kBF16 ? hn::ConcatOdd(dh2, tb, ta) : hn::ConcatEven(dh2, tb, ta);
+  hn::StoreU(hn::LowerHalf(dh, both), dh, pa);
+  hn::StoreU(hn::UpperHalf(dh, both), dh, pb);
+#endif
+}
+
+template <bool kBF16>
+HWY_INLINE float WidenOne(uint16_t h) {
+  if constexpr (kBF16) {
+    return to_float(bf16{h});
+  } else {
+    return to_float(f16{h});
+  }
+}
+
+template <bool kBF16>
+HWY_INLINE uint16_t NarrowOne(float x) {
+  if constexpr (kBF16) {
+    return bf16_from_float(x).bits;
+  } else {
+    return f16_from_float(x).bits;
+  }
+}
+
+using DF32 = hn::ScalableTag<float>;
+
+template <bool kBF16>
+void WidenRowT(const uint16_t* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
+  const DF32 df;
+  const size_t lanes = hn::Lanes(df);
+  size_t j = 0;
+  for (; j + lanes <= n; j += lanes) hn::StoreU(WidenVec<kBF16>(df, src + j), df, dst + j);
+  for (; j < n; ++j) dst[j] = WidenOne<kBF16>(src[j]);
+}
+
+template <bool kBF16>
+void NarrowRowT(const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst, size_t n) {
+  const DF32 df;
+  const size_t lanes = hn::Lanes(df);
+  size_t j = 0;
+  for (; j + lanes <= n; j += lanes) NarrowVec<kBF16>(df, hn::LoadU(df, src + j), dst + j);
+  for (; j < n; ++j) dst[j] = NarrowOne<kBF16>(src[j]);
+}
+
+// dst = narrow(widen(src)) for n values: what a copied dim of a half row becomes (NaNs quiet).
+template <bool kBF16>
+void RoundTripRowT(const uint16_t* src, uint16_t* dst, size_t n) {
+  const DF32 df;
+  const size_t lanes = hn::Lanes(df);
+  size_t j = 0;
+  for (; j + lanes <= n; j += lanes) NarrowVec<kBF16>(df, WidenVec<kBF16>(df, src + j), dst + j);
+  for (; j < n; ++j) dst[j] = NarrowOne<kBF16>(WidenOne<kBF16>(src[j]));
+}
+
+void WidenRow(RopeDType t, const uint16_t* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
+  if (t == RopeDType::kBF16) {
+    WidenRowT<true>(src, dst, n);
+  } else {
+    WidenRowT<false>(src, dst, n);
+  }
+}
+
+void NarrowRow(RopeDType t, const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst, size_t n) {
+  if (t == RopeDType::kBF16) {
+    NarrowRowT<true>(src, dst, n);
+  } else {
+    NarrowRowT<false>(src, dst, n);
+  }
+}
+
+// The rows of one token of a half-precision tensor, x -> out (out may equal x). When the SIMD
+// loops of RotateHalf / RotateInterleaved cover every rotated dim, their instructions run on
+// values widened in registers and each result is rounded as it is stored; otherwise each row is
+// widened into `row`, rotated there by RotateHalf / RotateInterleaved themselves and rounded
+// back. Either way the bits are those of the float32 kernel's output rounded once, copied dims
+// included (NaNs come back quiet, as narrowing a float32 copy gives).
+template <bool kBF16>
+void RotateHalfRows(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t out_stride,
+                    int64_t heads, size_t head_dim, size_t pairs, bool interleaved,
+                    const double* HWY_RESTRICT c, const double* HWY_RESTRICT s,
+                    const double* HWY_RESTRICT c2, const double* HWY_RESTRICT s2, float* row) {
+  const size_t rotary = 2 * pairs, pass = head_dim - rotary;
+#if HWY_HAVE_FLOAT64
+  const DD d;
+  const DF df;
+  const size_t lanes = hn::Lanes(d);
+  if (!interleaved && pairs % lanes == 0) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* xr = x + h * x_stride;
+      uint16_t* orow = out + h * out_stride;
+      for (size_t k = 0; k < pairs; k += lanes) {
+        const VD x0 = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + k));
+        const VD x1 = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + pairs + k));
+        const VD cv = hn::Load(d, c + k);
+        const VD sv = hn::Load(d, s + k);
+        const VD y0 = hn::MulSub(x0, cv, hn::Mul(x1, sv));
+        const VD y1 = hn::MulAdd(x1, cv, hn::Mul(x0, sv));
+        NarrowVec2<kBF16>(df, hn::DemoteTo(df, y0), hn::DemoteTo(df, y1), orow + k,
+                          orow + pairs + k);
+      }
+      if (pass > 0) RoundTripRowT<kBF16>(xr + rotary, orow + rotary, pass);
+    }
+    return;
+  }
+  if (interleaved && lanes >= 2 && rotary % lanes == 0) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* xr = x + h * x_stride;
+      uint16_t* orow = out + h * out_stride;
+      size_t j = 0;
+      for (; j + 2 * lanes <= rotary; j += 2 * lanes) {
+        const VD xa = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + j));
+        const VD xb = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + j + lanes));
+        const VD ya =
+            hn::MulAdd(xa, hn::Load(d, c2 + j), hn::Mul(hn::Reverse2(d, xa), hn::Load(d, s2 + j)));
+        const VD yb = hn::MulAdd(xb, hn::Load(d, c2 + j + lanes),
+                                 hn::Mul(hn::Reverse2(d, xb), hn::Load(d, s2 + j + lanes)));
+        NarrowVec2<kBF16>(df, hn::DemoteTo(df, ya), hn::DemoteTo(df, yb), orow + j,
+                          orow + j + lanes);
+      }
+      for (; j < rotary; j += lanes) {
+        const VD xv = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + j));
+        const VD y =
+            hn::MulAdd(xv, hn::Load(d, c2 + j), hn::Mul(hn::Reverse2(d, xv), hn::Load(d, s2 + j)));
+        NarrowVec<kBF16>(df, hn::DemoteTo(df, y), orow + j);
+      }
+      if (pass > 0) RoundTripRowT<kBF16>(xr + rotary, orow + rotary, pass);
+    }
+    return;
+  }
+#endif
+  for (int64_t h = 0; h < heads; ++h) {
+    WidenRowT<kBF16>(x + h * x_stride, row, head_dim);
+    if (interleaved) {
+      RotateInterleaved(row, row, rotary, c, s, c2, s2);
+    } else {
+      RotateHalf(row, row, pairs, c, s);
+    }
+    NarrowRowT<kBF16>(row, out + h * out_stride, head_dim);
+  }
+}
+
 // Rotates tokens [i0, i1) of batch row b of every tensor.
 void RopeTokens(const RopeParams& p, const double* HWY_RESTRICT inv_freq, size_t padded, int64_t b,
                 int64_t i0, int64_t i1) {
@@ -236,6 +472,13 @@ void RopeTokens(const RopeParams& p, const double* HWY_RESTRICT inv_freq, size_t
   double* s = c + padded;
   double* c2 = s + padded;
   double* s2 = c2 + 2 * padded;
+  // One widened row for bf16 / f16 tensors.
+  const size_t head_dim = static_cast<size_t>(p.head_dim);
+  bool any_half = false;
+  for (int t = 0; t < p.num_tensors; ++t) any_half |= p.tensors[t].dtype != RopeDType::kFloat32;
+  hwy::AlignedFreeUniquePtr<float[]> row_buf;
+  if (any_half) row_buf = hwy::AllocateAligned<float>(head_dim);
+  float* row = row_buf.get();
   for (int64_t i = i0; i < i1; ++i) {
     const double pos = static_cast<double>(p.positions->at(b, i));
     FillCosSin(inv_freq, padded, pos, p.attention_factor, sign, c, s);
@@ -248,6 +491,19 @@ void RopeTokens(const RopeParams& p, const double* HWY_RESTRICT inv_freq, size_t
     }
     for (int t = 0; t < p.num_tensors; ++t) {
       const RopeTensor& tt = p.tensors[t];
+      if (tt.dtype != RopeDType::kFloat32) {
+        // Rotated as the float32 rows below are, from values widened exactly (RotateHalfRows).
+        const uint16_t* x = tt.x_half + b * tt.x_stride[0] + i * tt.x_stride[1];
+        uint16_t* out = tt.out_half + b * tt.out_stride[0] + i * tt.out_stride[1];
+        if (tt.dtype == RopeDType::kBF16) {
+          RotateHalfRows<true>(x, tt.x_stride[2], out, tt.out_stride[2], tt.heads, head_dim, pairs,
+                               p.interleaved, c, s, c2, s2, row);
+        } else {
+          RotateHalfRows<false>(x, tt.x_stride[2], out, tt.out_stride[2], tt.heads, head_dim, pairs,
+                                p.interleaved, c, s, c2, s2, row);
+        }
+        continue;
+      }
       const float* x = tt.x + b * tt.x_stride[0] + i * tt.x_stride[1];
       float* out = tt.out + b * tt.out_stride[0] + i * tt.out_stride[1];
       for (int64_t h = 0; h < tt.heads; ++h) {
@@ -282,7 +538,8 @@ void RopeF32(const RopeParams& p) {
   // every thread has a few items. None of this changes a single output bit.
   int64_t row_bytes = 0;
   for (int t = 0; t < p.num_tensors; ++t) {
-    row_bytes += p.tensors[t].heads * p.head_dim * static_cast<int64_t>(sizeof(float));
+    const int64_t elem = p.tensors[t].dtype == RopeDType::kFloat32 ? 4 : 2;
+    row_bytes += p.tensors[t].heads * p.head_dim * elem;
   }
   row_bytes = std::max<int64_t>(row_bytes, 1);
   const int threads = static_cast<int>(std::clamp<int64_t>(
@@ -300,6 +557,64 @@ void RopeF32(const RopeParams& p) {
   });
 }
 
+// The per-position table of rope_fill_table: FillCosSin of each position, blocks of positions
+// in parallel (each row is computed by the same instructions whatever the thread count).
+void RopeFillTable(const double* inv_freq, int64_t pairs, double af, int64_t pos0, int64_t n,
+                   double* cs, int num_threads) {
+  const int64_t padded = rope_table_padded(pairs);
+  auto inv = hwy::AllocateAligned<double>(static_cast<size_t>(padded));
+  std::copy(inv_freq, inv_freq + pairs, inv.get());
+  std::fill(inv.get() + pairs, inv.get() + padded, 0.0);
+  constexpr int64_t kBlock = 256;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int threads = static_cast<int>(std::clamp<int64_t>(blocks, 1, std::max(num_threads, 1)));
+  parallel_for(blocks, threads, [&](int64_t blk) HWY_ATTR {
+    for (int64_t t = blk * kBlock; t < std::min(n, (blk + 1) * kBlock); ++t) {
+      double* c = cs + t * 2 * padded;
+      FillCosSin(inv.get(), static_cast<size_t>(padded), static_cast<double>(pos0 + t), af, 1.0, c,
+                 c + padded);
+    }
+  });
+}
+
+// Rows rotated from the table with RopeTokens' arithmetic (RotateHalf / RotateInterleaved).
+void RopeRotateRows(const RopeRowTable& t, const int32_t* idx, int64_t add, int64_t n,
+                    const float* x, int64_t xs, float* out, int64_t os) {
+  const size_t pairs = static_cast<size_t>(t.pairs), rotary = 2 * pairs;
+  const size_t padded = static_cast<size_t>(t.padded);
+  const size_t off = static_cast<size_t>(t.offset);
+  const size_t tail = static_cast<size_t>(t.head_dim) - off - rotary;
+  // Interleaved: the lane-by-lane tables of the row's position (see RotateInterleaved).
+  thread_local hwy::AlignedFreeUniquePtr<double[]> pair_tables;
+  thread_local size_t pair_tables_n = 0;
+  if (t.interleaved && pair_tables_n < 4 * padded) {
+    pair_tables = hwy::AllocateAligned<double>(4 * padded);
+    pair_tables_n = 4 * padded;
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const double* c = t.cs + (static_cast<int64_t>(idx[r]) + add) * 2 * t.padded;
+    const double* s = c + padded;
+    const float* xr = x + r * xs;
+    float* orow = out + r * os;
+    if (orow != xr) {
+      std::memcpy(orow, xr, off * sizeof(float));
+      std::memcpy(orow + off + rotary, xr + off + rotary, tail * sizeof(float));
+    }
+    if (t.interleaved) {
+      double* c2 = pair_tables.get();
+      double* s2 = c2 + 2 * padded;
+      for (size_t k = 0; k < pairs; ++k) {
+        c2[2 * k] = c2[2 * k + 1] = c[k];
+        s2[2 * k] = -s[k];
+        s2[2 * k + 1] = s[k];
+      }
+      RotateInterleaved(xr + off, orow + off, rotary, c, s, c2, s2);
+    } else {
+      RotateHalf(xr + off, orow + off, pairs, c, s);
+    }
+  }
+}
+
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
 }  // namespace posenc::kernels
@@ -309,12 +624,40 @@ HWY_AFTER_NAMESPACE();
 namespace posenc::kernels {
 
 HWY_EXPORT(RopeF32);
+HWY_EXPORT(WidenRow);
+HWY_EXPORT(NarrowRow);
+HWY_EXPORT(RopeFillTable);
+HWY_EXPORT(RopeRotateRows);
 
 void rope_f32(const RopeParams& p) {
   // Honour POSENC_SIMD_TARGET before the first dispatch (throws ValueError for unknown names).
   static const bool env_applied = !simd_target_name().empty();
   (void)env_applied;
   HWY_DYNAMIC_DISPATCH(RopeF32)(p);
+}
+
+void half_to_float(RopeDType t, const uint16_t* src, float* dst, int64_t n) {
+  static const bool env_applied = !simd_target_name().empty();
+  (void)env_applied;
+  HWY_DYNAMIC_DISPATCH(WidenRow)(t, src, dst, static_cast<size_t>(n));
+}
+
+void float_to_half(RopeDType t, const float* src, uint16_t* dst, int64_t n) {
+  static const bool env_applied = !simd_target_name().empty();
+  (void)env_applied;
+  HWY_DYNAMIC_DISPATCH(NarrowRow)(t, src, dst, static_cast<size_t>(n));
+}
+
+void rope_fill_table(const double* inv_freq, int64_t pairs, double attention_factor, int64_t pos0,
+                     int64_t n, double* cs, int num_threads) {
+  static const bool env_applied = !simd_target_name().empty();
+  (void)env_applied;
+  HWY_DYNAMIC_DISPATCH(RopeFillTable)(inv_freq, pairs, attention_factor, pos0, n, cs, num_threads);
+}
+
+void rope_rotate_rows(const RopeRowTable& t, const int32_t* idx, int64_t add, int64_t n,
+                      const float* x, int64_t xs, float* out, int64_t os) {
+  HWY_DYNAMIC_DISPATCH(RopeRotateRows)(t, idx, add, n, x, xs, out, os);
 }
 
 }  // namespace posenc::kernels
