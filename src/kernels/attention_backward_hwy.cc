@@ -148,14 +148,21 @@ class BackwardKernel {
       // The projected distances r(t) as a per-row table (row t = xl_dmax - delta), scaled for
       // the (q + v) . r(delta) products.
       ProjectXl(threads);
-      MakeRowTable(relk_, r_.get(), p_.xl_len, p_.heads_q, p_.scale, hdp_);
+      MakeRowTable(relk_, r_.get(), p_.xl_len, p_.heads_q, p_.scale, hdp_, threads);
       r_.reset();
     }
     const int64_t items = p_.batch * p_.heads_kv;
-    // Items per wave: bounded partial-gradient memory (about 16 MB), from the shape alone.
+    // Items per wave: bounded partial-gradient memory (about 16 MB, at least one item per
+    // thread), a multiple of the thread count when there is more than one wave so that no wave
+    // ends with threads idle (7 + 1 items of XL's 2 MB partials on 2 threads ran 5 rounds instead
+    // of 4). Partials are reduced in item order whatever the waves: the results do not depend on
+    // them.
     constexpr int64_t kPartBudget = int64_t{4} << 20;
-    const int64_t wave =
-        part_size_ == 0 ? items : std::clamp<int64_t>(kPartBudget / part_size_, 1, items);
+    int64_t wave = part_size_ == 0 ? items
+                                   : std::clamp<int64_t>(kPartBudget / part_size_, threads,
+                                                         std::max<int64_t>(items, threads));
+    if (wave < items) wave = std::max<int64_t>(threads, wave / threads * threads);
+    wave = std::min(wave, items);
     std::vector<float> part(static_cast<size_t>(std::min(wave, items) * part_size_));
     ZeroTables();
     for (int64_t w0 = 0; w0 < items; w0 += wave) {
@@ -246,7 +253,7 @@ class BackwardKernel {
     if (xl_) {
       zero(b_.xl_du, hd_);
       zero(b_.xl_dv, hd_);
-      xl_dr_.assign(static_cast<size_t>(p_.xl_len * hd_), 0.0f);
+      xl_dr_.assign(static_cast<size_t>(RoundUp(hd_, 4) * p_.xl_len), 0.0f);
     }
   }
 
@@ -288,7 +295,19 @@ class BackwardKernel {
       const int64_t gd = group_ * dim_;
       add(part, b_.xl_du + hk * gd, gd);
       add(part + gd, b_.xl_dv + hk * gd, gd);
-      add_transposed(part + 2 * gd, xl_dr_.data(), p_.xl_len, p_.heads_q, group_);
+      // dr(t) kept transposed, [heads * dim][len]: the partials' [ch][x][64] runs add as they
+      // are, and it is the operand of ProjectXlGradient's product.
+      const float* part_t = part + 2 * gd;
+      for (int64_t g = 0; g < group_; ++g) {
+        const int64_t th = hk * group_ + g;
+        for (int64_t ch = 0; ch < nch_; ++ch) {
+          const int64_t n = std::min(kTileK, p_.xl_len - ch * kTileK);
+          for (int64_t x = 0; x < dim_; ++x) {
+            add(part_t + ((g * nch_ + ch) * dimr_ + x) * kTileK,
+                xl_dr_.data() + (th * dim_ + x) * p_.xl_len + ch * kTileK, n);
+          }
+        }
+      }
     }
   }
 
@@ -302,21 +321,24 @@ class BackwardKernel {
     hwy::AlignedFreeUniquePtr<float[]> pad, tr;
   };
   void MakeRowTable(RowTable& t, const float* src, int64_t n, int64_t heads, float scale,
-                    int64_t src_row_stride = 0) const {
+                    int64_t src_row_stride = 0, int threads = 1) const {
     if (src_row_stride == 0) src_row_stride = heads * dim_;
     t.n = n, t.heads = heads, t.nch = (n + kTileK - 1) / kTileK;
     t.pad = hwy::AllocateAligned<float>(static_cast<size_t>(n * heads * dpad_));
     t.tr = hwy::AllocateAligned<float>(static_cast<size_t>(heads * t.nch * dim_ * kTileK));
-    std::fill(t.pad.get(), t.pad.get() + n * heads * dpad_, 0.0f);
-    std::fill(t.tr.get(), t.tr.get() + heads * t.nch * dim_ * kTileK, 0.0f);
-    for (int64_t u = 0; u < n; ++u)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t x = 0; x < dim_; ++x) {
-          const float val = src[u * src_row_stride + h * dim_ + x];
-          t.pad[static_cast<size_t>((h * n + u) * dpad_ + x)] = val;
-          t.tr[static_cast<size_t>(((h * t.nch + u / kTileK) * dim_ + x) * kTileK + u % kTileK)] =
-              scale * val;
-        }
+    // One chunk of kTileK rows of one head per work item (XL's table is MBs).
+    parallel_for(heads * t.nch, threads, [&](int64_t w) {
+      const int64_t h = w / t.nch, ch = w % t.nch;
+      float* tr = t.tr.get() + (h * t.nch + ch) * dim_ * kTileK;
+      std::fill(tr, tr + dim_ * kTileK, 0.0f);
+      for (int64_t u = ch * kTileK; u < std::min(n, (ch + 1) * kTileK); ++u) {
+        const float* row = src + u * src_row_stride + h * dim_;
+        float* pad = t.pad.get() + (h * n + u) * dpad_;
+        std::memcpy(pad, row, static_cast<size_t>(dim_) * sizeof(float));
+        std::fill(pad + dim_, pad + dpad_, 0.0f);
+        for (int64_t x = 0; x < dim_; ++x) tr[x * kTileK + u % kTileK] = scale * row[x];
+      }
+    });
   }
 
   // Row-chunk buffers ([nch][rs][kTileK], rs rows per chunk) hold one value per (row, table row):
@@ -396,10 +418,39 @@ class BackwardKernel {
     return hn::GatherIndex(d, table, hn::Load(DI(), a));
   }
 
+  // Row-chunk buffers (rel1, w1, ...: [nch][rows][kTileK]): a run of consecutive table rows u
+  // that crosses a chunk boundary is two consecutive address runs, lanes [0, k) and [k, n). Sets
+  // k and returns true for that case (a[k] >= k, so both runs' full-vector loads stay inside the
+  // buffer: a chunk ends with spare rows and the second run starts a row of the next chunk).
+  HWY_INLINE bool TwoRuns(const int32_t* a, int64_t& k) const {
+    const DI di;
+    const auto av = hn::Load(di, a);
+    const auto first = hn::Eq(av, hn::Iota(di, a[0]));
+    const intptr_t split = hn::FindFirstTrue(di, hn::Not(first));
+    if (split <= 0) return false;
+    k = split;
+    if (a[k] < k) return false;
+    const auto second = hn::Eq(av, hn::Iota(di, a[k] - static_cast<int32_t>(k)));
+    return hn::AllTrue(di, hn::Or(hn::FirstN(di, static_cast<size_t>(k)), second));
+  }
+  // GatherAt for a row-chunk buffer: also one blend of two loads for two runs.
+  HWY_INLINE hn::Vec<DF> GatherRows(const float* table, const int32_t* a) const {
+    const DF d;
+    if (Consecutive(a)) return hn::LoadU(d, table + a[0]);
+    int64_t k = 0;
+    if (TwoRuns(a, k)) {
+      return hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(k)), hn::LoadU(d, table + a[0]),
+                            hn::LoadU(d, table + a[k] - k));
+    }
+    return hn::GatherIndex(d, table, hn::Load(DI(), a));
+  }
+
   // table[a[l]] += v[l] for the lanes of one vector: one sum when every lane has the same index.
   // Consecutive ascending addresses (a linear stretch of a bucket table, or XL's distances) are
   // one vector load and store.
-  HWY_INLINE void ScatterAdd(float* table, const int32_t* a, hn::Vec<DF> v) const {
+  // rows: `table` is a row-chunk buffer (two-run addresses allowed, see TwoRuns).
+  HWY_INLINE void ScatterAdd(float* table, const int32_t* a, hn::Vec<DF> v,
+                             bool rows = false) const {
     const DF d;
     const DI di;
     const auto av = hn::Load(di, a);
@@ -411,10 +462,21 @@ class BackwardKernel {
       hn::StoreU(hn::Add(hn::LoadU(d, table + a[0]), v), d, table + a[0]);
       return;
     }
+    int64_t k = 0;
+    if (rows && TwoRuns(a, k)) {  // each element gets the same single addition
+      const auto m = hn::FirstN(d, static_cast<size_t>(k));
+      hn::BlendedStore(hn::Add(hn::LoadU(d, table + a[0]), v), m, d, table + a[0]);
+      float* t2 = table + a[k] - k;
+      hn::BlendedStore(hn::Add(hn::LoadU(d, t2), v), hn::Not(m), d, t2);
+      return;
+    }
     HWY_ALIGN float tmp[HWY_MAX_BYTES / sizeof(float)];
     hn::Store(v, d, tmp);
     for (int64_t l = 0; l < lanes_; ++l) table[a[l]] += tmp[l];
   }
+
+  // Reduction chunk of the projections' products (64 KiB of a 64-column operand).
+  static constexpr int64_t kReduceChunk = 256;
 
   // XL: r(t) = W_r R(t) for every distance row t, [xl_len, hdp] (ScoresTile: sinusoid rows x
   // tiles of W_r^T).
@@ -422,11 +484,12 @@ class BackwardKernel {
     const int64_t dm = p_.xl_dmodel, len = p_.xl_len;
     const int64_t otiles = hdp_ / kTileK;
     rnet_t_ = hwy::AllocateAligned<float>(static_cast<size_t>(otiles * dm * kTileK));
-    std::fill(rnet_t_.get(), rnet_t_.get() + otiles * dm * kTileK, 0.0f);
-    for (int64_t o = 0; o < hd_; ++o)
-      for (int64_t m = 0; m < dm; ++m)
-        rnet_t_[static_cast<size_t>((o / kTileK) * dm * kTileK + m * kTileK + o % kTileK)] =
-            p_.xl_rnet[o * dm + m];
+    parallel_for(otiles, threads, [&](int64_t ot) {
+      float* dst = rnet_t_.get() + ot * dm * kTileK;
+      std::fill(dst, dst + dm * kTileK, 0.0f);
+      for (int64_t o = ot * kTileK; o < std::min(hd_, (ot + 1) * kTileK); ++o)
+        for (int64_t m = 0; m < dm; ++m) dst[m * kTileK + o % kTileK] = p_.xl_rnet[o * dm + m];
+    });
     const int64_t lenp = RoundUp(len, 4);
     sin_pad_ = hwy::AllocateAligned<float>(static_cast<size_t>(lenp * dm));
     std::memcpy(sin_pad_.get(), p_.xl_sin, static_cast<size_t>(len * dm) * sizeof(float));
@@ -436,8 +499,13 @@ class BackwardKernel {
     parallel_for(blocks * otiles, threads, [&](int64_t w) {
       const int64_t t0 = (w / otiles) * kTileK, ot = w % otiles;
       const int64_t rows = std::min(kTileK, lenp - t0);
-      ScoresTile(sin_pad_.get() + t0 * dm, dm, rnet_t_.get() + ot * dm * kTileK, rows,
-                 r_.get() + t0 * hdp_ + ot * kTileK, hdp_);
+      // The reduction in chunks (accumulating: the same sums in the same order) so that the
+      // chunk of W_r^T every 4-row strip reads stays in cache.
+      for (int64_t m0 = 0; m0 < dm; m0 += kReduceChunk) {
+        ScoresTile(sin_pad_.get() + t0 * dm + m0, std::min(kReduceChunk, dm - m0),
+                   rnet_t_.get() + (ot * dm + m0) * kTileK, rows,
+                   r_.get() + t0 * hdp_ + ot * kTileK, hdp_, dm, m0 > 0);
+      }
     });
   }
 
@@ -447,24 +515,26 @@ class BackwardKernel {
     const int64_t dm = p_.xl_dmodel, len = p_.xl_len;
     const int64_t mtiles = (dm + kTileK - 1) / kTileK, dmp = mtiles * kTileK;
     auto sin_t = hwy::AllocateAligned<float>(static_cast<size_t>(mtiles * len * kTileK));
-    std::fill(sin_t.get(), sin_t.get() + mtiles * len * kTileK, 0.0f);
-    for (int64_t t = 0; t < len; ++t)
-      for (int64_t m = 0; m < dm; ++m)
-        sin_t[static_cast<size_t>((m / kTileK) * len * kTileK + t * kTileK + m % kTileK)] =
-            p_.xl_sin[t * dm + m];
+    parallel_for(mtiles, threads, [&](int64_t mt) {
+      float* dst = sin_t.get() + mt * len * kTileK;
+      const int64_t m0 = mt * kTileK, nm = std::min(kTileK, dm - m0);
+      for (int64_t t = 0; t < len; ++t) {
+        std::memcpy(dst + t * kTileK, p_.xl_sin + t * dm + m0, static_cast<size_t>(nm) * 4);
+        std::fill(dst + t * kTileK + nm, dst + (t + 1) * kTileK, 0.0f);
+      }
+    });
     const int64_t hd4 = RoundUp(hd_, 4);
-    auto dr_t = hwy::AllocateAligned<float>(static_cast<size_t>(hd4 * len));
-    std::fill(dr_t.get(), dr_t.get() + hd4 * len, 0.0f);
-    for (int64_t t = 0; t < len; ++t)
-      for (int64_t o = 0; o < hd_; ++o)
-        dr_t[static_cast<size_t>(o * len + t)] = xl_dr_[static_cast<size_t>(t * hd_ + o)];
+    const float* dr_t = xl_dr_.data();  // [hd4][len]
     auto out = hwy::AllocateAligned<float>(static_cast<size_t>(hd4 * dmp));
     const int64_t blocks = (hd4 + kTileK - 1) / kTileK;
     parallel_for(blocks * mtiles, threads, [&](int64_t w) {
       const int64_t o0 = (w / mtiles) * kTileK, mt = w % mtiles;
       const int64_t rows = std::min(kTileK, hd4 - o0);
-      ScoresTile(dr_t.get() + o0 * len, len, sin_t.get() + mt * len * kTileK, rows,
-                 out.get() + o0 * dmp + mt * kTileK, dmp);
+      for (int64_t t0 = 0; t0 < len; t0 += kReduceChunk) {  // as in ProjectXl
+        ScoresTile(dr_t + o0 * len + t0, std::min(kReduceChunk, len - t0),
+                   sin_t.get() + (mt * len + t0) * kTileK, rows, out.get() + o0 * dmp + mt * kTileK,
+                   dmp, len, t0 > 0);
+      }
     });
     for (int64_t o = 0; o < hd_; ++o)
       std::memcpy(b_.xl_drnet + o * dm, out.get() + o * dmp, static_cast<size_t>(dm) * 4);
@@ -831,9 +901,9 @@ class BackwardKernel {
               const auto a =
                   hn::Add(hn::Add(hn::Mul(hn::ShiftRight<6>(u), vcs), vrow), hn::And(u, v63));
               hn::Store(a, di, addr + c);
-              hn::Store(hn::Add(hn::Load(d, srow + c), GatherAt(rel1, addr + c)), d, srow + c);
+              hn::Store(hn::Add(hn::Load(d, srow + c), GatherRows(rel1, addr + c)), d, srow + c);
               if (shaw_ && p_.shaw_rel_v != nullptr) {
-                hn::Store(hn::Add(hn::Load(d, drow + c), GatherAt(rel2, addr + c)), d, drow + c);
+                hn::Store(hn::Add(hn::Load(d, drow + c), GatherRows(rel2, addr + c)), d, drow + c);
               }
             }
           }
@@ -913,8 +983,9 @@ class BackwardKernel {
           for (int64_t c = 0; c < kt; c += lanes_) {
             const auto sds = hn::Mul(hn::Load(d, drow + c), vs);
             hn::Store(sds, d, drow + c);
-            if (shaw_ || deberta_ || xl_) ScatterAdd(w1, addr + c, sds);
-            if (shaw_ && b_.shaw_drel_v != nullptr) ScatterAdd(w2, addr + c, hn::Load(d, srow + c));
+            if (shaw_ || deberta_ || xl_) ScatterAdd(w1, addr + c, sds, true);
+            if (shaw_ && b_.shaw_drel_v != nullptr)
+              ScatterAdd(w2, addr + c, hn::Load(d, srow + c), true);
             if (p2c_tiles) {
               // The tile's keys are distinct lanes: no two lanes share an address.
               float* wpq = wpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt;
