@@ -901,7 +901,9 @@ class BackwardKernel {
               const auto a =
                   hn::Add(hn::Add(hn::Mul(hn::ShiftRight<6>(u), vcs), vrow), hn::And(u, v63));
               hn::Store(a, di, addr + c);
-              hn::Store(hn::Add(hn::Load(d, srow + c), GatherRows(rel1, addr + c)), d, srow + c);
+              hn::Store(hn::Add(hn::Load(d, srow + c),
+                                (xl_ ? GatherRows(rel1, addr + c) : GatherAt(rel1, addr + c))),
+                        d, srow + c);
               if (shaw_ && p_.shaw_rel_v != nullptr) {
                 hn::Store(hn::Add(hn::Load(d, drow + c), GatherRows(rel2, addr + c)), d, drow + c);
               }
@@ -983,7 +985,7 @@ class BackwardKernel {
           for (int64_t c = 0; c < kt; c += lanes_) {
             const auto sds = hn::Mul(hn::Load(d, drow + c), vs);
             hn::Store(sds, d, drow + c);
-            if (shaw_ || deberta_ || xl_) ScatterAdd(w1, addr + c, sds, true);
+            if (shaw_ || deberta_ || xl_) ScatterAdd(w1, addr + c, sds, xl_);
             if (shaw_ && b_.shaw_drel_v != nullptr)
               ScatterAdd(w2, addr + c, hn::Load(d, srow + c), true);
             if (p2c_tiles) {
