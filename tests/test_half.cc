@@ -364,6 +364,19 @@ View<T, 4> layout_view(std::vector<std::remove_const_t<T>>& buf, const std::arra
   return v;
 }
 
+// layout_view filled with `src` (row-major order).
+template <class T>
+View<T, 4> filled_layout_view(std::vector<T>& buf, const std::array<int64_t, 4>& s, Layout layout,
+                              const std::vector<T>& src) {
+  const View<T, 4> v = layout_view<T>(buf, s, layout);
+  std::size_t e = 0;
+  for (int64_t a = 0; a < s[0]; ++a)
+    for (int64_t b = 0; b < s[1]; ++b)
+      for (int64_t c = 0; c < s[2]; ++c)
+        for (int64_t d = 0; d < s[3]; ++d) v(a, b, c, d) = src[e++];
+  return v;
+}
+
 // x's elements row-major.
 template <class T>
 std::vector<std::remove_const_t<T>> gather(const View<T, 4>& v) {
@@ -472,12 +485,7 @@ void check_native_rope(uint64_t stream) {
                                              : "per_row") +
                            " " + posenc_test::seed_trace());
               std::vector<H> xbuf;
-              const View<H, 4> xv = layout_view<H>(xbuf, s, lx);
-              std::size_t e = 0;
-              for (int64_t a = 0; a < s[0]; ++a)
-                for (int64_t b = 0; b < s[1]; ++b)
-                  for (int64_t c = 0; c < s[2]; ++c)
-                    for (int64_t d = 0; d < s[3]; ++d) xv(a, b, c, d) = src[e++];
+              const View<H, 4> xv = filled_layout_view<H>(xbuf, s, lx, src);
               const View<const H, 4> x = xv;
               const std::vector<uint16_t> want = rope_oracle(f, style, x, pos, dir);
               // Out of place, into each layout, at 1, 2 and 3 threads.
@@ -583,12 +591,7 @@ void check_native_rerotate(uint64_t stream) {
                          (style == RopeStyle::kHalf ? " half" : " interleaved") + " layout " +
                          std::to_string(static_cast<int>(l)) + " " + posenc_test::seed_trace());
             std::vector<H> buf;
-            const View<H, 4> k = layout_view<H>(buf, s, l);
-            std::size_t e = 0;
-            for (int64_t a = 0; a < s[0]; ++a)
-              for (int64_t b = 0; b < s[1]; ++b)
-                for (int64_t c = 0; c < s[2]; ++c)
-                  for (int64_t d = 0; d < s[3]; ++d) k(a, b, c, d) = src[e++];
+            const View<H, 4> k = filled_layout_view<H>(buf, s, l, src);
             const std::vector<uint16_t> want =
                 rerotate_oracle(from, to, style, View<const H, 4>(k), pos);
             rerotate_rope(from, to, style, k, pos);
