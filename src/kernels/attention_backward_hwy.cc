@@ -445,6 +445,16 @@ class BackwardKernel {
     return hn::GatherIndex(d, table, hn::Load(DI(), a));
   }
 
+  // XL, table rows u .. u + lanes - 1 of block row r in the row-chunk buffers: the address of u,
+  // the address of the next chunk's row r, and how many lanes lie in u's chunk.
+  struct XlRun {
+    int64_t a0, a1, k;
+  };
+  static HWY_INLINE XlRun XlRuns(int64_t u, int64_t r, int64_t cs) {
+    const int64_t ch = u / kTileK, off = u % kTileK;
+    return {ch * cs + r * kTileK + off, (ch + 1) * cs + r * kTileK, kTileK - off};
+  }
+
   // table[a[l]] += v[l] for the lanes of one vector: one sum when every lane has the same index.
   // Consecutive ascending addresses (a linear stretch of a bucket table, or XL's distances) are
   // one vector load and store.
@@ -856,8 +866,24 @@ class BackwardKernel {
             }
             for (int64_t c = nk; c < kt; ++c) srow[c] = kNegInf;
           }
+          // XL over consecutive keys whose distances all lie in the table (no clamping): the
+          // row's table rows are u0 + c, so each vector's addresses are known without index
+          // vectors: one run, or two across a row-chunk boundary.
+          const int64_t xl_u0 = xl_ ? int64_t{p_.xl_dmax} - pq + kpt[0] : 0;
+          const bool xl_fast = xl_ && consec && xl_u0 >= 0 && xl_u0 + kt <= p_.xl_len;
+          if (xl_fast) {
+            for (int64_t c = 0; c < kt; c += lanes_) {
+              const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
+              auto v = hn::LoadU(d, rel1 + a0);
+              if (k < lanes_) {
+                v = hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(k)), v,
+                                   hn::LoadU(d, rel1 + a1 - k));
+              }
+              hn::Store(hn::Add(hn::Load(d, srow + c), v), d, srow + c);
+            }
+          }
           // Shaw's and DeBERTa's c2p term: the row's projection at each key's table row.
-          if (shaw_ || deberta_ || xl_) {
+          if (shaw_ || deberta_ || (xl_ && !xl_fast)) {
             const DI di;
             const auto vpq = hn::Set(di, pq);
             const float* kpq =
@@ -985,7 +1011,19 @@ class BackwardKernel {
           for (int64_t c = 0; c < kt; c += lanes_) {
             const auto sds = hn::Mul(hn::Load(d, drow + c), vs);
             hn::Store(sds, d, drow + c);
-            if (shaw_ || deberta_ || xl_) ScatterAdd(w1, addr + c, sds, xl_);
+            if (xl_fast) {
+              const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
+              if (k >= lanes_) {
+                hn::StoreU(hn::Add(hn::LoadU(d, w1 + a0), sds), d, w1 + a0);
+              } else {  // each element gets the same single addition
+                const auto m = hn::FirstN(d, static_cast<size_t>(k));
+                hn::BlendedStore(hn::Add(hn::LoadU(d, w1 + a0), sds), m, d, w1 + a0);
+                float* t2 = w1 + a1 - k;
+                hn::BlendedStore(hn::Add(hn::LoadU(d, t2), sds), hn::Not(m), d, t2);
+              }
+            } else if (shaw_ || deberta_ || xl_) {
+              ScatterAdd(w1, addr + c, sds, xl_);
+            }
             if (shaw_ && b_.shaw_drel_v != nullptr)
               ScatterAdd(w2, addr + c, hn::Load(d, srow + c), true);
             if (p2c_tiles) {
