@@ -492,8 +492,9 @@ class Kernel {
     });
   }
 
-  // A thread's buffer of at least n floats for rotated key rows (RoPE).
-  static float* RopeRows(int64_t n) {
+  // A thread's buffer of at least n floats: key rows widened (half precision) or rotated (RoPE)
+  // before a tile is transposed, and a half-precision output row before it is rounded.
+  static float* RowBuffer(int64_t n) {
     thread_local hwy::AlignedFreeUniquePtr<float[]> buf;
     thread_local int64_t have = 0;
     if (have < n) {
@@ -509,7 +510,7 @@ class Kernel {
     const float* k0 = nullptr;  // key j0's row
     int64_t ks = p_.k_stride[1];
     if (p_.k16 != nullptr) {  // half precision: the tile's rows widened first
-      float* rows = RopeRows(nk * dim_);
+      float* rows = RowBuffer(nk * dim_);
       const uint16_t* h0 = p_.k16 + b * p_.k_stride[0] + hk * p_.k_stride[2] + j0 * ks;
       for (int64_t c = 0; c < nk; ++c) WidenRow(p_.kv_type, h0 + c * ks, rows + c * dim_, dim_);
       k0 = rows;
@@ -518,7 +519,7 @@ class Kernel {
       k0 = p_.k + b * p_.k_stride[0] + hk * p_.k_stride[2] + j0 * ks;
     }
     if (p_.rope.cs != nullptr) {  // RoPE: the tile's rows rotated first (in place if widened)
-      float* rows = RopeRows(nk * dim_);
+      float* rows = RowBuffer(nk * dim_);
       rope_rotate_rows(p_.rope, p_.kpos + b * p_.seq_k + j0, p_.rope_base[b], nk, k0, ks, rows,
                        dim_);
       k0 = rows;
@@ -965,7 +966,7 @@ class Kernel {
         int64_t ks1 = p_.k_stride[1], ks2 = p_.k_stride[2];
         if (p_.rope.cs != nullptr) {
           // RoPE: the tile's rows of every kv head widened (half precision) and rotated first.
-          float* rows = RopeRows(nk * it.nkv * dim_);
+          float* rows = RowBuffer(nk * it.nkv * dim_);
           const float* krows = p_.k == nullptr ? nullptr : p_.k + kat;
           int64_t rs1 = ks1, rs2 = ks2;
           if (p_.k16 != nullptr) {
@@ -1289,7 +1290,7 @@ class Kernel {
       const int64_t h = HeadOf(it, r), i = QueryOf(it, r);
       const int64_t oat = it.b * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
       // Half-precision output: the row in float32 first, rounded once below.
-      float* dst = p_.out16 != nullptr ? RopeRows(dim_) : p_.out + oat;
+      float* dst = p_.out16 != nullptr ? RowBuffer(dim_) : p_.out + oat;
       FinishRow(it, r, h, i, dst, sc);
       if (p_.out16 != nullptr) {
         uint16_t* o16 = p_.out16 + oat;
