@@ -99,6 +99,40 @@ class BackwardKernel {
         MakeRowTable(relv_, p_.shaw_rel_v, nrel_, p_.shaw_rel_v_heads, 1);
     } else if (deberta_) {
       MakeRowTable(relk_, p_.deberta_pos_key, span2_, p_.heads_q, p_.scale);
+      // deb_run_end_[t]: the end of the run of distance indices from t on whose c2p and p2c rows
+      // both stay the same (clipped or saturated distances).
+      const int64_t len = p_.deberta_len;
+      deb_run_end_.assign(static_cast<size_t>(len), static_cast<int32_t>(len));
+      for (int64_t t = len - 2; t >= 0; --t) {
+        const bool same = p_.deberta_c2p[t] == p_.deberta_c2p[t + 1] &&
+                          p_.deberta_p2c[t] == p_.deberta_p2c[t + 1];
+        deb_run_end_[static_cast<size_t>(t)] =
+            same ? deb_run_end_[static_cast<size_t>(t + 1)] : static_cast<int32_t>(t + 1);
+      }
+      // The p2c rows' linear stretch (distances inside the log buckets' exact band): they step
+      // by deb_step_ (-1 for the model form, +1 for the paper's) per key position, so a tile
+      // row's p2c products kpq[u0 + step c][c] lie on a diagonal of the tile's kpq. Rows whose 64
+      // keys all lie in the stretch read a skewed copy, G[b][c] = kpq[b + step c][c] with b =
+      // u0, as one contiguous run (see RunItem); deb_b_lo_ .. deb_b_hi_: the b they use.
+      int64_t up = 0, down = 0;
+      for (int64_t t = 0; t + 1 < len; ++t) {
+        up += p_.deberta_p2c[t + 1] - p_.deberta_p2c[t] == 1;
+        down += p_.deberta_p2c[t + 1] - p_.deberta_p2c[t] == -1;
+      }
+      deb_step_ = up > down ? 1 : -1;
+      std::vector<int32_t> lin_end(static_cast<size_t>(len), static_cast<int32_t>(len));
+      for (int64_t t = len - 2; t >= 0; --t) {
+        lin_end[static_cast<size_t>(t)] = p_.deberta_p2c[t + 1] - p_.deberta_p2c[t] == deb_step_
+                                              ? lin_end[static_cast<size_t>(t + 1)]
+                                              : static_cast<int32_t>(t + 1);
+      }
+      deb_lin_.assign(static_cast<size_t>(len), 0);
+      for (int64_t t = 0; t + kTileK <= len; ++t) {
+        if (lin_end[static_cast<size_t>(t)] < t + kTileK) continue;
+        deb_lin_[static_cast<size_t>(t)] = 1;
+        deb_b_lo_ = std::min<int64_t>(deb_b_lo_, p_.deberta_p2c[t]);
+        deb_b_hi_ = std::max<int64_t>(deb_b_hi_, p_.deberta_p2c[t]);
+      }
       // pos_query padded ([span2r][heads][dpad], kpq's rows) and transposed per head
       // ([heads][dimr][span2r], dK's operand).
       span2r_ = RoundUp(span2_, 4);
@@ -411,13 +445,6 @@ class BackwardKernel {
     const DI di;
     return hn::AllTrue(di, hn::Eq(hn::Load(di, a), hn::Iota(di, a[0])));
   }
-  // table[a[l]] at the lanes' addresses.
-  HWY_INLINE hn::Vec<DF> GatherAt(const float* table, const int32_t* a) const {
-    const DF d;
-    if (Consecutive(a)) return hn::LoadU(d, table + a[0]);
-    return hn::GatherIndex(d, table, hn::Load(DI(), a));
-  }
-
   // Row-chunk buffers (rel1, w1, ...: [nch][rows][kTileK]): a run of consecutive table rows u
   // that crosses a chunk boundary is two consecutive address runs, lanes [0, k) and [k, n). Sets
   // k and returns true for that case (a[k] >= k, so both runs' full-vector loads stay inside the
@@ -433,16 +460,104 @@ class BackwardKernel {
     const auto second = hn::Eq(av, hn::Iota(di, a[k] - static_cast<int32_t>(k)));
     return hn::AllTrue(di, hn::Or(hn::FirstN(di, static_cast<size_t>(k)), second));
   }
-  // GatherAt for a row-chunk buffer: also one blend of two loads for two runs.
+  // Descending addresses a[l] = a[0] - l from a[0] >= lanes - 1 (DeBERTa's c2p rows fall as the
+  // key positions rise): one reversed run from a[0] - lanes + 1, every address a lane's own.
+  HWY_INLINE bool Descending(hn::Vec<DI> av, int32_t a0) const {
+    const DI di;
+    return a0 >= lanes_ - 1 &&
+           hn::AllTrue(di, hn::Eq(hn::Add(av, hn::Iota(di, 0)), hn::Set(di, a0)));
+  }
+  // GatherAt for a row-chunk buffer: also one blend of two loads for two runs, and one reversed
+  // load for a descending run.
   HWY_INLINE hn::Vec<DF> GatherRows(const float* table, const int32_t* a) const {
     const DF d;
-    if (Consecutive(a)) return hn::LoadU(d, table + a[0]);
+    const DI di;
+    const auto av = hn::Load(di, a);
+    if (hn::AllTrue(di, hn::Eq(av, hn::Iota(di, a[0])))) return hn::LoadU(d, table + a[0]);
+    if (hn::AllTrue(di, hn::Eq(av, hn::Set(di, a[0])))) return hn::Set(d, table[a[0]]);
+    if (Descending(av, a[0])) return hn::Reverse(d, hn::LoadU(d, table + a[0] - (lanes_ - 1)));
     int64_t k = 0;
     if (TwoRuns(a, k)) {
       return hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(k)), hn::LoadU(d, table + a[0]),
                             hn::LoadU(d, table + a[k] - k));
     }
-    return hn::GatherIndex(d, table, hn::Load(DI(), a));
+    return hn::GatherIndex(d, table, av);
+  }
+
+  // A [rows][kTileK] tile (DeBERTa's kpq and W) at the addresses a[l] = u_l kTileK + c0 + l of
+  // one vector of a tile row's keys (c0 = a[0] mod kTileK). Over consecutive keys the rows u_l
+  // run monotonically from u_0 to u_last; when they span at most kMaxRows rows, one masked load
+  // (or read-modify-write) per row replaces the gather (scatter), the rows independent of one
+  // another. Otherwise a gather / scatter.
+  static constexpr int32_t kMaxRows = 16;
+  HWY_INLINE bool FewRows(hn::Vec<DI> u, const int32_t* a, int32_t& lo, int32_t& hi) const {
+    const DI di;
+    lo = std::min(a[0], a[lanes_ - 1]) >> 6;
+    hi = std::max(a[0], a[lanes_ - 1]) >> 6;
+    return hi - lo < kMaxRows && hn::AllTrue(di, hn::And(hn::Not(hn::Lt(u, hn::Set(di, lo))),
+                                                         hn::Not(hn::Gt(u, hn::Set(di, hi)))));
+  }
+  HWY_INLINE hn::Vec<DF> GatherTileRows(const float* tile, const int32_t* a) const {
+    const DF d;
+    const DI di;
+    const auto av = hn::Load(di, a);
+    const auto u = hn::ShiftRight<6>(av);
+    int32_t lo = 0, hi = 0;
+    if (!FewRows(u, a, lo, hi)) return hn::GatherIndex(d, tile, av);
+    const int64_t c0 = a[0] & (kTileK - 1);
+    auto out = hn::LoadU(d, tile + lo * kTileK + c0);
+    for (int32_t ul = lo + 1; ul <= hi; ++ul) {
+      out = hn::IfThenElse(hn::RebindMask(d, hn::Eq(u, hn::Set(di, ul))),
+                           hn::LoadU(d, tile + ul * kTileK + c0), out);
+    }
+    return out;
+  }
+  // tile[a[l]] += v[l] for the same addresses (distinct: each element gets one addition).
+  HWY_INLINE void ScatterAddTileRows(float* tile, const int32_t* a, hn::Vec<DF> v) const {
+    const DF d;
+    const DI di;
+    const auto av = hn::Load(di, a);
+    const auto u = hn::ShiftRight<6>(av);
+    int32_t lo = 0, hi = 0;
+    if (!FewRows(u, a, lo, hi)) {
+      hn::ScatterIndex(hn::Add(hn::GatherIndex(d, tile, av), v), d, tile, av);
+      return;
+    }
+    const int64_t c0 = a[0] & (kTileK - 1);
+    for (int32_t ul = lo; ul <= hi; ++ul) {
+      float* p = tile + ul * kTileK + c0;
+      hn::BlendedStore(hn::Add(hn::LoadU(d, p), v), hn::RebindMask(d, hn::Eq(u, hn::Set(di, ul))),
+                       d, p);
+    }
+  }
+
+  // DeBERTa's c2p rows never rise with the key position: one broadcast for a single row, one
+  // reversed load for a descending run (within a row chunk), a gather otherwise.
+  HWY_INLINE hn::Vec<DF> GatherFalling(const float* table, const int32_t* a) const {
+    const DF d;
+    const DI di;
+    const auto av = hn::Load(di, a);
+    if (hn::AllTrue(di, hn::Eq(av, hn::Set(di, a[0])))) return hn::Set(d, table[a[0]]);
+    if (Descending(av, a[0])) return hn::Reverse(d, hn::LoadU(d, table + a[0] - (lanes_ - 1)));
+    return hn::GatherIndex(d, table, av);
+  }
+  // ScatterAdd for the same addresses.
+  HWY_INLINE void ScatterAddFalling(float* table, const int32_t* a, hn::Vec<DF> v) const {
+    const DF d;
+    const DI di;
+    const auto av = hn::Load(di, a);
+    if (hn::AllTrue(di, hn::Eq(av, hn::Set(di, a[0])))) {
+      table[a[0]] += hn::GetLane(hn::SumOfLanes(d, v));
+      return;
+    }
+    if (Descending(av, a[0])) {
+      float* t0 = table + a[0] - (lanes_ - 1);
+      hn::StoreU(hn::Add(hn::LoadU(d, t0), hn::Reverse(d, v)), d, t0);
+      return;
+    }
+    HWY_ALIGN float tmp[HWY_MAX_BYTES / sizeof(float)];
+    hn::Store(v, d, tmp);
+    for (int64_t l = 0; l < lanes_; ++l) table[a[l]] += tmp[l];
   }
 
   // XL, table rows u .. u + lanes - 1 of block row r in the row-chunk buffers: the address of u,
@@ -470,6 +585,11 @@ class BackwardKernel {
     }
     if (Consecutive(a)) {
       hn::StoreU(hn::Add(hn::LoadU(d, table + a[0]), v), d, table + a[0]);
+      return;
+    }
+    if (Descending(av, a[0])) {
+      float* t0 = table + a[0] - (lanes_ - 1);
+      hn::StoreU(hn::Add(hn::LoadU(d, t0), hn::Reverse(d, v)), d, t0);
       return;
     }
     int64_t k = 0;
@@ -678,17 +798,29 @@ class BackwardKernel {
     const int64_t n_p2c = deberta_ ? group_ * ntiles_ * span2s_ * kt : 0;
     const bool cached =
         (5 * n_all + 2 * n_p2c) * static_cast<int64_t>(sizeof(float)) <= backward_item_budget();
+    // DeBERTa's diagonal p2c copies G and their gradients WG, [group][tiles][nb][kTileK], when
+    // they fit too.
+    int64_t nb = deberta_ && deb_b_hi_ >= deb_b_lo_ ? deb_b_hi_ - deb_b_lo_ + 1 : 0;
+    int64_t n_diag = group_ * ntiles_ * nb * kt;
+    if ((5 * n_all + 2 * n_p2c + 2 * n_diag) * static_cast<int64_t>(sizeof(float)) >
+        backward_item_budget()) {
+      nb = 0, n_diag = 0;
+    }
+    const int64_t n_cache = 5 * n_all + 2 * n_p2c + 2 * n_diag;
     float *kp_all = nullptr, *kt_all = nullptr, *vt_all = nullptr, *dk_all = nullptr,
-          *dv_all = nullptr, *kpq_all = nullptr, *wpq_all = nullptr;
+          *dv_all = nullptr, *kpq_all = nullptr, *wpq_all = nullptr, *gd_all = nullptr,
+          *wgd_all = nullptr;
     if (cached) {
-      kp_all = LocalCache().Get(static_cast<size_t>(5 * n_all + 2 * n_p2c));
+      kp_all = LocalCache().Get(static_cast<size_t>(n_cache));
       kt_all = kp_all + n_all;
       vt_all = kt_all + n_all;
       dk_all = vt_all + n_all;
       dv_all = dk_all + n_all;
       kpq_all = dv_all + n_all;
       wpq_all = kpq_all + n_p2c;
-      std::fill(kp_all, kp_all + 5 * n_all + 2 * n_p2c, 0.0f);
+      gd_all = wpq_all + n_p2c;
+      wgd_all = gd_all + n_diag;
+      std::fill(kp_all, kp_all + n_cache, 0.0f);
       for (int64_t t = 0; t < ntiles_; ++t) {
         const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
         TileOperands(bb, kbase, vbase, j0, nk, kp_all + j0 * dp, kt_all + t * dim_ * kt,
@@ -705,6 +837,14 @@ class BackwardKernel {
           for (int64_t x = 0; x < nr * kt; x += lanes_) {
             hn::Store(hn::Mul(hn::Load(d, kpq + x), vs), d, kpq + x);
           }
+          // The diagonal copy G[b][c] = kpq[b + step c][c] (rows the tile computed).
+          const float* kq = kpq_all + (g * ntiles_ + t) * span2s_ * kt;
+          float* gd = gd_all + (g * ntiles_ + t) * nb * kt;
+          for (int64_t b = 0; b < nb; ++b)
+            for (int64_t c = 0; c < kt; ++c) {
+              const int64_t u = deb_b_lo_ + b + deb_step_ * c;
+              if (u >= ulo && u <= uhi) gd[b * kt + c] = kq[u * kt + c];
+            }
         }
       }
     }
@@ -871,6 +1011,37 @@ class BackwardKernel {
           // vectors: one run, or two across a row-chunk boundary.
           const int64_t xl_u0 = xl_ ? int64_t{p_.xl_dmax} - pq + kpt[0] : 0;
           const bool xl_fast = xl_ && consec && xl_u0 >= 0 && xl_u0 + kt <= p_.xl_len;
+          // DeBERTa over consecutive keys whose distances share one c2p row and one p2c row (far
+          // keys: saturated buckets, most cells of a long causal sequence): one broadcast c2p
+          // value, one contiguous run of the tile's p2c products, no index vectors. The same
+          // arithmetic as the general path below.
+          const int64_t deb_at0 = deberta_ ? int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] : 0;
+          const bool deb_one = p2c_tiles && consec && deb_at0 >= 0 &&
+                               deb_at0 + kt <= p_.deberta_len &&
+                               deb_run_end_[static_cast<size_t>(deb_at0)] >= deb_at0 + kt;
+          // DeBERTa over consecutive keys whose p2c rows all lie on the linear stretch: the p2c
+          // products from the tile's diagonal copy (one run), W's from its gradient.
+          const bool deb_diag = p2c_tiles && consec && !deb_one && nb > 0 && deb_at0 >= 0 &&
+                                deb_at0 + kt <= p_.deberta_len &&
+                                deb_lin_[static_cast<size_t>(deb_at0)] != 0;
+          const int64_t deb_g = deb_diag ? ((h - hk * group_) * ntiles_ + t) * nb * kt +
+                                               (p_.deberta_p2c[deb_at0] - deb_b_lo_) * kt
+                                         : 0;
+          int64_t deb_a = 0;              // the c2p row's address in rel1 / w1
+          const float* deb_pq = nullptr;  // the p2c row of the tile's kpq
+          float* deb_w = nullptr;         // and of its W
+          if (deb_one) {
+            const int64_t u = p_.deberta_c2p[deb_at0], u2 = p_.deberta_p2c[deb_at0];
+            deb_a = (u / kt) * cs + r * kt + u % kt;
+            const int64_t at = ((h - hk * group_) * ntiles_ + t) * span2s_ * kt + u2 * kt;
+            deb_pq = kpq_all + at;
+            deb_w = wpq_all + at;
+            const auto vc = hn::Set(d, rel1[deb_a]);
+            for (int64_t c = 0; c < kt; c += lanes_) {
+              const auto x = hn::Add(hn::Load(d, srow + c), hn::LoadU(d, deb_pq + c));
+              hn::Store(hn::Add(x, vc), d, srow + c);
+            }
+          }
           if (xl_fast) {
             for (int64_t c = 0; c < kt; c += lanes_) {
               const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
@@ -883,7 +1054,7 @@ class BackwardKernel {
             }
           }
           // Shaw's and DeBERTa's c2p term: the row's projection at each key's table row.
-          if (shaw_ || deberta_ || (xl_ && !xl_fast)) {
+          if (shaw_ || (deberta_ && !deb_one) || (xl_ && !xl_fast)) {
             const DI di;
             const auto vpq = hn::Set(di, pq);
             const float* kpq =
@@ -912,23 +1083,26 @@ class BackwardKernel {
                 const int64_t at0 = int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] + c;
                 u = consec ? hn::LoadU(di, p_.deberta_c2p + at0)
                            : hn::GatherIndex(di, p_.deberta_c2p, at);
-                if (p2c_tiles) {
+                if (deb_diag) {
+                  hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, gd_all + deb_g + c)), d,
+                            srow + c);
+                } else if (p2c_tiles) {
                   // p2c: kpq[u2][c], address u2 * kTileK + c.
                   const auto u2 = consec ? hn::LoadU(di, p_.deberta_p2c + at0)
                                          : hn::GatherIndex(di, p_.deberta_p2c, at);
                   const auto a2 =
                       hn::Add(hn::ShiftLeft<6>(u2), hn::Iota(di, static_cast<int32_t>(c)));
                   hn::Store(a2, di, addr2 + c);
-                  // One p2c row for the vector's keys (past the linear band): a contiguous load.
-                  hn::Store(hn::Add(hn::Load(d, srow + c), GatherAt(kpq, addr2 + c)), d, srow + c);
+                  hn::Store(hn::Add(hn::Load(d, srow + c), GatherTileRows(kpq, addr2 + c)), d,
+                            srow + c);
                 }
               }
               static_assert(kTileK == 64, "row-chunk addresses: u >> 6, u & 63");
               const auto a =
                   hn::Add(hn::Add(hn::Mul(hn::ShiftRight<6>(u), vcs), vrow), hn::And(u, v63));
               hn::Store(a, di, addr + c);
-              hn::Store(hn::Add(hn::Load(d, srow + c),
-                                (xl_ ? GatherRows(rel1, addr + c) : GatherAt(rel1, addr + c))),
+              hn::Store(hn::Add(hn::Load(d, srow + c), deberta_ ? GatherFalling(rel1, addr + c)
+                                                                : GatherRows(rel1, addr + c)),
                         d, srow + c);
               if (shaw_ && p_.shaw_rel_v != nullptr) {
                 hn::Store(hn::Add(hn::Load(d, drow + c), GatherRows(rel2, addr + c)), d, drow + c);
@@ -1021,21 +1195,25 @@ class BackwardKernel {
                 float* t2 = w1 + a1 - k;
                 hn::BlendedStore(hn::Add(hn::LoadU(d, t2), sds), hn::Not(m), d, t2);
               }
+            } else if (deb_one) {  // ScatterAdd's single-address case
+              w1[deb_a] += hn::GetLane(hn::SumOfLanes(d, sds));
+              hn::StoreU(hn::Add(hn::LoadU(d, deb_w + c), sds), d, deb_w + c);
             } else if (shaw_ || deberta_ || xl_) {
-              ScatterAdd(w1, addr + c, sds, xl_);
+              if (deberta_) {
+                ScatterAddFalling(w1, addr + c, sds);
+              } else {
+                ScatterAdd(w1, addr + c, sds, xl_);
+              }
             }
             if (shaw_ && b_.shaw_drel_v != nullptr)
               ScatterAdd(w2, addr + c, hn::Load(d, srow + c), true);
-            if (p2c_tiles) {
+            if (deb_diag) {
+              float* at = wgd_all + deb_g + c;
+              hn::StoreU(hn::Add(hn::LoadU(d, at), sds), d, at);
+            } else if (p2c_tiles && !deb_one) {
               // The tile's keys are distinct lanes: no two lanes share an address.
               float* wpq = wpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt;
-              if (Consecutive(addr2 + c)) {
-                float* at = wpq + addr2[c];
-                hn::StoreU(hn::Add(hn::LoadU(d, at), sds), d, at);
-              } else {
-                const auto a2 = hn::Load(DI(), addr2 + c);
-                hn::ScatterIndex(hn::Add(hn::GatherIndex(d, wpq, a2), sds), d, wpq, a2);
-              }
+              ScatterAddTileRows(wpq, addr2 + c, sds);
             }
           }
         }
@@ -1087,6 +1265,14 @@ class BackwardKernel {
       const auto [ulo, uhi] = p2c_rows[static_cast<size_t>(t)];
       if (ulo > uhi) continue;
       for (int64_t g = 0; g < group_; ++g) {
+        // The diagonal gradients folded back: W[b + step c][c] += WG[b][c].
+        float* wq = wpq_all + (g * ntiles_ + t) * span2s_ * kt;
+        const float* wgd = wgd_all + (g * ntiles_ + t) * nb * kt;
+        for (int64_t b = 0; b < nb; ++b)
+          for (int64_t c = 0; c < kt; ++c) {
+            const int64_t u = deb_b_lo_ + b + deb_step_ * c;
+            if (u >= ulo && u <= uhi) wq[u * kt + c] += wgd[b * kt + c];
+          }
         // W's rows past uhi are zero: rounding the rows up to 4 adds nothing.
         const float* wpq = wpq_all + (g * ntiles_ + t) * span2s_ * kt + ulo * kt;
         ScoresTile(pq_t_.get() + (hk * group_ + g) * dimr_ * span2r_ + ulo, uhi - ulo + 1, wpq,
@@ -1110,6 +1296,9 @@ class BackwardKernel {
   const FusedAttentionParams& p_;
   int64_t lanes_ = 0, dim_ = 0, dpad_ = 0, group_ = 1, nq_ = 1, rp_max_ = 4, ntiles_ = 0;
   std::vector<int32_t> tile_min_, tile_max_;
+  std::vector<int32_t> deb_run_end_;  // DeBERTa: see the constructor
+  std::vector<uint8_t> deb_lin_;
+  int64_t deb_step_ = -1, deb_b_lo_ = std::numeric_limits<int64_t>::max(), deb_b_hi_ = -1;
   bool shaw_ = false, deberta_ = false, xl_ = false;
   bool has_cell_terms_ = false;  // a per-cell positional term (bias, DeBERTa p2c, XL r)
   bool has_cell_grads_ = false;  // its gradient per cell
