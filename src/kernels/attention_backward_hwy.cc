@@ -769,6 +769,16 @@ class BackwardKernel {
                (int64_t{tmin} - qmax >= p_.window || int64_t{qmin} - tmax >= p_.window));
     };
     // Rows [lo, hi] of a bucket table indexed at dmax - delta, for delta in [dlo, dhi].
+    // Distances [dlo, dhi] narrowed to those a mask can leave visible (causal: delta >= 0;
+    // window w: |delta| < w). Masked cells still read their table rows, which then hold finite
+    // values from earlier blocks or zeros, and add their dS = 0 to them.
+    auto visible = [&](int64_t& dlo, int64_t& dhi) {
+      if (p_.causal) dlo = std::max<int64_t>(dlo, 0);
+      if (p_.window > 0) {
+        dlo = std::max<int64_t>(dlo, 1 - int64_t{p_.window});
+        dhi = std::min<int64_t>(dhi, int64_t{p_.window} - 1);
+      }
+    };
     auto used_rows = [&](const int32_t* table, int64_t dmax, int64_t dlo, int64_t dhi) {
       int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
       for (int64_t at = dmax - dhi; at <= dmax - dlo; ++at) {
@@ -790,6 +800,7 @@ class BackwardKernel {
         dhi = std::max<int64_t>(dhi,
                                 int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
       }
+      visible(dlo, dhi);
       p2c_rows[static_cast<size_t>(t)] =
           dlo > dhi ? std::pair<int64_t, int64_t>{0, -1}
                     : used_rows(p_.deberta_p2c, p_.deberta_dmax[bb], dlo, dhi);
@@ -919,6 +930,7 @@ class BackwardKernel {
           dhi = std::max<int64_t>(dhi,
                                   int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
         }
+        visible(dlo, dhi);
         if (dlo > dhi) {
           br.c1 = 0;
         } else if (shaw_) {
