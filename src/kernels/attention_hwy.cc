@@ -174,6 +174,11 @@ struct Ahead {
 
   HWY_INLINE void Row(int64_t i) const {
     if (i >= n) return;
+    if (hstride == bytes) {  // the heads of a row are one run
+      const char* r = p + i * stride;
+      for (int64_t b = 0; b < heads * bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
+      return;
+    }
     for (int64_t g = 0; g < heads; ++g) {
       const char* r = p + i * stride + g * hstride;
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
