@@ -150,15 +150,16 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const T* k,
   }
 }
 
-// The decoding kernels read the keys and values in memory order, key by key and, within a key,
-// head by head (one contiguous run per key in a [seq, heads, dim] cache): the hardware
-// prefetcher follows one stream, where blocks of several keys per head made several interleaved
-// streams that it served at half the bandwidth (measured on Zen 4). Dot products: each (key,
-// head) gives 4 accumulators (4 query rows), folded at once into one vector of lanes / 4
-// partial sums per row; the partial vectors of lanes / 4 keys are then folded together, so that
-// each score costs about two operations instead of a full horizontal sum. Every score is summed
-// by the same tree of pairwise additions whatever the vector grouping. Targets with fewer than 4
-// float lanes use DotScores.
+// Decoding dot products. A half-precision cache is read in memory order, key by key and, within
+// a key, head by head (one contiguous run per key in a [seq, heads, dim] cache): blocks of
+// several keys per head made interleaved streams that were read at half the rate (measured on
+// Zen 4). Each (key, head) gives 4 accumulators (4 query rows), folded at once into one vector of
+// lanes / 4 partial sums per row; the partial vectors of lanes / 4 keys are then folded together.
+// A float32 cache keeps blocks of lanes / 4 keys x 4 rows (DotBlock: each query vector loaded
+// once per block), which measured faster for it. Either way each score costs about two
+// operations instead of a full horizontal sum, and every score is summed by the same tree of
+// pairwise additions (the vector grouping does not change a bit). Targets with fewer than 4 float
+// lanes use DotScores.
 constexpr size_t kLanesMax = HWY_LANES(float);
 
 // Rows the decoding kernels fetch into L2 ahead of their use, one per key while they work on the
