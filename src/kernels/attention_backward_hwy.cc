@@ -1352,7 +1352,7 @@ void set_backward_item_budget_for_test(int64_t bytes) {
 int64_t backward_item_budget() { return g_item_budget; }
 
 void fused_attention_backward(const FusedBackwardParams& p) {
-  simd_target_name();  // applies POSENC_SIMD_TARGET before the first dispatch
+  apply_simd_target_env();  // POSENC_SIMD_TARGET, before the first dispatch
   HWY_DYNAMIC_DISPATCH(FusedAttentionBackward)(p);
 }
 

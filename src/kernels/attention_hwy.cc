@@ -60,6 +60,7 @@ struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> qp, kt, vt, s, o, extra, extra2, part;
   hwy::AlignedFreeUniquePtr<int32_t[]> kpos;
   std::vector<float> m, l, wsum;
+  std::vector<uint64_t> seen;  // decoding: SeenKeys
   size_t qp_n = 0, kt_n = 0, vt_n = 0, s_n = 0, o_n = 0, extra_n = 0, extra2_n = 0, part_n = 0;
 
   static void Ensure(hwy::AlignedFreeUniquePtr<float[]>& p, size_t& have, size_t want) {
@@ -345,6 +346,111 @@ HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t
   }
   for (int64_t r = 0; r < nkv * gstride; ++r) {
     std::fill(s + r * kTileK + nk, s + (r + 1) * kTileK, 0.0f);
+  }
+}
+
+// Bit c of seen[b] (c < nk): some row of the 4-row block b has a nonzero weight for key c.
+HWY_INLINE void SeenKeys(const float* HWY_RESTRICT pm, int64_t rows, int64_t nk, uint64_t* seen) {
+  static_assert(kTileK <= 64, "one 64-bit word per block");
+  const DF d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t b = 0; b < rows / 4; ++b) {
+    uint64_t bits = 0;
+    for (int64_t c = 0; c < nk; c += n) {
+      const float* p = pm + b * 4 * kTileK + c;
+      const auto z = hn::Zero(d);
+      const auto m = hn::Or(
+          hn::Or(hn::Ne(hn::Load(d, p), z), hn::Ne(hn::Load(d, p + kTileK), z)),
+          hn::Or(hn::Ne(hn::Load(d, p + 2 * kTileK), z), hn::Ne(hn::Load(d, p + 3 * kTileK), z)));
+      uint8_t mb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      hn::StoreMaskBits(d, m, mb);
+      uint64_t w = 0;
+      for (size_t i = 0; i < 8; ++i) w |= uint64_t{mb[i]} << (8 * i);
+      if (n < 64) w &= (uint64_t{1} << n) - 1;
+      bits |= w << c;
+    }
+    if (nk < 64) bits &= (uint64_t{1} << nk) - 1;
+    seen[b] = bits;
+  }
+}
+
+// Decoding PV from a half-precision cache: per 4-row block and run of NV output vectors, the
+// 4 x NV accumulators stay in registers over all the tile's keys (the values of one head are
+// read as columns of the tile, which the prefetch put in L2), so each output vector is loaded
+// and stored once per tile instead of once per 4 keys. Each output element is the same chain of
+// fused multiply-adds in key order as in AccumulateWide; keys that no row of the block sees are
+// skipped (their values never reach the output).
+template <int NV, class T>
+HWY_INLINE void AccumulateColumns(const float* HWY_RESTRICT pm, int64_t nk, const T* v,
+                                  int64_t vstride, uint64_t bits, int64_t x0, int64_t dpad,
+                                  float* HWY_RESTRICT o) {
+  const DF d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  hn::Vec<DF> a[4][NV];
+  for (int64_t r = 0; r < 4; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = hn::Load(d, o + r * dpad + x0 + j * n);
+  for (int64_t c = 0; c < nk; ++c) {
+    if (((bits >> c) & 1) == 0) continue;
+    const T* vr = v + c * vstride + x0;
+    hn::Vec<DF> vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = LoadKV(d, vr + j * n);
+    for (int64_t r = 0; r < 4; ++r) {
+      const auto w = hn::Set(d, pm[r * kTileK + c]);
+      for (int j = 0; j < NV; ++j) a[r][j] = hn::MulAdd(w, vv[j], a[r][j]);
+    }
+  }
+  for (int64_t r = 0; r < 4; ++r)
+    for (int j = 0; j < NV; ++j) hn::Store(a[r][j], d, o + r * dpad + x0 + j * n);
+}
+
+template <class T>
+HWY_INLINE void AccumulateWideColumns(const float* HWY_RESTRICT pm, int64_t nk, const T* v,
+                                      int64_t vstride, int64_t hstride, int64_t nkv,
+                                      int64_t gstride, int64_t dim, int64_t dpad,
+                                      float* HWY_RESTRICT o, const uint64_t* seen,
+                                      const Ahead& ahead) {
+  const DF d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t dv = dim / n * n;
+  const int64_t blocks = nkv * gstride / 4;
+  for (int64_t g = 0; g < nkv; ++g) {
+    const T* vg = v + g * hstride;
+    for (int64_t r0 = g * gstride; r0 < (g + 1) * gstride; r0 += 4) {
+      // The next tile's keys, spread over the blocks.
+      for (int64_t c = r0 / 4 * kTileK / blocks; c < (r0 / 4 + 1) * kTileK / blocks; ++c) {
+        ahead.Row(c);
+      }
+      const uint64_t bits = seen[r0 / 4];
+      if (bits == 0) continue;
+      const float* pb = pm + r0 * kTileK;
+      float* ob = o + r0 * dpad;
+      int64_t x0 = 0;
+      for (; x0 + 4 * n <= dv; x0 += 4 * n) {
+        AccumulateColumns<4>(pb, nk, vg, vstride, bits, x0, dpad, ob);
+      }
+      switch ((dv - x0) / n) {
+        case 3:
+          AccumulateColumns<3>(pb, nk, vg, vstride, bits, x0, dpad, ob);
+          break;
+        case 2:
+          AccumulateColumns<2>(pb, nk, vg, vstride, bits, x0, dpad, ob);
+          break;
+        case 1:
+          AccumulateColumns<1>(pb, nk, vg, vstride, bits, x0, dpad, ob);
+          break;
+        default:
+          break;
+      }
+      for (int64_t c = 0; dv < dim && c < nk; ++c) {  // tails, key by key
+        if (((bits >> c) & 1) == 0) continue;
+        for (int64_t r = 0; r < 4; ++r) {
+          const float w = pb[r * kTileK + c];
+          for (int64_t x = dv; x < dim; ++x) {
+            ob[r * dpad + x] = std::fma(w, to_float(vg[c * vstride + x]), ob[r * dpad + x]);
+          }
+        }
+      }
+    }
   }
 }
 
@@ -1137,12 +1243,18 @@ class Kernel {
         if (vbase16 == nullptr) {
           AccumulateWide(sc.s.get(), nk, vbase + j0 * vs1, vs1, vs2, it.nkv, it.gstride, dim_,
                          dpad_, sc.o.get(), kahead);
-        } else if (p_.kv_type == FusedAttentionParams::Elem::kBF16) {
-          AccumulateWide(sc.s.get(), nk, reinterpret_cast<const bf16*>(vbase16 + j0 * vs1), vs1,
-                         vs2, it.nkv, it.gstride, dim_, dpad_, sc.o.get(), kahead);
         } else {
-          AccumulateWide(sc.s.get(), nk, reinterpret_cast<const f16*>(vbase16 + j0 * vs1), vs1, vs2,
-                         it.nkv, it.gstride, dim_, dpad_, sc.o.get(), kahead);
+          sc.seen.resize(static_cast<size_t>(it.rows / 4));
+          SeenKeys(sc.s.get(), it.rows, nk, sc.seen.data());
+          if (p_.kv_type == FusedAttentionParams::Elem::kBF16) {
+            AccumulateWideColumns(sc.s.get(), nk, reinterpret_cast<const bf16*>(vbase16 + j0 * vs1),
+                                  vs1, vs2, it.nkv, it.gstride, dim_, dpad_, sc.o.get(),
+                                  sc.seen.data(), kahead);
+          } else {
+            AccumulateWideColumns(sc.s.get(), nk, reinterpret_cast<const f16*>(vbase16 + j0 * vs1),
+                                  vs1, vs2, it.nkv, it.gstride, dim_, dpad_, sc.o.get(),
+                                  sc.seen.data(), kahead);
+          }
         }
         continue;
       }
@@ -1516,7 +1628,7 @@ namespace posenc::kernels {
 HWY_EXPORT(FusedAttention);
 
 void fused_attention(const FusedAttentionParams& p) {
-  simd_target_name();  // applies POSENC_SIMD_TARGET before the first dispatch
+  apply_simd_target_env();  // POSENC_SIMD_TARGET, before the first dispatch
   HWY_DYNAMIC_DISPATCH(FusedAttention)(p);
 }
 

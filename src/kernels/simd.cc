@@ -30,6 +30,8 @@ void apply_env_once() {
 
 }  // namespace
 
+void apply_simd_target_env() { apply_env_once(); }
+
 std::string simd_targets_available() {
   std::string s;
   for (const int64_t bit : hwy::SupportedAndGeneratedTargets()) {

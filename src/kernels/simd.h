@@ -12,8 +12,11 @@
 namespace posenc::kernels {
 
 // Applies POSENC_SIMD_TARGET once (first call); returns the name of the target that dispatch
-// will use.
+// will use (asks the CPU: a few microseconds, more under a hypervisor).
 std::string simd_target_name();
+
+// Applies POSENC_SIMD_TARGET once, before a kernel's first dispatch; afterwards one atomic load.
+void apply_simd_target_env();
 
 // Names of every target compiled into this binary that this CPU supports.
 std::string simd_targets_available();
