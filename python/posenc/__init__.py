@@ -7,9 +7,11 @@ in ``posenc.torch`` (imported on demand; needs torch).
 
 Arrays: float32 inputs run the optimized kernels, float64 ones the float64 reference; arrays of
 the dtype a function computes in are used in place (any non-negative strides), anything else is
-converted once with ``numpy.ascontiguousarray``. Errors raise ``posenc.Error`` (a ValueError) or
-its subclasses ``ShapeError``, ``InvalidValueError``, ``IoError`` with the library's message;
-wrong argument types raise TypeError. Kernels run without the GIL.
+converted once with ``numpy.ascontiguousarray``. Half precision: attention_half and
+apply_rope_half (bf16 as np.uint16 bits, f16 as np.float16; bf16_from_float32 and
+bf16_to_float32 convert). Errors raise ``posenc.Error`` (a ValueError) or its subclasses
+``ShapeError``, ``InvalidValueError``, ``IoError`` with the library's message; wrong argument
+types raise TypeError. Kernels run without the GIL.
 
 See docs/python.md.
 """
@@ -82,6 +84,93 @@ def rope_precision(positions=(1 << 16, 1 << 20, 1 << 24), head_dim=128, base=5e5
     rows = _posenc._rope_precision([int(p) for p in positions], int(head_dim), float(base),
                                    int(seed))
     return [RopePrecisionRow(*r) for r in rows]
+
+
+# ---- half precision (bf16, f16) ---------------------------------------------------------------
+
+_HALF_DTYPES = ("bfloat16", "float16")
+
+
+def _half_dtype(dtype):
+    if not isinstance(dtype, str) or dtype not in _HALF_DTYPES:
+        raise InvalidValueError(f"dtype: {dtype!r} ('bfloat16' or 'float16')")
+    return dtype
+
+
+def _half_in(x, what, dtype):
+    """x for the half bindings: bf16 must not come as np.float16 (those bits are f16)."""
+    import numpy as np
+    if dtype == "bfloat16" and isinstance(x, np.ndarray) and x.dtype == np.float16:
+        raise TypeError(f"{what}: a float16 array for dtype='bfloat16' (bf16 travels as uint16 "
+                        "bits: posenc.bf16_from_float32(x.astype(np.float32)))")
+    return x
+
+
+def _half_out(bits, dtype):
+    """The bindings' uint16 bits as the dtype's NumPy type (float16: a view, no copy)."""
+    import numpy as np
+    return bits.view(np.float16) if dtype == "float16" and bits.dtype == np.uint16 else bits
+
+
+def attention_half(q, k, v, scheme=None, *, dtype, **kwargs):
+    """Attention in half precision: ``posenc.attention`` on bf16 or f16 arrays.
+
+    dtype: 'float16' (np.float16 arrays in and out) or 'bfloat16' (NumPy has no bfloat16: arrays
+    of np.uint16 holding the bf16 bits, in and out; see bf16_from_float32 / bf16_to_float32).
+    Any 2-byte array is taken as raw bits (float16, uint16, int16), except that a float16 array
+    with dtype='bfloat16' is a TypeError. q float32 with half k and v (a half KV cache) runs the
+    mixed kernel and returns float32. Arrays whose strides are non-negative multiples of 2 bytes
+    are read in place (no copy); the output is a new C-contiguous array.
+
+    The result is exactly ``posenc.attention`` of the widened (float32) inputs, rounded once to
+    the dtype (round to nearest even). Every keyword of posenc.attention applies (scheme
+    settings, causal, scale, window, chunk, positions, params, config, layer, num_threads,
+    allow_fully_masked) except return_lse and out (TypeError). Tables in params stay float32.
+    """
+    dtype = _half_dtype(dtype)
+    out = _posenc._attention_half(_half_in(q, "q", dtype), _half_in(k, "k", dtype),
+                                  _half_in(v, "v", dtype), scheme, dtype=dtype, **kwargs)
+    return _half_out(out, dtype)
+
+
+def apply_rope_half(x, freqs=None, *, dtype, inplace=False, **kwargs):
+    """RoPE in half precision: ``posenc.apply_rope`` on a bf16 or f16 array.
+
+    dtype and the array conventions as attention_half: np.float16 for 'float16', np.uint16 bits
+    for 'bfloat16'. Keywords: those of apply_rope (style, positions, inverse, num_threads,
+    rotary_dim, base, scaling, seq_len, angles, config) except out. Returns a new array, or x
+    itself with inplace=True (x must then be a writable 2-byte array with non-negative strides).
+    The result is exactly apply_rope of the widened (float32) x, rounded once to the dtype.
+    """
+    dtype = _half_dtype(dtype)
+    y = _posenc._apply_rope_half(_half_in(x, "x", dtype), freqs, dtype=dtype, inplace=inplace,
+                                 **kwargs)
+    return x if inplace else _half_out(y, dtype)
+
+
+def bf16_from_float32(a):
+    """float32 values -> bf16 bits (np.uint16 array of a's shape): round to nearest, ties to
+    even; overflow gives infinity; NaN stays NaN (quiet, sign kept). Other dtypes are converted
+    to float32 first."""
+    import numpy as np
+    x = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)  # 1-D: array (not scalar) math
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # carries into the exponent: overflow -> inf
+    quiet_nan = (u >> 16) | 0x40
+    return np.where(np.isnan(x), quiet_nan, rounded).astype(np.uint16).reshape(np.shape(a))
+
+
+def bf16_to_float32(bits):
+    """bf16 bits (np.uint16, or int16 holding the same bits) -> float32 values, exactly."""
+    import numpy as np
+    b = np.asarray(bits)
+    if b.dtype.kind not in "iu":
+        raise TypeError(f"bits: an integer array of bf16 bits (uint16), got dtype {b.dtype}")
+    if b.dtype.itemsize == 2:
+        b = b.view(np.uint16)
+    elif b.size and (b.min() < 0 or b.max() > 0xFFFF):
+        raise InvalidValueError("bits: values must be in [0, 65535] (16-bit patterns)")
+    return (b.astype(np.uint32).reshape(-1) << 16).view(np.float32).reshape(b.shape)
 
 
 def _cli():

@@ -7,6 +7,12 @@ passed in ``params`` (tensors with requires_grad). float64 tensors run the float
 end to end, so ``torch.autograd.gradcheck`` applies to every scheme. ``rope(x, ...)`` is RoPE
 with its exact transpose as backward.
 
+Half precision: torch.bfloat16 / torch.float16 tensors give results of their dtype. Without
+gradients they run the native half kernels on the tensors' memory (float32 q with a half k, v:
+the mixed kernel, float32 out); with gradients the float32 autograd path runs on the widened
+tensors and the output is cast to q's dtype (autograd casts the gradients back). Either way the
+result is the float32 result of the widened inputs rounded once.
+
 Layout: q [batch, seq_q, heads_q, head_dim], k and v [batch, seq_k, heads_kv, head_dim]; any
 strides whose last dimension is contiguous are used without a copy (so ``x.transpose(1, 2)`` of
 a [batch, heads, seq, head_dim] tensor works as is).
@@ -40,6 +46,25 @@ def _np(t, what="tensor"):
         return t.detach().numpy()
     except (TypeError, RuntimeError) as e:  # not on the CPU, complex, ...
         raise ValueError(f"{what}: posenc takes real CPU tensors ({e})") from None
+
+
+_HALF = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _bits(t, what="tensor"):
+    """A bf16 / f16 CPU tensor's bits as an int16 NumPy array sharing its memory (no copy, any
+    strides)."""
+    return _np(t.detach().view(torch.int16), what)
+
+
+def _from_bits(a, dtype):
+    """The half bindings' uint16 bits as a tensor of `dtype` sharing their memory."""
+    return torch.from_numpy(a.view(np.int16)).view(dtype)
+
+
+def _widen(t):
+    """A half tensor as float32 (differentiable; others unchanged): NumPy has no bfloat16."""
+    return t.float() if t.dtype in _HALF else t
 
 
 def _np_kw(kw):
@@ -98,6 +123,15 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, **kwargs):
     out [batch, seq_q, heads_q, head_dim] (and lse [batch, heads_q, seq_q], not differentiable,
     with return_lse=True). q's dtype decides: float32 runs the fused kernels, float64 the float64
     reference. Tensors must be on the CPU.
+
+    Half precision: a torch.bfloat16 / torch.float16 q gives out of q's dtype (lse float32), the
+    float32 result of the widened inputs rounded once. Without gradients, q, k, v of one half
+    dtype run the native half kernel on their memory (no copies), and a float32 q with half k, v
+    the mixed kernel (float32 out); with gradients (or return_lse) the inputs are widened to
+    float32 (differentiably), the float32 path runs and out is cast to q's dtype, so gradients
+    come back in each input's dtype. Tables may be half too (widened to float32). Before half
+    support such inputs were computed in float32 and out was float32: out now has q's dtype, as
+    torch's own ops do.
     """
     if "out" in kwargs:
         raise TypeError("attention() got an unexpected keyword argument 'out'")
@@ -107,21 +141,35 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, **kwargs):
     names, tables = _split_params(params)
     if not isinstance(q, torch.Tensor):
         raise TypeError("q: a torch.Tensor (use posenc.attention for NumPy arrays)")
+    tables = tuple(_widen(t) for t in tables)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or any(t.requires_grad for t in tables))
+    half_q = q.dtype in _HALF
+    if (not grad and not return_lse and k.dtype in _HALF and v.dtype == k.dtype
+            and q.dtype in (k.dtype, torch.float32)):
+        # The native half kernels (float32 q: the mixed one), on the tensors' memory.
+        params = {n: _np(t, n) for n, t in zip(names, tables)} or None
+        out = _posenc._attention_half(_bits(q, "q") if half_q else _np(q, "q"), _bits(k, "k"),
+                                      _bits(v, "v"), params=params, dtype=_HALF[k.dtype], **kw)
+        return _from_bits(out, q.dtype) if half_q else torch.from_numpy(out)
+    out_dtype = q.dtype if half_q else None
     dtype = q.dtype
     if dtype not in (torch.float32, torch.float64):
         q = q.float()
         dtype = torch.float32
     k = k.to(dtype)
     v = v.to(dtype)
-    if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad
-                                           or any(t.requires_grad for t in tables)):
+    if not grad:
         # Nothing to differentiate: the forward alone, without autograd's bookkeeping.
         params = {n: _np(t, n) for n, t in zip(names, tables)} or None
         r = _posenc.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"), params=params,
                               return_lse=return_lse, **kw)
-        return (torch.from_numpy(r[0]), torch.from_numpy(r[1])) if return_lse else \
-            torch.from_numpy(r)
-    out, lse = _AttentionFunction.apply(kw, names, q, k, v, *tables)
+        out, lse = (torch.from_numpy(r[0]), torch.from_numpy(r[1])) if return_lse else \
+            (torch.from_numpy(r), None)
+    else:
+        out, lse = _AttentionFunction.apply(kw, names, q, k, v, *tables)
+    if out_dtype is not None:
+        out = out.to(out_dtype)  # rounded once (autograd casts the gradient back to float32)
     return (out, lse) if return_lse else out
 
 
@@ -143,13 +191,23 @@ def rope(x, freqs=None, **kwargs):
     """RoPE of x [batch, seq, heads, head_dim] (or [seq, heads, head_dim]), differentiable: the
     keywords of posenc.apply_rope (style, positions, inverse, rotary_dim, base, scaling, seq_len,
     angles, config). The backward is the inverse rotation (its exact transpose). float32 runs
-    the SIMD kernel, float64 the reference."""
+    the SIMD kernel, float64 the reference.
+
+    Half precision: a torch.bfloat16 / torch.float16 x gives a result of x's dtype (before half
+    support: float32), the float32 rotation of the widened x rounded once; without gradients by
+    the native half kernel on x's memory, with gradients through the float32 path on the
+    widened x, cast back (the gradient comes back in x's dtype)."""
     for bad in ("inplace", "out"):
         if bad in kwargs:
             raise TypeError(f"rope() got an unexpected keyword argument '{bad}'")
     kw = _np_kw(kwargs)
     if freqs is not None:
         kw["freqs"] = freqs
+    if x.dtype in _HALF:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            y = _posenc._apply_rope_half(_bits(x, "x"), dtype=_HALF[x.dtype], **kw)
+            return _from_bits(y, x.dtype)
+        return _RopeFunction.apply(kw, x.float()).to(x.dtype)
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
     return _RopeFunction.apply(kw, x)

@@ -1,17 +1,19 @@
 // python/src/bind_attention.cc - attention, its gradients and the float64 reference, for every
 // scheme: keyword arguments -> posenc::SchemeSettings + named parameter arrays ->
 // posenc::build_scheme (the library function the CLI uses too) -> posenc::attention /
-// attention_backward (float32) or posenc::ref:: (float64, with float64 parameter tables).
+// attention_backward (float32) or posenc::ref:: (float64, with float64 parameter tables). The
+// parser (parse, calls.h) serves the half-precision bindings too (bind_half.cc).
 #include <pybind11/stl.h>
 
 #include <algorithm>
 #include <chrono>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "py_common.h"
+#include "calls.h"
 
 namespace posenc::py {
 
@@ -44,33 +46,6 @@ constexpr Keyword kSchemeKeywords[] = {
 bool applies(const char* schemes, const std::string& scheme) {
   const std::string s = std::string(" ") + schemes + " ";
   return s.find(" " + scheme + " ") != std::string::npos;
-}
-
-// Everything one call computes from, parsed and converted.
-struct Call {
-  bool f64 = false;
-  pb::array q, k, v;
-  SchemeSettings settings;
-  ParamMap params;
-  std::vector<pb::array> keep;  // parameter arrays the views point into
-  std::optional<ModelConfig> model;
-  AttentionOptions opt;
-  std::optional<Positions> qp, kp;
-  bool return_lse = false;
-  pb::object out = pb::none(), lse = pb::none();
-  BuiltScheme built;
-  std::array<int64_t, 4> qshape{}, kshape{};
-  // Llama 4 NoPE layers (layer=): q row (b, i) scaled by query_factor[b * seq_q + i] (q holds the
-  // scaled copy); dq is scaled back by the chain rule.
-  std::vector<double> query_factor;
-
-  const Positions* pq() const { return qp ? &*qp : nullptr; }
-  const Positions* pk() const { return kp ? &*kp : nullptr; }
-};
-
-template <class T>
-View<const T, 4> view4(const pb::array& a, const char* what, const char* layout) {
-  return view_of<const T, 4>(a, what, layout);
 }
 
 void add_param(Call& c, const std::string& name, const pb::handle& value) {
@@ -142,15 +117,18 @@ DebertaP2c parse_p2c(const std::string& s) {
   throw ValueError("deberta_p2c: '" + s + "' (model or paper)");
 }
 
-// Parses (q, k, v, scheme, **kwargs). `extra` lists the function's own keywords (out, lse,
-// return_lse), left in c for the caller.
+}  // namespace
+
 Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, const pb::handle& v,
-           const pb::object& scheme, const pb::kwargs& kw, bool force_f64,
+           const pb::object& scheme, const pb::kwargs& kw, Inputs inputs,
            const std::set<std::string>& extra) {
   Call c;
-  c.f64 = force_f64 || (pb::isinstance<pb::array>(q) &&
-                        pb::reinterpret_borrow<pb::array>(q).dtype().is(pb::dtype::of<double>()));
-  if (c.f64) {
+  c.f64 = inputs == Inputs::kFloat64 ||
+          (inputs == Inputs::kAuto && pb::isinstance<pb::array>(q) &&
+           pb::reinterpret_borrow<pb::array>(q).dtype().is(pb::dtype::of<double>()));
+  if (inputs == Inputs::kBf16 || inputs == Inputs::kF16) {
+    half_inputs(c, inputs, q, k, v);
+  } else if (c.f64) {
     c.q = as_array<double>(q, "q");
     c.k = as_array<double>(k, "k");
     c.v = as_array<double>(v, "v");
@@ -277,27 +255,43 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
             attention_temperature(*c.built.query_temperature, qp.at(b, i));
       }
     }
-    auto scale_rows = [&](auto tag) {
+    // A half q is widened exactly (to_float) and scaled into a float32 copy, as the float32 path
+    // scales the widened q: the mixed path then computes what the float32 path would.
+    auto scale_rows = [&](auto tag, auto src_tag) {
       using T = decltype(tag);
+      using S = decltype(src_tag);
       pb::array_t<T> scaled = new_array<T, 4>(c.qshape);
-      const auto src = view4<T>(c.q, "q", "");
+      const auto src = view4<S>(c.q, "q", "");
       const View<T, 4> dst = mutable_view<T, 4>(scaled);
       for (int64_t b = 0; b < c.qshape[0]; ++b)
         for (int64_t i = 0; i < c.qshape[1]; ++i) {
           const T f = static_cast<T>(c.query_factor[static_cast<std::size_t>(b * c.qshape[1] + i)]);
           for (int64_t h = 0; h < c.qshape[2]; ++h)
-            for (int64_t x = 0; x < c.qshape[3]; ++x) dst(b, i, h, x) = src(b, i, h, x) * f;
+            for (int64_t x = 0; x < c.qshape[3]; ++x) {
+              if constexpr (std::is_same_v<S, T>) {
+                dst(b, i, h, x) = src(b, i, h, x) * f;
+              } else {
+                dst(b, i, h, x) = to_float(src(b, i, h, x)) * f;
+              }
+            }
         }
       c.q = scaled;
     };
     if (c.f64) {
-      scale_rows(double{});
+      scale_rows(double{}, double{});
+    } else if (c.q_half && inputs == Inputs::kBf16) {
+      scale_rows(float{}, bf16{});
+    } else if (c.q_half) {
+      scale_rows(float{}, f16{});
     } else {
-      scale_rows(float{});
+      scale_rows(float{}, float{});
     }
+    c.q_half = false;
   }
   return c;
 }
+
+namespace {
 
 template <class T>
 pb::object forward(Call& c) {
@@ -457,7 +451,7 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
       "attention",
       [fwd_extra](const pb::object& q, const pb::object& k, const pb::object& v,
                   const pb::object& scheme, const pb::kwargs& kw) {
-        Call c = parse("attention", q, k, v, scheme, kw, false, fwd_extra);
+        Call c = parse("attention", q, k, v, scheme, kw, Inputs::kAuto, fwd_extra);
         return c.f64 ? forward<double>(c) : forward<float>(c);
       },
       arg("q"), arg("k"), arg("v"), arg("scheme") = pb::none(), kAttentionDoc);
@@ -465,7 +459,7 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
       "attention_grad",
       [grad_extra](const pb::object& q, const pb::object& k, const pb::object& v,
                    const pb::object& dout, const pb::object& scheme, const pb::kwargs& kw) {
-        Call c = parse("attention_grad", q, k, v, scheme, kw, false, grad_extra);
+        Call c = parse("attention_grad", q, k, v, scheme, kw, Inputs::kAuto, grad_extra);
         return c.f64 ? backward<double>(c, dout) : backward<float>(c, dout);
       },
       arg("q"), arg("k"), arg("v"), arg("dout"), arg("scheme") = pb::none(), kGradDoc);
@@ -473,7 +467,7 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
       "attention",
       [fwd_extra](const pb::object& q, const pb::object& k, const pb::object& v,
                   const pb::object& scheme, const pb::kwargs& kw) {
-        Call c = parse("attention", q, k, v, scheme, kw, true, fwd_extra);
+        Call c = parse("attention", q, k, v, scheme, kw, Inputs::kFloat64, fwd_extra);
         return forward<double>(c);
       },
       arg("q"), arg("k"), arg("v"), arg("scheme") = pb::none(),
@@ -483,7 +477,7 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
       "attention_grad",
       [grad_extra](const pb::object& q, const pb::object& k, const pb::object& v,
                    const pb::object& dout, const pb::object& scheme, const pb::kwargs& kw) {
-        Call c = parse("attention_grad", q, k, v, scheme, kw, true, grad_extra);
+        Call c = parse("attention_grad", q, k, v, scheme, kw, Inputs::kFloat64, grad_extra);
         return backward<double>(c, dout);
       },
       arg("q"), arg("k"), arg("v"), arg("dout"), arg("scheme") = pb::none(),
@@ -492,7 +486,7 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
       "attention_scores",
       [](const pb::object& q, const pb::object& k, const pb::object& scheme, int64_t batch_index,
          int64_t head, const pb::kwargs& kw) {
-        Call c = parse("attention_scores", q, k, k, scheme, kw, true, {});
+        Call c = parse("attention_scores", q, k, k, scheme, kw, Inputs::kFloat64, {});
         std::vector<double> s;
         {
           const auto qv = view4<double>(c.q, "q", ""), kv = view4<double>(c.k, "k", "");
@@ -515,7 +509,7 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
       "_time_attention",
       [fwd_extra](const pb::object& q, const pb::object& k, const pb::object& v,
                   const pb::object& scheme, int reps, const pb::kwargs& kw) {
-        Call c = parse("attention", q, k, v, scheme, kw, false, fwd_extra);
+        Call c = parse("attention", q, k, v, scheme, kw, Inputs::kAuto, fwd_extra);
         pb::array_t<float> out = new_array<float, 4>(c.qshape);
         const View<float, 4> ov = mutable_view<float, 4>(out);
         const auto qv = view4<float>(c.q, "q", ""), kv = view4<float>(c.k, "k", ""),

@@ -1,6 +1,7 @@
 // python/src/bind_encodings.cc - the encodings and index functions: sinusoidal, learned, RoPE
 // (frequencies, apply / inverse, q and k together, re-rotation, M-RoPE), ALiBi slopes, T5 / Shaw
-// / DeBERTa indices, the Transformer-XL sinusoid, model configs.
+// / DeBERTa indices, the Transformer-XL sinusoid, model configs. apply_rope's settings
+// (rope_setup, calls.h) serve the half-precision binding too (bind_half.cc).
 #include <pybind11/stl.h>
 
 #include <cmath>
@@ -8,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "py_common.h"
+#include "calls.h"
 
 namespace posenc::py {
 
@@ -153,28 +154,12 @@ RopeFrequencies make_freqs(const pb::object& config, std::optional<int64_t> head
   return rope_frequencies(c, seq_len, a);
 }
 
-// x as [batch, seq, heads, head_dim] (a 3-D [seq, heads, head_dim] gets a batch of 1).
-template <class T>
-View<T, 4> as4(const pb::array& a, const char* what) {
-  if (a.ndim() == 3) {
-    auto v = view_of<T, 3>(a, what, "");
-    return View<T, 4>{v.data,
-                      {1, v.shape[0], v.shape[1], v.shape[2]},
-                      {0, v.stride[0], v.stride[1], v.stride[2]}};
-  }
-  return view_of<T, 4>(a, what, "[batch, seq, heads, head_dim] or [seq, heads, head_dim]");
-}
+}  // namespace
 
-// The RoPE call shared by apply_rope / rope_inverse / ref.apply_rope.
-pb::array rope_call(const pb::handle& x, const pb::object& freqs, const pb::object& style,
-                    const pb::object& positions, bool inverse, bool inplace, const pb::object& out,
-                    int num_threads, int64_t rotary_dim, double base, const pb::object& scaling,
-                    std::optional<int64_t> seq_len, const std::string& angles,
-                    const pb::object& config, bool force_f64) {
-  const bool f64 =
-      force_f64 || (pb::isinstance<pb::array>(x) &&
-                    pb::reinterpret_borrow<pb::array>(x).dtype().is(pb::dtype::of<double>()));
-  pb::array xa = f64 ? as_array<double>(x, "x") : as_array<float>(x, "x");
+RopeSetup rope_setup(const pb::array& xa, const pb::object& freqs, const pb::object& style,
+                     const pb::object& positions, bool inverse, int64_t rotary_dim, double base,
+                     const pb::object& scaling, std::optional<int64_t> seq_len,
+                     const std::string& angles, const pb::object& config) {
   if (xa.ndim() != 3 && xa.ndim() != 4) {
     throw ShapeError("x: expected [batch, seq, heads, head_dim] or [seq, heads, head_dim], got " +
                      std::to_string(xa.ndim()) + " dimensions");
@@ -202,8 +187,27 @@ pb::array rope_call(const pb::handle& x, const pb::object& freqs, const pb::obje
   const RopeStyle st = !style.is_none() ? parse_style(style.cast<std::string>())
                        : model          ? model->rope.style
                                         : RopeStyle::kHalf;
-  const Direction dir = inverse ? Direction::kInverse : Direction::kForward;
-  const Positions* pp = pos ? &*pos : nullptr;
+  return RopeSetup{f, st, pos, inverse ? Direction::kInverse : Direction::kForward};
+}
+
+namespace {
+
+// The RoPE call shared by apply_rope / rope_inverse / ref.apply_rope.
+pb::array rope_call(const pb::handle& x, const pb::object& freqs, const pb::object& style,
+                    const pb::object& positions, bool inverse, bool inplace, const pb::object& out,
+                    int num_threads, int64_t rotary_dim, double base, const pb::object& scaling,
+                    std::optional<int64_t> seq_len, const std::string& angles,
+                    const pb::object& config, bool force_f64) {
+  const bool f64 =
+      force_f64 || (pb::isinstance<pb::array>(x) &&
+                    pb::reinterpret_borrow<pb::array>(x).dtype().is(pb::dtype::of<double>()));
+  pb::array xa = f64 ? as_array<double>(x, "x") : as_array<float>(x, "x");
+  const RopeSetup r = rope_setup(xa, freqs, style, positions, inverse, rotary_dim, base, scaling,
+                                 seq_len, angles, config);
+  const RopeFrequencies& f = r.freqs;
+  const RopeStyle st = r.style;
+  const Direction dir = r.direction;
+  const Positions* pp = r.pos();
   pb::array result;
   if (f64) {
     auto xv = as4<double>(xa, "x");
@@ -591,12 +595,7 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
                        num_threads, rotary_dim, base, scaling, seq_len, angles, config, force_f64);
     };
   };
-#define POSENC_ROPE_ARGS                                                                        \
-  arg("x"), arg("freqs") = pb::none(), pb::kw_only(), arg("style") = pb::none(),                \
-            arg("positions") = pb::none(), arg("inverse") = pb::none(), arg("inplace") = false, \
-            arg("out") = pb::none(), arg("num_threads") = 0, arg("rotary_dim") = 0,             \
-            arg("base") = 1e4, arg("scaling") = pb::none(), arg("seq_len") = pb::none(),        \
-            arg("angles") = "accurate", arg("config") = pb::none()
+#define POSENC_ROPE_ARGS arg("x"), arg("freqs") = pb::none(), pb::kw_only(), POSENC_ROPE_KEYWORDS
   m.def("apply_rope", rope_fn(false, false), POSENC_ROPE_ARGS, rope_doc);
   m.def("rope_inverse", rope_fn(true, false), POSENC_ROPE_ARGS,
         "rope_inverse(x, freqs=None, **kwargs): apply_rope(..., inverse=True), the exact "

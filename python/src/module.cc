@@ -8,7 +8,7 @@
 
 #include <filesystem>
 
-#include "py_common.h"
+#include "calls.h"
 
 namespace posenc::py {
 
@@ -111,4 +111,5 @@ PYBIND11_MODULE(_posenc, m) {
   bind_encodings(m, ref);
   bind_attention(m, ref);
   bind_extras(m);
+  bind_half(m);
 }
