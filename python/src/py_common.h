@@ -54,7 +54,12 @@ pb::array as_array(const pb::handle& obj, const char* what) {
   }
   try {
     static const pb::object& ascontig = py_attr("numpy", "ascontiguousarray");
-    return ascontig(obj, pb::dtype::of<T>());
+    pb::array a = ascontig(obj, pb::dtype::of<T>());
+    if (viewable<T>(a)) return a;
+    // Contiguous but unaligned data comes back from ascontiguousarray as itself: one aligned
+    // copy (numpy.array(copy=True) allocates a fresh buffer).
+    static const pb::object& array = py_attr("numpy", "array");
+    return array(a, pb::arg("copy") = true, pb::arg("order") = "C");
   } catch (pb::error_already_set& e) {
     throw pb::type_error(std::string(what) + ": cannot be converted to a " +
                          (sizeof(T) == 4 ? "float32" : "float64") + " array (" + e.what() + ")");

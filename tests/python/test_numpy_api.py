@@ -286,6 +286,21 @@ def test_zero_copy_by_data_pointer():
     assert addr(t.transpose(1, 2).numpy(), "float32") == t.data_ptr()
 
 
+def test_unaligned_contiguous_input_is_copied_once():
+    """A contiguous float32 array whose data is not 4-byte aligned (a buffer at an odd offset)
+    is converted to one aligned copy, with the same result as the aligned array."""
+    addr = posenc._posenc._viewed_address
+    rng = np.random.default_rng(17)
+    q = rng.standard_normal((1, 5, 2, 8)).astype(np.float32)
+    raw = np.zeros(q.nbytes + 1, np.uint8)
+    uq = np.frombuffer(raw.data, dtype=np.float32, count=q.size, offset=1).reshape(q.shape)
+    uq[...] = q
+    assert uq.__array_interface__["data"][0] % 4 != 0 and uq.flags.c_contiguous
+    assert addr(uq, "float32") % 4 == 0
+    np.testing.assert_array_equal(posenc.attention(uq, q, q, causal=True),
+                                  posenc.attention(q, q, q, causal=True))
+
+
 def test_non_contiguous_last_dimension_and_broadcast_inputs():
     rng = np.random.default_rng(8)
     q = rng.standard_normal((1, 4, 2, 16)).astype(np.float32)
