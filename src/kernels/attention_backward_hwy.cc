@@ -469,15 +469,19 @@ class BackwardKernel {
   }
   // GatherAt for a row-chunk buffer: also one blend of two loads for two runs, and one reversed
   // load for a descending run.
-  HWY_INLINE hn::Vec<DF> GatherRows(const float* table, const int32_t* a) const {
+  // rising = false: the addresses never rise (DeBERTa's c2p rows), the rising cases are not tested.
+  HWY_INLINE hn::Vec<DF> GatherRows(const float* table, const int32_t* a,
+                                    bool rising = true) const {
     const DF d;
     const DI di;
     const auto av = hn::Load(di, a);
-    if (hn::AllTrue(di, hn::Eq(av, hn::Iota(di, a[0])))) return hn::LoadU(d, table + a[0]);
+    if (rising && hn::AllTrue(di, hn::Eq(av, hn::Iota(di, a[0])))) {
+      return hn::LoadU(d, table + a[0]);
+    }
     if (hn::AllTrue(di, hn::Eq(av, hn::Set(di, a[0])))) return hn::Set(d, table[a[0]]);
     if (Descending(av, a[0])) return hn::Reverse(d, hn::LoadU(d, table + a[0] - (lanes_ - 1)));
     int64_t k = 0;
-    if (TwoRuns(a, k)) {
+    if (rising && TwoRuns(a, k)) {
       return hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(k)), hn::LoadU(d, table + a[0]),
                             hn::LoadU(d, table + a[k] - k));
     }
@@ -531,35 +535,6 @@ class BackwardKernel {
     }
   }
 
-  // DeBERTa's c2p rows never rise with the key position: one broadcast for a single row, one
-  // reversed load for a descending run (within a row chunk), a gather otherwise.
-  HWY_INLINE hn::Vec<DF> GatherFalling(const float* table, const int32_t* a) const {
-    const DF d;
-    const DI di;
-    const auto av = hn::Load(di, a);
-    if (hn::AllTrue(di, hn::Eq(av, hn::Set(di, a[0])))) return hn::Set(d, table[a[0]]);
-    if (Descending(av, a[0])) return hn::Reverse(d, hn::LoadU(d, table + a[0] - (lanes_ - 1)));
-    return hn::GatherIndex(d, table, av);
-  }
-  // ScatterAdd for the same addresses.
-  HWY_INLINE void ScatterAddFalling(float* table, const int32_t* a, hn::Vec<DF> v) const {
-    const DF d;
-    const DI di;
-    const auto av = hn::Load(di, a);
-    if (hn::AllTrue(di, hn::Eq(av, hn::Set(di, a[0])))) {
-      table[a[0]] += hn::GetLane(hn::SumOfLanes(d, v));
-      return;
-    }
-    if (Descending(av, a[0])) {
-      float* t0 = table + a[0] - (lanes_ - 1);
-      hn::StoreU(hn::Add(hn::LoadU(d, t0), hn::Reverse(d, v)), d, t0);
-      return;
-    }
-    HWY_ALIGN float tmp[HWY_MAX_BYTES / sizeof(float)];
-    hn::Store(v, d, tmp);
-    for (int64_t l = 0; l < lanes_; ++l) table[a[l]] += tmp[l];
-  }
-
   // XL, table rows u .. u + lanes - 1 of block row r in the row-chunk buffers: the address of u,
   // the address of the next chunk's row r, and how many lanes lie in u's chunk.
   struct XlRun {
@@ -573,9 +548,10 @@ class BackwardKernel {
   // table[a[l]] += v[l] for the lanes of one vector: one sum when every lane has the same index.
   // Consecutive ascending addresses (a linear stretch of a bucket table, or XL's distances) are
   // one vector load and store.
-  // rows: `table` is a row-chunk buffer (two-run addresses allowed, see TwoRuns).
-  HWY_INLINE void ScatterAdd(float* table, const int32_t* a, hn::Vec<DF> v,
-                             bool rows = false) const {
+  // rows: `table` is a row-chunk buffer (two-run addresses allowed, see TwoRuns). rising = false:
+  // the addresses never rise (DeBERTa's c2p rows), the rising cases are not tested.
+  HWY_INLINE void ScatterAdd(float* table, const int32_t* a, hn::Vec<DF> v, bool rows = false,
+                             bool rising = true) const {
     const DF d;
     const DI di;
     const auto av = hn::Load(di, a);
@@ -583,7 +559,7 @@ class BackwardKernel {
       table[a[0]] += hn::GetLane(hn::SumOfLanes(d, v));
       return;
     }
-    if (Consecutive(a)) {
+    if (rising && Consecutive(a)) {
       hn::StoreU(hn::Add(hn::LoadU(d, table + a[0]), v), d, table + a[0]);
       return;
     }
@@ -593,7 +569,7 @@ class BackwardKernel {
       return;
     }
     int64_t k = 0;
-    if (rows && TwoRuns(a, k)) {  // each element gets the same single addition
+    if (rising && rows && TwoRuns(a, k)) {  // each element gets the same single addition
       const auto m = hn::FirstN(d, static_cast<size_t>(k));
       hn::BlendedStore(hn::Add(hn::LoadU(d, table + a[0]), v), m, d, table + a[0]);
       float* t2 = table + a[k] - k;
@@ -1113,9 +1089,8 @@ class BackwardKernel {
               const auto a =
                   hn::Add(hn::Add(hn::Mul(hn::ShiftRight<6>(u), vcs), vrow), hn::And(u, v63));
               hn::Store(a, di, addr + c);
-              hn::Store(hn::Add(hn::Load(d, srow + c), deberta_ ? GatherFalling(rel1, addr + c)
-                                                                : GatherRows(rel1, addr + c)),
-                        d, srow + c);
+              hn::Store(hn::Add(hn::Load(d, srow + c), GatherRows(rel1, addr + c, !deberta_)), d,
+                        srow + c);
               if (shaw_ && p_.shaw_rel_v != nullptr) {
                 hn::Store(hn::Add(hn::Load(d, drow + c), GatherRows(rel2, addr + c)), d, drow + c);
               }
@@ -1211,11 +1186,7 @@ class BackwardKernel {
               w1[deb_a] += hn::GetLane(hn::SumOfLanes(d, sds));
               hn::StoreU(hn::Add(hn::LoadU(d, deb_w + c), sds), d, deb_w + c);
             } else if (shaw_ || deberta_ || xl_) {
-              if (deberta_) {
-                ScatterAddFalling(w1, addr + c, sds);
-              } else {
-                ScatterAdd(w1, addr + c, sds, xl_);
-              }
+              ScatterAdd(w1, addr + c, sds, xl_, /*rising=*/!deberta_);
             }
             if (shaw_ && b_.shaw_drel_v != nullptr)
               ScatterAdd(w2, addr + c, hn::Load(d, srow + c), true);
