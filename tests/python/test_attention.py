@@ -6,6 +6,8 @@ float32 tolerance (STYLE.md): max |posenc - ref64| <= 2 max |naive32 - ref64| + 
 where naive32 is the same PyTorch reference run in float32. float64: 1e-12 relative.
 """
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -35,7 +37,8 @@ def tol32(ref, naive):
 
 @pytest.mark.parametrize("scheme,variant,causal,pos", list(cases()))
 def test_forward_and_backward_against_the_pytorch_reference(scheme, variant, causal, pos):
-    c = Case(scheme, seed=hash((scheme, variant, causal, pos)) % 2**32, causal=causal,
+    seed = zlib.crc32(repr((scheme, variant, causal, pos)).encode())  # not hash(): salted per run
+    c = Case(scheme, seed=seed, causal=causal,
              variant=variant, positions=pos)
     dout, ref, naive, ref_grads, naive_grads = c.reference_grads(7)
     ref_out = ref.detach().numpy()

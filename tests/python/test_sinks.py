@@ -9,6 +9,7 @@ float32 tolerance as test_attention.py (STYLE.md): max |posenc - ref64| <= 2 max
 
 import json
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -40,7 +41,8 @@ def cases():
 
 @pytest.mark.parametrize("scheme,variant,causal,chunk,sinks", list(cases()))
 def test_sinks_and_chunk_against_the_pytorch_reference(scheme, variant, causal, chunk, sinks):
-    c = Case(scheme, seed=hash((scheme, variant, causal, chunk, sinks)) % 2**32, causal=causal,
+    seed = zlib.crc32(repr((scheme, variant, causal, chunk, sinks)).encode())  # not hash(): salted
+    c = Case(scheme, seed=seed, causal=causal,
              variant=variant, positions=True, sinks=sinks, chunk=chunk)
     if not sinks:
         c.kw["allow_fully_masked"] = True
