@@ -111,6 +111,23 @@ HWY_INLINE void WidenRow(FusedAttentionParams::Elem type, const uint16_t* src, f
   }
 }
 
+// Dot products of one key row kr against 4 query rows (qp, dim floats apart) over x < dv, one
+// accumulator per row (a[r] lane l: the sum over x = l mod lanes).
+template <class T>
+HWY_INLINE void DotAccumulate4(const float* HWY_RESTRICT qp, int64_t dim, int64_t dv, const T* kr,
+                               hn::Vec<DF>* a) {
+  const DF d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  a[0] = a[1] = a[2] = a[3] = hn::Zero(d);
+  for (int64_t x = 0; x < dv; x += n) {
+    const auto kv = LoadKV(d, kr + x);
+    a[0] = hn::MulAdd(hn::LoadU(d, qp + x), kv, a[0]);
+    a[1] = hn::MulAdd(hn::LoadU(d, qp + dim + x), kv, a[1]);
+    a[2] = hn::MulAdd(hn::LoadU(d, qp + 2 * dim + x), kv, a[2]);
+    a[3] = hn::MulAdd(hn::LoadU(d, qp + 3 * dim + x), kv, a[3]);
+  }
+}
+
 // S[r][c] = q_r . k_c straight from row-major keys (no transposition), for few rows (decoding):
 // each key row is loaded once and reduced against up to 4 query rows. Columns >= nk get 0.
 template <class T>
@@ -124,16 +141,10 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const T* k,
     const float* q0 = qp + r * dim;
     for (int64_t c = 0; c < nk; ++c) {
       const T* kr = k + c * kstride;
-      auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
-      for (int64_t x = 0; x < dv; x += n) {
-        const auto kv = LoadKV(d, kr + x);
-        a0 = hn::MulAdd(hn::LoadU(d, q0 + x), kv, a0);
-        a1 = hn::MulAdd(hn::LoadU(d, q0 + dim + x), kv, a1);
-        a2 = hn::MulAdd(hn::LoadU(d, q0 + 2 * dim + x), kv, a2);
-        a3 = hn::MulAdd(hn::LoadU(d, q0 + 3 * dim + x), kv, a3);
-      }
-      float t0 = hn::GetLane(hn::SumOfLanes(d, a0)), t1 = hn::GetLane(hn::SumOfLanes(d, a1));
-      float t2 = hn::GetLane(hn::SumOfLanes(d, a2)), t3 = hn::GetLane(hn::SumOfLanes(d, a3));
+      hn::Vec<DF> a[4];
+      DotAccumulate4(q0, dim, dv, kr, a);
+      float t0 = hn::GetLane(hn::SumOfLanes(d, a[0])), t1 = hn::GetLane(hn::SumOfLanes(d, a[1]));
+      float t2 = hn::GetLane(hn::SumOfLanes(d, a[2])), t3 = hn::GetLane(hn::SumOfLanes(d, a[3]));
       // Tails with explicit fused multiply-adds: the same bits whatever the compiler contracts
       // or vectorizes for each key type.
       for (int64_t x = dv; x < dim; ++x) {
@@ -256,16 +267,9 @@ HWY_INLINE void DotBlock(const float* HWY_RESTRICT qp, int64_t dim, const T* k, 
 template <class T>
 HWY_INLINE hn::Vec<DF> DotKey4(const float* HWY_RESTRICT qp, int64_t dim, int64_t dv, const T* kr) {
   const DF d;
-  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
-  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
-  for (int64_t x = 0; x < dv; x += n) {
-    const auto kv = LoadKV(d, kr + x);
-    a0 = hn::MulAdd(hn::LoadU(d, qp + x), kv, a0);
-    a1 = hn::MulAdd(hn::LoadU(d, qp + dim + x), kv, a1);
-    a2 = hn::MulAdd(hn::LoadU(d, qp + 2 * dim + x), kv, a2);
-    a3 = hn::MulAdd(hn::LoadU(d, qp + 3 * dim + x), kv, a3);
-  }
-  return FoldPairs(d, FoldHalves(d, a0, a1), FoldHalves(d, a2, a3));
+  hn::Vec<DF> a[4];
+  DotAccumulate4(qp, dim, dv, kr, a);
+  return FoldPairs(d, FoldHalves(d, a[0], a[1]), FoldHalves(d, a[2], a[3]));
 }
 #else
 constexpr bool kBlockedDecode = false;
@@ -277,7 +281,8 @@ constexpr bool kBlockedDecode = false;
 template <class T>
 HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t gstride,
                               int64_t nkv, const T* k, int64_t kstride, int64_t hstride, int64_t nk,
-                              float* HWY_RESTRICT s, float* HWY_RESTRICT part, const Ahead& ahead) {
+                              float* HWY_RESTRICT s, [[maybe_unused]] float* HWY_RESTRICT part,
+                              [[maybe_unused]] const Ahead& ahead) {
 #if HWY_TARGET != HWY_SCALAR
   if constexpr (kBlockedDecode) {
     if constexpr (sizeof(T) != 2) {
@@ -461,14 +466,12 @@ HWY_INLINE void AccumulateWideColumns(const float* HWY_RESTRICT pm, int64_t nk, 
 template <class T>
 HWY_INLINE void AccumulateWide(const float* HWY_RESTRICT pm, int64_t nk, const T* v,
                                int64_t vstride, int64_t hstride, int64_t nkv, int64_t gstride,
-                               int64_t dim, int64_t dpad, float* HWY_RESTRICT o,
-                               const Ahead& ahead) {
+                               int64_t dim, int64_t dpad, float* HWY_RESTRICT o) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = dim / n * n;
   constexpr int64_t kKeys = 4, kRows = 4;
   for (int64_t c = 0; c < nk; c += kKeys) {
-    for (int64_t j = c; j < c + kKeys; ++j) ahead.Row(j);
     const int64_t kb = std::min(kKeys, nk - c);
     for (int64_t g = 0; g < nkv; ++g) {
       for (int64_t r0 = g * gstride; r0 < (g + 1) * gstride; r0 += kRows) {
@@ -1231,7 +1234,7 @@ class Kernel {
         const int64_t vs1 = p_.v_stride[1], vs2 = p_.v_stride[2];
         if (vbase16 == nullptr) {
           AccumulateWide(sc.s.get(), nk, vbase + j0 * vs1, vs1, vs2, it.nkv, it.gstride, dim_,
-                         dpad_, sc.o.get(), kahead);
+                         dpad_, sc.o.get());
         } else {
           sc.seen.resize(static_cast<size_t>(it.rows / 4));
           SeenKeys(sc.s.get(), it.rows, nk, sc.seen.data());
