@@ -17,6 +17,7 @@
 #include <thread>
 #include <utility>
 
+#include "kernels/bf16_dot.h"
 #include "kernels/simd.h"
 #include "posenc/alibi.h"
 #include "posenc/attention.h"
@@ -949,8 +950,26 @@ Result bench_decode_half(const std::string& dtype, const AttentionShape& shape, 
   r.threads = threads;
   r.bytes = kv_bytes(shape) / 2;  // two bytes per element
   r.baselines = {"read_bandwidth", "copy_bandwidth"};
-  return dtype == "bf16" ? half_attention_entry<bf16>(std::move(r), w, threads, options)
-                         : half_attention_entry<f16>(std::move(r), w, threads, options);
+  if (dtype != "bf16") return half_attention_entry<f16>(std::move(r), w, threads, options);
+  r = half_attention_entry<bf16>(std::move(r), w, threads, options);
+  // bf16: whether the scores came from vdpbf16ps (AVX512_BF16, an AVX3 target) and, when they
+  // did, the time against the widening kernel on the same data (vs_widening, paired).
+  const int64_t rows = (shape.heads_q / shape.heads_kv * shape.seq_q + 3) / 4 * 4;
+  const bool dot = rows <= 8 && kernels::bf16_dot_used(rows) && simd_target().rfind("AVX3", 0) == 0;
+  r.extra.emplace_back("bf16_dot", dot ? 1.0 : 0.0);
+  if (dot) {
+    HalfAttention<bf16> h(w);
+    const PairTiming pt = measure_pair(
+        [&] {
+          kernels::set_bf16_dot_for_test(0);  // the widening kernel
+          h.run(threads);
+          kernels::set_bf16_dot_for_test(-1);
+        },
+        [&] { h.run(threads); }, options);
+    r.extra.emplace_back("vs_widening", pt.ratio);
+    r.extra.emplace_back("widening_median_s", pt.a.median_s);
+  }
+  return r;
 }
 
 Result bench_rope_half(const std::string& dtype, int64_t seq, int64_t heads, int64_t head_dim,
@@ -1036,6 +1055,12 @@ std::vector<Entry> suite(const SuiteOptions& options) {
     all.push_back({"decode_gqa_32x8_L" + std::to_string(decode_seq) + "_D128_" + t,
                    [=] { return bench_decode_half(t, decode, threads, timing); }});
   }
+  // GQA groups of 8 (Llama-3-70B's 64 query heads over 8 kv heads): 8 query rows per kv head,
+  // where the AVX512_BF16 scores are used (kernels/bf16_dot.h).
+  AttentionShape decode8 = decode;
+  decode8.heads_q = 64;
+  all.push_back({"decode_gqa_64x8_L" + std::to_string(decode_seq) + "_D128_bf16",
+                 [=] { return bench_decode_half("bf16", decode8, threads, timing); }});
   all.push_back({attention_name("none", attn) + "_bf16",
                  [=] { return bench_attention_half("bf16", attn, threads, timing); }});
   all.push_back({"rope_neox_" + dims_name(rope_seq, 32, 128) + "_bf16",

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "harness.h"
+#include "kernels/bf16_dot.h"
 #include "posenc/attention.h"
 #include "test_util.h"
 
@@ -33,6 +34,10 @@ double extra(const pb::Result& r, const std::string& key) {
   }
   ADD_FAILURE() << r.name << ": no field " << key;
   return 0;
+}
+
+bool has_extra(const pb::Result& r, const std::string& key) {
+  return std::any_of(r.extra.begin(), r.extra.end(), [&](const auto& e) { return e.first == key; });
 }
 
 TEST(BenchMeasure, RepeatsUntilMinRepsAndReportsMedianAndMin) {
@@ -220,6 +225,21 @@ TEST(BenchEntries, AttentionDecodeRopeAndPeakMemoryReportTheirFields) {
   EXPECT_EQ(hdec.name, "decode_gqa_8x2_L32_D16_bf16");
   EXPECT_DOUBLE_EQ(hdec.bytes, 2.0 * 2 * 32 * 2 * 16);
   EXPECT_GT(extra(hdec, "vs_float32"), 0);
+  // Which score path ran, and with vdpbf16ps its paired ratio to the widening kernel.
+  const bool dot = posenc::kernels::bf16_dot_used(4) && pb::simd_target().rfind("AVX3", 0) == 0;
+  EXPECT_EQ(extra(hdec, "bf16_dot"), dot ? 1.0 : 0.0);
+  if (dot) {
+    EXPECT_GT(extra(hdec, "vs_widening"), 0);
+  }
+  pb::AttentionShape d8 = d;  // 8 query rows per kv head
+  d8.heads_q = 16;
+  const pb::Result hdec8 = pb::bench_decode_half("bf16", d8, 1, tiny_timing());
+  EXPECT_EQ(hdec8.name, "decode_gqa_16x2_L32_D16_bf16");
+  EXPECT_EQ(
+      extra(hdec8, "bf16_dot"),
+      posenc::kernels::bf16_dot_used(8) && pb::simd_target().rfind("AVX3", 0) == 0 ? 1.0 : 0.0);
+  const pb::Result fdec = pb::bench_decode_half("f16", d, 1, tiny_timing());
+  EXPECT_FALSE(has_extra(fdec, "bf16_dot"));
   const pb::Result hatt = pb::bench_attention_half("f16", s, 1, tiny_timing());
   EXPECT_EQ(hatt.name, "attention_none_causal_L32_H2_D16_f16");
   EXPECT_GT(extra(hatt, "vs_float32"), 0);
@@ -267,9 +287,10 @@ TEST(BenchSuite, NamesFollowTheContract) {
   const std::vector<std::string> quick = names(true);
   EXPECT_NE(std::find(quick.begin(), quick.end(), "attention_none_causal_L512_H8_D128"),
             quick.end());
-  EXPECT_EQ(names(false, "decode"), (std::vector<std::string>{"decode_gqa_32x8_L32768_D128",
-                                                              "decode_gqa_32x8_L32768_D128_bf16",
-                                                              "decode_gqa_32x8_L32768_D128_f16"}));
+  EXPECT_EQ(names(false, "decode"),
+            (std::vector<std::string>{
+                "decode_gqa_32x8_L32768_D128", "decode_gqa_32x8_L32768_D128_bf16",
+                "decode_gqa_32x8_L32768_D128_f16", "decode_gqa_64x8_L32768_D128_bf16"}));
   EXPECT_TRUE(names(false, "no such entry").empty());
 }
 

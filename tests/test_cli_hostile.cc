@@ -97,6 +97,17 @@ TEST_F(Hostile, AllocationsBeyondTheLimitNameTheSize) {
   EXPECT_EQ(sh("POSENC_MAX_BYTES=1M", "sinusoidal --length 1024 --dim 64 --out pe.npy").status, 0);
 }
 
+// Kernel switches from the environment are validated on every processor.
+TEST_F(Hostile, BadKernelSwitchesAreRefused) {
+  write_qkv();
+  const std::string att = "attention --q q.npy --k k.npy --v v.npy --scheme none --out o.npy";
+  expect_refused(att, {"POSENC_BF16_DOT", "'2'", "auto, 0 or 1"}, "POSENC_BF16_DOT=2");
+  expect_refused(att, {"POSENC_SIMD_TARGET", "'AVX9'"}, "POSENC_SIMD_TARGET=AVX9");
+  for (const char* ok : {"POSENC_BF16_DOT=0", "POSENC_BF16_DOT=1", "POSENC_BF16_DOT=auto"}) {
+    EXPECT_EQ(sh(ok, att).status, 0) << ok;
+  }
+}
+
 TEST_F(Hostile, HugeDimensionsAreOutOfRange) {
   expect_refused("sinusoidal --length 1 --dim 4611686018427387904 --out pe.npy",
                  {"--dim", "4611686018427387904", "outside"});

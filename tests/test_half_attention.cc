@@ -4,18 +4,24 @@
 // attention of the widened inputs rounded once to the output type, bit for bit: every scheme,
 // prefill and decoding (dot products on the half-precision key and value rows), GQA, mixed
 // float32 q with a half KV cache, strided views, every compiled Highway target, 1/2/3 threads.
+// Decoding with a bf16 query and cache on a processor with AVX512_BF16 would use vdpbf16ps for
+// the scores (another summation order; tests/test_bf16_dot.cc): these tests turn it off to
+// compare the widening kernel bit for bit.
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "attention_cases.h"
 #include "hwy/targets.h"
+#include "kernels/bf16_dot.h"
 #include "kernels/simd.h"
 #include "posenc/posenc.h"
 
 namespace {
 
 using namespace posenc;
+
+[[maybe_unused]] const bool kWideningKernel = (kernels::set_bf16_dot_for_test(0), true);
 
 struct Shape {
   int64_t batch, seq_q, seq_k, heads_q, heads_kv, dim;

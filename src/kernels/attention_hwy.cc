@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kernels/attention_kernels.h"
+#include "kernels/bf16_dot.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
 #include "posenc/half.h"
@@ -59,7 +60,9 @@ struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> qp, kt, vt, s, o, extra, extra2, part;
   hwy::AlignedFreeUniquePtr<int32_t[]> kpos;
   std::vector<float> m, l, wsum;
-  std::vector<uint64_t> seen;  // decoding: SeenKeys
+  std::vector<uint64_t> seen;                // decoding: SeenKeys
+  hwy::AlignedFreeUniquePtr<uint16_t[]> qb;  // decoding with vdpbf16ps: bf16 query rows
+  size_t qb_n = 0;
   size_t qp_n = 0, kt_n = 0, vt_n = 0, s_n = 0, o_n = 0, extra_n = 0, extra2_n = 0, part_n = 0;
 
   static void Ensure(hwy::AlignedFreeUniquePtr<float[]>& p, size_t& have, size_t want) {
@@ -574,6 +577,16 @@ class Kernel {
     // depend on the thread count.
     use_dot_ = RoundUp(group_ * std::min(bq_, p_.seq_q), 4) <= 8;
     wide_ = use_dot_;
+    // Decoding from a bf16 cache with a bf16 query, on a processor with AVX512_BF16: scores by
+    // vdpbf16ps on the stored bits (bf16_dot.h). Not with RoPE in the kernel or Transformer-XL,
+    // whose query and key rows are float32 by then.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    bf16dot_ = use_dot_ && p_.q16 != nullptr && p_.k16 != nullptr &&
+               p_.q_type == FusedAttentionParams::Elem::kBF16 &&
+               p_.kv_type == FusedAttentionParams::Elem::kBF16 && p_.rope.cs == nullptr &&
+               p_.xl_sin == nullptr && bf16_dot_used(RoundUp(group_ * std::min(bq_, p_.seq_q), 4));
+#endif
+    qb_stride_ = RoundUp(dim_, 32);
     const int64_t units = wide_ ? p_.batch : groups;
     // Decoding shapes: few items over many keys. Split each item's keys into fixed chunks
     // (depending on the shape only) and merge; otherwise one item = all keys.
@@ -1030,6 +1043,14 @@ class Kernel {
     Scratch::Ensure(sc.qp, sc.qp_n, static_cast<size_t>(alloc_rows * dim_));
     float* qp = sc.qp.get();
     std::fill(qp, qp + alloc_rows * dim_, 0.0f);
+    if (bf16dot_) {
+      const size_t want = static_cast<size_t>(alloc_rows * qb_stride_);
+      if (sc.qb_n < want) {
+        sc.qb = hwy::AllocateAligned<uint16_t>(want);
+        sc.qb_n = want;
+      }
+      std::fill(sc.qb.get(), sc.qb.get() + want, uint16_t{0});
+    }
     for (int64_t r = 0; r < it.rows; ++r) {
       if (!Valid(it, r)) continue;
       const int64_t h = HeadOf(it, r), i = QueryOf(it, r);
@@ -1037,6 +1058,7 @@ class Kernel {
       const float* src = qp + r * dim_;
       if (p_.q16 != nullptr) {
         WidenRow(p_.q_type, p_.q16 + at, qp + r * dim_, dim_);
+        if (bf16dot_) std::memcpy(sc.qb.get() + r * qb_stride_, p_.q16 + at, 2 * dim_);
       } else {
         src = p_.q + at;
       }
@@ -1172,13 +1194,14 @@ class Kernel {
       }
       Ahead vahead, kahead;  // decoding: see Ahead
       if (dot) {
-        Scratch::Ensure(sc.part, sc.part_n, static_cast<size_t>(it.nkv * it.gstride * lanes_));
+        Scratch::Ensure(sc.part, sc.part_n,
+                        static_cast<size_t>(it.nkv * it.gstride * std::max<int64_t>(lanes_, 16)));
         const int64_t kat = it.b * p_.k_stride[0] + it.hk * p_.k_stride[2] + j0 * p_.k_stride[1];
         int64_t ks1 = p_.k_stride[1], ks2 = p_.k_stride[2];
-        if (p_.k16 != nullptr && p_.v16 != nullptr) {
+        if (p_.k16 != nullptr && p_.v16 != nullptr && (!bf16dot_ || bf16_dot_prefetch())) {
           // A half-precision cache: the tile's values fetched during its dot products, the next
           // tile's keys during its values. (A float32 cache, twice the bytes per key, read
-          // slower with them: measured.)
+          // slower with them: measured. The vdpbf16ps scores on Intel too: bf16_dot.h.)
           vahead = {reinterpret_cast<const char*>(vbase16 + j0 * p_.v_stride[1]),
                     nk,
                     p_.v_stride[1] * 2,
@@ -1214,6 +1237,14 @@ class Kernel {
         } else if (p_.k16 == nullptr) {
           DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv, p_.k + kat, ks1, ks2, nk, sc.s.get(),
                         sc.part.get(), vahead);
+        } else if (bf16dot_) {
+          const PrefetchRows pr{vahead.p,       vahead.n,     vahead.stride,
+                                vahead.hstride, vahead.heads, vahead.bytes};
+          decode_scores_bf16_dot(sc.qb.get(), qb_stride_, dim_, it.gstride, it.nkv, p_.k16 + kat,
+                                 ks1, ks2, nk, sc.s.get(), kTileK, sc.part.get(), pr);
+          for (int64_t r = 0; r < it.nkv * it.gstride; ++r) {
+            std::fill(sc.s.get() + r * kTileK + nk, sc.s.get() + (r + 1) * kTileK, 0.0f);
+          }
         } else if (p_.kv_type == FusedAttentionParams::Elem::kBF16) {
           DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
                         reinterpret_cast<const bf16*>(p_.k16 + kat), ks1, ks2, nk, sc.s.get(),
@@ -1591,7 +1622,8 @@ class Kernel {
   const FusedAttentionParams& p_;
   int64_t lanes_ = 1, dim_ = 0, dpad_ = 0, group_ = 1, bq_ = 1, nqb_ = 0, ntiles_ = 0;
   int64_t splits_ = 1, chunk_ = 0;
-  bool use_dot_ = false, wide_ = false;
+  bool use_dot_ = false, wide_ = false, bf16dot_ = false;
+  int64_t qb_stride_ = 0;  // bf16 query rows (bf16dot_): dim rounded up to 32
   std::vector<Scratch> scratch_;
   // DeBERTa and XL tables (see PrepareDeberta / PrepareXl).
   int64_t deb_tiles_ = 0, deb_rows_ = 0, seq_k_pad_ = 0, xl_tiles_ = 0, dim4_ = 0;

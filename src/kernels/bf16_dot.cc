@@ -1,0 +1,133 @@
+// src/kernels/bf16_dot.cc - decoding scores with vdpbf16ps (see bf16_dot.h).
+//
+// Compiled with AVX512_BF16 enabled (src/CMakeLists.txt) when the compiler supports it, and then
+// only called after the run-time check in simd.cc. Nothing in this file may run on a processor
+// without AVX-512: it has no static initializers and no entry points other than the kernel.
+//
+// Layout of the work, as in the Highway decoding kernel's half-precision path: keys are read in
+// memory order, key by key and, within a key, head by head (one contiguous run per key of a
+// [seq, heads, dim] cache). For each (key, head, block of 4 query rows) the 4 accumulators of
+// 16 lanes are folded into one vector whose quarter r holds row r's 4 partial sums; after 4 keys
+// the 4 folded vectors are transposed and added within their 128-bit quarters, which leaves
+// row r's scores for the 4 keys in quarter r, stored with one 4-float store per row.
+#include "kernels/bf16_dot.h"
+
+#if defined(POSENC_HAVE_BF16_DOT) && defined(__AVX512BF16__)
+// GCC 12 reports the intrinsics' own undefined-vector placeholders (_mm512_undefined_*) as
+// "may be used uninitialized" where they are inlined: a false positive of the headers.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace posenc::kernels {
+namespace {
+
+// Quarters [x0 + x2, x1 + x3, y0 + y2, y1 + y3] (quarter = 4 lanes).
+inline __m512 FoldHalves(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// 4 rows' accumulators to one vector: quarter r = row r's 4 partial sums.
+inline __m512 Fold4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 h01 = FoldHalves(a0, a1), h23 = FoldHalves(a2, a3);
+  return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// p[j] quarter r = row r's partial sums for key j: lane 4 r + j of the result is their total.
+inline __m512 Transpose4(const float* p) {
+  const __m512 p0 = _mm512_loadu_ps(p), p1 = _mm512_loadu_ps(p + 16);
+  const __m512 p2 = _mm512_loadu_ps(p + 32), p3 = _mm512_loadu_ps(p + 48);
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(p0, p1), _mm512_unpackhi_ps(p0, p1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(p2, p3), _mm512_unpackhi_ps(p2, p3));
+  return _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+inline void Prefetch(const PrefetchRows& a, int64_t i) {
+  if (i >= a.n) return;
+  if (a.hstride == a.bytes) {  // the heads of a row are one run
+    const char* r = a.p + i * a.stride;
+    for (int64_t b = 0; b < a.heads * a.bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
+    return;
+  }
+  for (int64_t g = 0; g < a.heads; ++g) {
+    const char* r = a.p + i * a.stride + g * a.hstride;
+    for (int64_t b = 0; b < a.bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
+  }
+}
+
+// Row block (4 query rows qb, q_stride apart) against one key row kr: the folded vector.
+inline __m512 Key4(const uint16_t* qb, int64_t q_stride, int64_t dim, const uint16_t* kr) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t x = 0;
+  for (; x + 32 <= dim; x += 32) {
+    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kr + x);
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(qb + x), kv);
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(qb + q_stride + x), kv);
+    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(qb + 2 * q_stride + x), kv);
+    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(qb + 3 * q_stride + x), kv);
+  }
+  if (x < dim) {
+    // The key's tail by a masked load (nothing past the row is read); q holds zeros there.
+    const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << (dim - x)) - 1);
+    const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, kr + x);
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(qb + x), kv);
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(qb + q_stride + x), kv);
+    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(qb + 2 * q_stride + x), kv);
+    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(qb + 3 * q_stride + x), kv);
+  }
+  return Fold4(a0, a1, a2, a3);
+}
+
+}  // namespace
+
+void decode_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim,
+                            int64_t rows_per_head, int64_t heads, const uint16_t* k,
+                            int64_t kstride, int64_t hstride, int64_t nk, float* s,
+                            int64_t s_stride, float* part, const PrefetchRows& ahead) {
+  const int64_t blocks_per_head = rows_per_head / 4, blocks = heads * blocks_per_head;
+  for (int64_t c0 = 0; c0 < nk; c0 += 4) {
+    const int64_t kb = std::min<int64_t>(4, nk - c0);
+    for (int64_t j = 0; j < 4; ++j) {
+      Prefetch(ahead, c0 + j);
+      // Past kb: the last key again, its scores land in columns the caller overwrites.
+      const uint16_t* kr = k + (c0 + std::min(j, kb - 1)) * kstride;
+      for (int64_t g = 0; g < heads; ++g) {
+        for (int64_t b = 0; b < blocks_per_head; ++b) {
+          const int64_t blk = g * blocks_per_head + b;
+          _mm512_storeu_ps(part + (blk * 4 + j) * 16,
+                           Key4(qb + blk * 4 * q_stride, q_stride, dim, kr + g * hstride));
+        }
+      }
+    }
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const __m512 t = Transpose4(part + blk * 64);
+      float* row = s + blk * 4 * s_stride + c0;
+      _mm_storeu_ps(row, _mm512_extractf32x4_ps(t, 0));
+      _mm_storeu_ps(row + s_stride, _mm512_extractf32x4_ps(t, 1));
+      _mm_storeu_ps(row + 2 * s_stride, _mm512_extractf32x4_ps(t, 2));
+      _mm_storeu_ps(row + 3 * s_stride, _mm512_extractf32x4_ps(t, 3));
+    }
+  }
+}
+
+}  // namespace posenc::kernels
+
+#else  // no AVX512_BF16 in this build: never called (bf16_dot_supported() is false)
+
+#include "posenc/error.h"
+
+namespace posenc::kernels {
+
+void decode_scores_bf16_dot(const uint16_t*, int64_t, int64_t, int64_t, int64_t, const uint16_t*,
+                            int64_t, int64_t, int64_t, float*, int64_t, float*,
+                            const PrefetchRows&) {
+  throw Error("internal: decode_scores_bf16_dot called in a build without AVX512_BF16");
+}
+
+}  // namespace posenc::kernels
+
+#endif

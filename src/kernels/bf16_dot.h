@@ -1,0 +1,66 @@
+// src/kernels/bf16_dot.h - decoding scores with the processor's bf16 dot-product instruction.
+//
+// On x86-64 processors with AVX512_BF16 (Zen 4, Sapphire Rapids and later) `vdpbf16ps` multiplies
+// pairs of bf16 values and adds both products to a float32 accumulator. Products of two bf16
+// values are exact in float32 (8 + 8 significant bits), so the instruction computes the same
+// terms as widening both operands to float32 and using fused multiply-adds; only the summation
+// order differs (pairs of adjacent elements per lane), and, as the instruction is defined,
+// subnormal inputs are read as zero and subnormal sums flushed to zero. Decoding from a bf16
+// cache with a bf16 query uses it for the q . k scores when the processor has it and the shape
+// gains from it (bf16_dot_policy; the kernel below is compiled for AVX512_BF16 in its own
+// translation unit and called only after the run-time check); values, softmax and accumulation
+// stay as in the float32 kernel. See docs/precision.md.
+#pragma once
+
+#include <cstdint>
+
+namespace posenc::kernels {
+
+// Rows fetched into L2 ahead of their use while the scores are computed (one row per key): the
+// decoding kernel's values of the same tile.
+struct PrefetchRows {
+  const char* p = nullptr;  // row 0
+  int64_t n = 0;            // rows
+  int64_t stride = 0;       // bytes between rows
+  int64_t hstride = 0;      // bytes between heads of a row
+  int64_t heads = 0, bytes = 0;
+};
+
+// True when this build has the kernel and the processor and the OS support AVX512_BF16.
+bool bf16_dot_supported();
+
+// When decoding uses these scores (POSENC_BF16_DOT: unset or "auto", "1", "0"):
+//   kAuto: when each kv head has 8 query-row slots (5 to 8 rows: a GQA group of 5 to 8 heads
+//     at one token, or of 3 or 4 heads at two tokens), where the scores are a large part of the
+//     work. Measured on a Sapphire Rapids, 2 threads, 32768 bf16 keys (DRAM-bound): against the
+//     widening kernel 0.94x (64 q / 8 kv heads) and 0.99x (32 / 8, two tokens), but 1.10-1.14x
+//     with 4 rows per kv head (32 / 8, one token), where the widening kernel's slower score pass
+//     hides more of the memory traffic; with the cache in L3, 0.79-0.94x for either.
+//   kOn: in every decoding shape with a bf16 query and cache.
+//   kOff: never (kOff too where the processor lacks AVX512_BF16).
+enum class Bf16Dot { kOff, kAuto, kOn };
+Bf16Dot bf16_dot_policy();
+// Whether decoding with rows_per_kv_head query-row slots (a multiple of 4) uses these scores.
+bool bf16_dot_used(int64_t rows_per_kv_head);
+// For tests and benchmarks: 0 kOff, 1 kOn, 2 kAuto, -1 back to the environment's choice.
+void set_bf16_dot_for_test(int mode);
+// Whether decoding with these scores fetches the tile's values (and the next tile's keys) into
+// L2 ahead of their use, as the widening kernel does: not on Intel processors. Measured on a
+// Sapphire Rapids (2 threads, 4 rows per kv head, 32768 keys): against the widening kernel
+// 0.93-0.95x without, 1.08-1.13x with; on AMD Zen 3 turning the widening kernel's prefetch off
+// doubles the time, so AMD keeps it.
+bool bf16_dot_prefetch();
+
+// S[g * rows_per_head + r][c] (rows s_stride floats apart) = q_{g, r} . k_{c, g} for kv heads
+// g < heads, rows r < rows_per_head (a multiple of 4) and keys c < nk; columns c in
+// [nk, RoundUp(nk, 4)) may be written with anything. q: bf16 bits, row (g * rows_per_head + r)
+// at qb + row * q_stride, dim values then zeros up to RoundUp(dim, 32) (q_stride >= that).
+// k: bf16 bits, key c of head g at k + c * kstride + g * hstride (dim values; nothing past them
+// is read). part: scratch of heads * rows_per_head * 16 floats. Row r of the
+// ahead rows is fetched while key r is read. Call only when bf16_dot_supported().
+void decode_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim,
+                            int64_t rows_per_head, int64_t heads, const uint16_t* k,
+                            int64_t kstride, int64_t hstride, int64_t nk, float* s,
+                            int64_t s_stride, float* part, const PrefetchRows& ahead);
+
+}  // namespace posenc::kernels
