@@ -156,6 +156,28 @@ HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const f
         hn::StoreU(a30, d, o0 + 3 * os + x0), hn::StoreU(a31, d, o0 + 3 * os + x0 + n);
         hn::StoreU(a32, d, o0 + 3 * os + x0 + 2 * n);
         hn::StoreU(a33, d, o0 + 3 * os + x0 + 3 * n);
+      } else if (nv == 2) {
+        // Two vectors x 4 rows: 8 independent accumulators (AVX2: 16 registers), enough to keep
+        // both FMA pipes busy; each element is the same chain of fused multiply-adds in key
+        // order as one vector at a time.
+        auto a00 = hn::LoadU(d, o0 + x0), a01 = hn::LoadU(d, o0 + x0 + n);
+        auto a10 = hn::LoadU(d, o0 + os + x0), a11 = hn::LoadU(d, o0 + os + x0 + n);
+        auto a20 = hn::LoadU(d, o0 + 2 * os + x0), a21 = hn::LoadU(d, o0 + 2 * os + x0 + n);
+        auto a30 = hn::LoadU(d, o0 + 3 * os + x0), a31 = hn::LoadU(d, o0 + 3 * os + x0 + n);
+        for (int64_t c = 0; c < nk; ++c) {
+          const float* vr = v + c * vstride + x0;
+          const auto v0 = hn::LoadU(d, vr), v1 = hn::LoadU(d, vr + n);
+          const auto b0 = hn::Set(d, p0[c]), b1 = hn::Set(d, p0[ps + c]),
+                     b2 = hn::Set(d, p0[2 * ps + c]), b3 = hn::Set(d, p0[3 * ps + c]);
+          a00 = hn::MulAdd(b0, v0, a00), a01 = hn::MulAdd(b0, v1, a01);
+          a10 = hn::MulAdd(b1, v0, a10), a11 = hn::MulAdd(b1, v1, a11);
+          a20 = hn::MulAdd(b2, v0, a20), a21 = hn::MulAdd(b2, v1, a21);
+          a30 = hn::MulAdd(b3, v0, a30), a31 = hn::MulAdd(b3, v1, a31);
+        }
+        hn::StoreU(a00, d, o0 + x0), hn::StoreU(a01, d, o0 + x0 + n);
+        hn::StoreU(a10, d, o0 + os + x0), hn::StoreU(a11, d, o0 + os + x0 + n);
+        hn::StoreU(a20, d, o0 + 2 * os + x0), hn::StoreU(a21, d, o0 + 2 * os + x0 + n);
+        hn::StoreU(a30, d, o0 + 3 * os + x0), hn::StoreU(a31, d, o0 + 3 * os + x0 + n);
       } else {
         for (int64_t xv = 0; xv < nv; ++xv) {
           const int64_t x = x0 + xv * n;
