@@ -29,6 +29,10 @@ constexpr int64_t kTileK = 64;
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Targets with 16 vector registers of 8 floats (AVX2) also run the score and P.V micro-kernels
+// on blocks of 6 rows (12 accumulators).
+constexpr bool kSixRows = HWY_MAX_BYTES == 32 && HWY_TARGET != HWY_SCALAR;
+
 // S[r][c] = sum_{k < dim} Qp[r][k] * Kt[k][c] for r < rows_pad (multiple of 4), c < kTileK; Qp
 // rows qs floats apart (0: dim), S rows ss apart; accumulate: S += instead of S =.
 HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const float* HWY_RESTRICT kt,
@@ -40,7 +44,40 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
   // Column chunk: 4 vectors when registers allow (AVX-512: 32 registers), else 2.
   const int64_t cv = HWY_MAX_BYTES >= 64 ? 4 : 2;
   const int64_t chunk = cv * n;
-  for (int64_t r = 0; r < rows_pad; r += 4) {
+  int64_t r = 0;
+  if constexpr (kSixRows) {
+    // 6 rows x 2 vectors: 12 accumulators (of 16 registers), so that 12 independent chains of
+    // fused multiply-adds cover their latency; the rest in blocks of 4. Each score is the same
+    // chain in k order either way.
+    for (const int64_t end = rows_pad / 12 * 12; r < end; r += 6) {
+      const float* q0 = qp + r * qs;
+      for (int64_t c0 = 0; c0 < kTileK; c0 += 2 * n) {
+        hn::Vec<DF> a[6][2];
+        float* s0 = s + r * ss + c0;
+        HWY_UNROLL(6)
+        for (int64_t i = 0; i < 6; ++i) {
+          a[i][0] = accumulate ? hn::LoadU(d, s0 + i * ss) : hn::Zero(d);
+          a[i][1] = accumulate ? hn::LoadU(d, s0 + i * ss + n) : hn::Zero(d);
+        }
+        for (int64_t k = 0; k < dim; ++k) {
+          const float* kr = kt + k * kTileK + c0;
+          const auto k0 = hn::Load(d, kr), k1 = hn::Load(d, kr + n);
+          HWY_UNROLL(6)
+          for (int64_t i = 0; i < 6; ++i) {
+            const auto b = hn::Set(d, q0[i * qs + k]);
+            a[i][0] = hn::MulAdd(b, k0, a[i][0]);
+            a[i][1] = hn::MulAdd(b, k1, a[i][1]);
+          }
+        }
+        HWY_UNROLL(6)
+        for (int64_t i = 0; i < 6; ++i) {
+          hn::StoreU(a[i][0], d, s0 + i * ss);
+          hn::StoreU(a[i][1], d, s0 + i * ss + n);
+        }
+      }
+    }
+  }
+  for (; r < rows_pad; r += 4) {
     const float* q0 = qp + r * qs;
     for (int64_t c0 = 0; c0 < kTileK; c0 += chunk) {
       const int64_t nv = std::min<int64_t>(cv, (kTileK - c0) / n);
@@ -115,7 +152,41 @@ HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const f
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = HWY_MAX_BYTES >= 64 ? 4 : 2;
   if (os == 0) os = dpad;
-  for (int64_t r = 0; r < rows_pad; r += 4) {
+  int64_t r = 0;
+  if constexpr (kSixRows) {
+    // 6 rows x 2 vectors (see ScoresTile); dpad is a multiple of 2 vectors here or the rest of
+    // the row goes to the blocks of 4 below.
+    if (dpad % (2 * n) == 0) {
+      for (const int64_t end = rows_pad / 12 * 12; r < end; r += 6) {
+        const float* p0 = pm + r * ps;
+        float* o0 = o + r * os;
+        for (int64_t x0 = 0; x0 < dpad; x0 += 2 * n) {
+          hn::Vec<DF> a[6][2];
+          HWY_UNROLL(6)
+          for (int64_t i = 0; i < 6; ++i) {
+            a[i][0] = hn::LoadU(d, o0 + i * os + x0);
+            a[i][1] = hn::LoadU(d, o0 + i * os + x0 + n);
+          }
+          for (int64_t c = 0; c < nk; ++c) {
+            const float* vr = v + c * vstride + x0;
+            const auto v0 = hn::LoadU(d, vr), v1 = hn::LoadU(d, vr + n);
+            HWY_UNROLL(6)
+            for (int64_t i = 0; i < 6; ++i) {
+              const auto b = hn::Set(d, p0[i * ps + c]);
+              a[i][0] = hn::MulAdd(b, v0, a[i][0]);
+              a[i][1] = hn::MulAdd(b, v1, a[i][1]);
+            }
+          }
+          HWY_UNROLL(6)
+          for (int64_t i = 0; i < 6; ++i) {
+            hn::StoreU(a[i][0], d, o0 + i * os + x0);
+            hn::StoreU(a[i][1], d, o0 + i * os + x0 + n);
+          }
+        }
+      }
+    }
+  }
+  for (; r < rows_pad; r += 4) {
     const float* p0 = pm + r * ps;
     float* o0 = o + r * os;
     for (int64_t x0 = 0; x0 < dpad; x0 += dv * n) {
