@@ -176,30 +176,7 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const T* k,
 // lanes use DotScores.
 constexpr size_t kLanesMax = HWY_LANES(float);
 
-// Rows the decoding kernels fetch into L2 ahead of their use, one per key while they work on the
-// other operand: the values of a tile during its dot products, the next tile's keys during its
-// values, so that each pass finds its rows in L2 instead of restarting the hardware prefetcher on
-// every tile (which halved the rate at which a decoding step read a bf16 cache).
-struct Ahead {
-  const char* p = nullptr;  // row 0
-  int64_t n = 0;            // rows
-  int64_t stride = 0;       // bytes between rows
-  int64_t hstride = 0;      // bytes between heads of a row
-  int64_t heads = 0, bytes = 0;
-
-  HWY_INLINE void Row(int64_t i) const {
-    if (i >= n) return;
-    if (hstride == bytes) {  // the heads of a row are one run
-      const char* r = p + i * stride;
-      for (int64_t b = 0; b < heads * bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
-      return;
-    }
-    for (int64_t g = 0; g < heads; ++g) {
-      const char* r = p + i * stride + g * hstride;
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
-    }
-  }
-};
+using Ahead = PrefetchRows;  // bf16_dot.h
 
 #if HWY_TARGET != HWY_SCALAR
 constexpr bool kBlockedDecode = kLanesMax >= 4 && kLanesMax <= 16;
@@ -311,7 +288,7 @@ HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t
         const int64_t kb = std::min(keys, nk - c0);
         for (int64_t j = 0; j < keys; ++j) {
           const T* kr = k + (c0 + std::min(j, kb - 1)) * kstride;  // past kb: a repeat, unused
-          ahead.Row(c0 + j);
+          prefetch_row(ahead, c0 + j);
           for (int64_t g = 0; g < nkv; ++g) {
             for (int64_t r = 0; r < gstride; r += 4) {
               const int64_t blk = (g * gstride + r) / 4;
@@ -425,7 +402,7 @@ HWY_INLINE void AccumulateWideColumns(const float* HWY_RESTRICT pm, int64_t nk, 
     for (int64_t r0 = g * gstride; r0 < (g + 1) * gstride; r0 += 4) {
       // The next tile's keys, spread over the blocks.
       for (int64_t c = r0 / 4 * kTileK / blocks; c < (r0 / 4 + 1) * kTileK / blocks; ++c) {
-        ahead.Row(c);
+        prefetch_row(ahead, c);
       }
       const uint64_t bits = seen[r0 / 4];
       if (bits == 0) continue;
@@ -1243,10 +1220,8 @@ class Kernel {
           DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv, p_.k + kat, ks1, ks2, nk, sc.s.get(),
                         sc.part.get(), vahead);
         } else if (bf16dot_) {
-          const PrefetchRows pr{vahead.p,       vahead.n,     vahead.stride,
-                                vahead.hstride, vahead.heads, vahead.bytes};
           decode_scores_bf16_dot(sc.qb.get(), qb_stride_, dim_, it.gstride, it.nkv, p_.k16 + kat,
-                                 ks1, ks2, nk, sc.s.get(), kTileK, sc.part.get(), pr);
+                                 ks1, ks2, nk, sc.s.get(), kTileK, sc.part.get(), vahead);
           for (int64_t r = 0; r < it.nkv * it.gstride; ++r) {
             std::fill(sc.s.get() + r * kTileK + nk, sc.s.get() + (r + 1) * kTileK, 0.0f);
           }

@@ -46,19 +46,6 @@ inline __m512 Transpose4(const float* p) {
                        _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
-inline void Prefetch(const PrefetchRows& a, int64_t i) {
-  if (i >= a.n) return;
-  if (a.hstride == a.bytes) {  // the heads of a row are one run
-    const char* r = a.p + i * a.stride;
-    for (int64_t b = 0; b < a.heads * a.bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
-    return;
-  }
-  for (int64_t g = 0; g < a.heads; ++g) {
-    const char* r = a.p + i * a.stride + g * a.hstride;
-    for (int64_t b = 0; b < a.bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
-  }
-}
-
 // Row block (4 query rows qb, q_stride apart) against one key row kr: the folded vector.
 inline __m512 Key4(const uint16_t* qb, int64_t q_stride, int64_t dim, const uint16_t* kr) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -92,7 +79,7 @@ void decode_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim,
   for (int64_t c0 = 0; c0 < nk; c0 += 4) {
     const int64_t kb = std::min<int64_t>(4, nk - c0);
     for (int64_t j = 0; j < 4; ++j) {
-      Prefetch(ahead, c0 + j);
+      prefetch_row(ahead, c0 + j);
       // Past kb: the last key again, its scores land in columns the caller overwrites.
       const uint16_t* kr = k + (c0 + std::min(j, kb - 1)) * kstride;
       for (int64_t g = 0; g < heads; ++g) {

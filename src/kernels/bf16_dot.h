@@ -16,8 +16,10 @@
 
 namespace posenc::kernels {
 
-// Rows fetched into L2 ahead of their use while the scores are computed (one row per key): the
-// decoding kernel's values of the same tile.
+// Rows the decoding kernels fetch into L2 ahead of their use, one per key while they work on
+// the other operand (the values of a tile during its scores, the next tile's keys during its
+// values): each pass then finds its rows in L2 instead of restarting the hardware prefetcher on
+// every tile, which halved the rate at which a decoding step read a bf16 cache (Zen 4).
 struct PrefetchRows {
   const char* p = nullptr;  // row 0
   int64_t n = 0;            // rows
@@ -25,6 +27,20 @@ struct PrefetchRows {
   int64_t hstride = 0;      // bytes between heads of a row
   int64_t heads = 0, bytes = 0;
 };
+
+// Fetches row i (nothing past the last row) into L2.
+inline void prefetch_row(const PrefetchRows& a, int64_t i) {
+  if (i >= a.n) return;
+  if (a.hstride == a.bytes) {  // the heads of a row are one run
+    const char* r = a.p + i * a.stride;
+    for (int64_t b = 0; b < a.heads * a.bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
+    return;
+  }
+  for (int64_t g = 0; g < a.heads; ++g) {
+    const char* r = a.p + i * a.stride + g * a.hstride;
+    for (int64_t b = 0; b < a.bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
+  }
+}
 
 // True when this build has the kernel and the processor and the OS support AVX512_BF16.
 bool bf16_dot_supported();
