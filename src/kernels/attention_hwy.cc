@@ -1292,6 +1292,11 @@ class Kernel {
   // table falls) and, inside the band, a contiguous load along a diagonal (p2c). Gathers remain
   // for the log-bucket stretches, where the buckets change every few positions. Indices of
   // masked cells may leave the stored rows: they are clamped (the mask replaces those scores).
+  // Row of the diagonal copy holding p2c row u at key j (see FillDiag).
+  HWY_INLINE int64_t DiagRow(int64_t u, int64_t j) const {
+    return p2c_sign_ < 0 ? u - band_lo_ + j : u - band_lo_ - j + p_.seq_k - 1;
+  }
+
   HWY_INLINE hn::Vec<DF> DebertaTerms(int64_t r, int64_t j0, int64_t c, bool consec,
                                       int32_t deb_off, const int32_t* kp, const float* kpq_bh,
                                       const float* diag_bh, hn::Vec<DI> iota, const RowTables& rt,
@@ -1345,10 +1350,12 @@ class Kernel {
     hn::Vec<DF> p2;
     if (kind == kConst) {
       p2 = hn::LoadU(d, kpq_bh + (std::clamp<int64_t>(ua, u0, u1) - u0) * seq_k_pad_ + jc);
-    } else if (kind == kLinear && std::min(ua, uz) >= band_lo_ && std::max(ua, uz) <= band_hi_) {
-      const int64_t e = p2c_sign_ < 0 ? ua - band_lo_ + jc : ua - band_lo_ - jc + p_.seq_k - 1;
+    } else if (kind == kLinear && std::min(ua, uz) >= band_lo_ && std::max(ua, uz) <= band_hi_ &&
+               DiagRow(ua, jc) >= 0 && DiagRow(ua, jc) < diag_rows_) {
+      // (Past the last key, in the masked columns of a short tile, the row can leave the
+      // diagonal copy: those cells take the clamped gather below.)
       const int64_t w = p2c_sign_ < 0 ? band_hi_ - ua : ua - band_lo_;
-      p2 = hn::LoadU(d, diag_bh + e * diag_stride_ + w);
+      p2 = hn::LoadU(d, diag_bh + DiagRow(ua, jc) * diag_stride_ + w);
     } else {
       p2 = gather_p2c(hn::LoadU(di, p2c));
     }
