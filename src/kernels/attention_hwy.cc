@@ -176,8 +176,6 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const T* k,
 // lanes use DotScores.
 constexpr size_t kLanesMax = HWY_LANES(float);
 
-using Ahead = PrefetchRows;  // bf16_dot.h
-
 #if HWY_TARGET != HWY_SCALAR
 constexpr bool kBlockedDecode = kLanesMax >= 4 && kLanesMax <= 16;
 
@@ -262,7 +260,7 @@ template <class T>
 HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t gstride,
                               int64_t nkv, const T* k, int64_t kstride, int64_t hstride, int64_t nk,
                               float* HWY_RESTRICT s, [[maybe_unused]] float* HWY_RESTRICT part,
-                              [[maybe_unused]] const Ahead& ahead) {
+                              [[maybe_unused]] const PrefetchRows& ahead) {
 #if HWY_TARGET != HWY_SCALAR
   if constexpr (kBlockedDecode) {
     if constexpr (sizeof(T) != 2) {
@@ -392,7 +390,7 @@ HWY_INLINE void AccumulateWideColumns(const float* HWY_RESTRICT pm, int64_t nk, 
                                       int64_t vstride, int64_t hstride, int64_t nkv,
                                       int64_t gstride, int64_t dim, int64_t dpad,
                                       float* HWY_RESTRICT o, const uint64_t* seen,
-                                      const Ahead& ahead) {
+                                      const PrefetchRows& ahead) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = dim / n * n;
@@ -552,7 +550,8 @@ class Kernel {
     // transposed tiles, and one item covers every kv head of a batch row so that each key's
     // heads (adjacent in memory) are read together. Decided by the shape alone, so results never
     // depend on the thread count.
-    use_dot_ = RoundUp(group_ * std::min(bq_, p_.seq_q), 4) <= 8;
+    const int64_t rows_per_kv = RoundUp(group_ * std::min(bq_, p_.seq_q), 4);
+    use_dot_ = rows_per_kv <= 8;
     wide_ = use_dot_;
     // Decoding from a bf16 cache with a bf16 query, on a processor with AVX512_BF16: scores by
     // vdpbf16ps on the stored bits (bf16_dot.h). Not with RoPE in the kernel or Transformer-XL,
@@ -561,7 +560,7 @@ class Kernel {
     bf16dot_ = use_dot_ && p_.q16 != nullptr && p_.k16 != nullptr &&
                p_.q_type == FusedAttentionParams::Elem::kBF16 &&
                p_.kv_type == FusedAttentionParams::Elem::kBF16 && p_.rope.cs == nullptr &&
-               p_.xl_sin == nullptr && bf16_dot_used(RoundUp(group_ * std::min(bq_, p_.seq_q), 4));
+               p_.xl_sin == nullptr && bf16_dot_used(rows_per_kv);
 #endif
     qb_stride_ = RoundUp(dim_, 32);
     const int64_t units = wide_ ? p_.batch : groups;
@@ -1122,13 +1121,12 @@ class Kernel {
     PackQueries(it, j_begin, j_end, sc, rt);
     Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
     Scratch::Ensure(sc.s, sc.s_n, static_cast<size_t>(it.rows_pad * kTileK));
-    // The tile's values are always packed (dpad floats apart): rows read in place from a
+    // Prefill packs the tile's values (dpad floats apart): rows read in place from a
     // [seq, heads, dim] tensor are heads * dim floats apart, 4 KB for 8 heads of 128, so the 64
     // rows of a tile fall on the same L1 sets and evict each other. Packed, causal prefill at
     // L 4096, 8 heads of 128 took 0.60x the time on AMD Zen 3 (AVX2, paired runs); the copy is
     // 64 x dim floats per tile against 64 x rows x dim multiply-adds.
-    constexpr bool pack_v = true;
-    if (pack_v) Scratch::Ensure(sc.vt, sc.vt_n, static_cast<size_t>(kTileK * dpad_));
+    Scratch::Ensure(sc.vt, sc.vt_n, static_cast<size_t>(kTileK * dpad_));
     if (!sc.kpos) sc.kpos = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
 
     // Query positions of the block: the causal / window tile tests.
@@ -1174,7 +1172,7 @@ class Kernel {
       for (int64_t c = 0; c < kTileK; ++c) {
         kp[c] = p_.kpos[it.b * p_.seq_k + std::min(j0 + c, p_.seq_k - 1)];
       }
-      Ahead vahead, kahead;  // decoding: see Ahead
+      PrefetchRows vahead, kahead;  // decoding: see bf16_dot.h
       if (dot) {
         Scratch::Ensure(sc.part, sc.part_n,
                         static_cast<size_t>(it.nkv * it.gstride * std::max<int64_t>(lanes_, 16)));
@@ -1262,24 +1260,19 @@ class Kernel {
         continue;
       }
       for (int64_t g2 = 0; g2 < it.nkv; ++g2) {
+        // The tile's values packed dpad floats apart (see Process's start).
         const int64_t voff = g2 * p_.v_stride[2] + j0 * p_.v_stride[1];
-        const float* vsrc = vbase16 == nullptr ? vbase + voff : nullptr;
-        int64_t vstride = p_.v_stride[1];
-        if (pack_v) {
-          float* vt = sc.vt.get();
-          for (int64_t c = 0; c < nk; ++c) {
-            if (vbase16 != nullptr) {
-              WidenRow(p_.kv_type, vbase16 + voff + c * p_.v_stride[1], vt + c * dpad_, dim_);
-            } else {
-              std::memcpy(vt + c * dpad_, vsrc + c * p_.v_stride[1],
-                          static_cast<size_t>(dim_) * sizeof(float));
-            }
-            std::fill(vt + c * dpad_ + dim_, vt + (c + 1) * dpad_, 0.0f);
+        float* vt = sc.vt.get();
+        for (int64_t c = 0; c < nk; ++c) {
+          if (vbase16 != nullptr) {
+            WidenRow(p_.kv_type, vbase16 + voff + c * p_.v_stride[1], vt + c * dpad_, dim_);
+          } else {
+            std::memcpy(vt + c * dpad_, vbase + voff + c * p_.v_stride[1],
+                        static_cast<size_t>(dim_) * sizeof(float));
           }
-          vsrc = vt;
-          vstride = dpad_;
+          std::fill(vt + c * dpad_ + dim_, vt + (c + 1) * dpad_, 0.0f);
         }
-        AccumulateTile(sc.s.get() + g2 * it.gstride * kTileK, nk, vsrc, vstride, dpad_, it.gstride,
+        AccumulateTile(sc.s.get() + g2 * it.gstride * kTileK, nk, vt, dpad_, dpad_, it.gstride,
                        sc.o.get() + g2 * it.gstride * dpad_);
       }
     }
