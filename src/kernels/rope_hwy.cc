@@ -31,6 +31,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "hwy/aligned_allocator.h"
 #include "kernels/parallel.h"
@@ -408,7 +409,35 @@ void RotateHalfRows(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t 
     for (int64_t h = 0; h < heads; ++h) {
       const uint16_t* xr = x + h * x_stride;
       uint16_t* orow = out + h * out_stride;
-      for (size_t k = 0; k < pairs; k += lanes) {
+      size_t k = 0;
+#if HWY_TARGET != HWY_SCALAR
+      // Two double vectors per step: the widening and the rounding run on full float vectors
+      // (one integer sequence per 2 * lanes values instead of per lanes), the rotation on each
+      // half as below. The same operations per value, so the same bits: a third fewer
+      // instructions in a loop that is bound by them on AVX2 (bf16 and f16 rows are half the
+      // bytes of float32 ones).
+      const DF32 dfw;
+      const hn::Half<DF32> dfh;
+      static_assert(std::is_same_v<hn::Half<DF32>, DF>, "a float vector is two double vectors");
+      for (; k + 2 * lanes <= pairs; k += 2 * lanes) {
+        const auto x0w = WidenVec<kBF16>(dfw, xr + k);
+        const auto x1w = WidenVec<kBF16>(dfw, xr + pairs + k);
+        const VD x0a = hn::PromoteTo(d, hn::LowerHalf(dfh, x0w));
+        const VD x0b = hn::PromoteTo(d, hn::UpperHalf(dfh, x0w));
+        const VD x1a = hn::PromoteTo(d, hn::LowerHalf(dfh, x1w));
+        const VD x1b = hn::PromoteTo(d, hn::UpperHalf(dfh, x1w));
+        const VD ca = hn::Load(d, c + k), cb = hn::Load(d, c + k + lanes);
+        const VD sa = hn::Load(d, s + k), sb = hn::Load(d, s + k + lanes);
+        const VD y0a = hn::MulSub(x0a, ca, hn::Mul(x1a, sa));
+        const VD y0b = hn::MulSub(x0b, cb, hn::Mul(x1b, sb));
+        const VD y1a = hn::MulAdd(x1a, ca, hn::Mul(x0a, sa));
+        const VD y1b = hn::MulAdd(x1b, cb, hn::Mul(x0b, sb));
+        const auto y0 = hn::Combine(dfw, hn::DemoteTo(df, y0b), hn::DemoteTo(df, y0a));
+        const auto y1 = hn::Combine(dfw, hn::DemoteTo(df, y1b), hn::DemoteTo(df, y1a));
+        NarrowVec2<kBF16>(dfw, y0, y1, orow + k, orow + pairs + k);
+      }
+#endif
+      for (; k < pairs; k += lanes) {
         const VD x0 = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + k));
         const VD x1 = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + pairs + k));
         const VD cv = hn::Load(d, c + k);
@@ -428,14 +457,29 @@ void RotateHalfRows(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t 
       uint16_t* orow = out + h * out_stride;
       size_t j = 0;
       for (; j + 2 * lanes <= rotary; j += 2 * lanes) {
+#if HWY_TARGET != HWY_SCALAR
+        // One full float vector widened and rounded per two double vectors (as in the half
+        // style above): the same bits.
+        const DF32 dfw;
+        const hn::Half<DF32> dfh;
+        const auto xw = WidenVec<kBF16>(dfw, xr + j);
+        const VD xa = hn::PromoteTo(d, hn::LowerHalf(dfh, xw));
+        const VD xb = hn::PromoteTo(d, hn::UpperHalf(dfh, xw));
+#else
         const VD xa = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + j));
         const VD xb = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + j + lanes));
+#endif
         const VD ya =
             hn::MulAdd(xa, hn::Load(d, c2 + j), hn::Mul(hn::Reverse2(d, xa), hn::Load(d, s2 + j)));
         const VD yb = hn::MulAdd(xb, hn::Load(d, c2 + j + lanes),
                                  hn::Mul(hn::Reverse2(d, xb), hn::Load(d, s2 + j + lanes)));
+#if HWY_TARGET != HWY_SCALAR
+        NarrowVec<kBF16>(dfw, hn::Combine(dfw, hn::DemoteTo(df, yb), hn::DemoteTo(df, ya)),
+                         orow + j);
+#else
         NarrowVec2<kBF16>(df, hn::DemoteTo(df, ya), hn::DemoteTo(df, yb), orow + j,
                           orow + j + lanes);
+#endif
       }
       for (; j < rotary; j += lanes) {
         const VD xv = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + j));
