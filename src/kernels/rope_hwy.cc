@@ -395,6 +395,26 @@ void NarrowRow(RopeDType t, const float* HWY_RESTRICT src, uint16_t* HWY_RESTRIC
 // widened into `row`, rotated there by RotateHalf / RotateInterleaved themselves and rounded
 // back. Either way the bits are those of the float32 kernel's output rounded once, copied dims
 // included (NaNs come back quiet, as narrowing a float32 copy gives).
+#if HWY_HAVE_FLOAT64 && HWY_TARGET != HWY_SCALAR
+// One full float vector of half values (2 * Lanes(DD) of them) widened at p and promoted to two
+// double vectors, lo and hi; and the reverse step, two double vectors demoted to one float vector.
+// Widening and rounding on full vectors take one integer sequence per two double vectors.
+static_assert(std::is_same_v<hn::Half<DF32>, DF>, "a float vector is two double vectors");
+template <bool kBF16>
+HWY_INLINE void WidenToDoubles(const uint16_t* p, VD& lo, VD& hi) {
+  const DD d;
+  const DF32 dfw;
+  const hn::Half<DF32> dfh;
+  const auto w = WidenVec<kBF16>(dfw, p);
+  lo = hn::PromoteTo(d, hn::LowerHalf(dfh, w));
+  hi = hn::PromoteTo(d, hn::UpperHalf(dfh, w));
+}
+HWY_INLINE hn::Vec<DF32> DemoteToFloats(VD lo, VD hi) {
+  const DF df;
+  return hn::Combine(DF32(), hn::DemoteTo(df, hi), hn::DemoteTo(df, lo));
+}
+#endif
+
 template <bool kBF16>
 void RotateHalfRows(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t out_stride,
                     int64_t heads, size_t head_dim, size_t pairs, bool interleaved,
@@ -411,30 +431,22 @@ void RotateHalfRows(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t 
       uint16_t* orow = out + h * out_stride;
       size_t k = 0;
 #if HWY_TARGET != HWY_SCALAR
-      // Two double vectors per step: the widening and the rounding run on full float vectors
-      // (one integer sequence per 2 * lanes values instead of per lanes), the rotation on each
-      // half as below. The same operations per value, so the same bits: a third fewer
-      // instructions in a loop that is bound by them on AVX2 (bf16 and f16 rows are half the
-      // bytes of float32 ones).
-      const DF32 dfw;
-      const hn::Half<DF32> dfh;
-      static_assert(std::is_same_v<hn::Half<DF32>, DF>, "a float vector is two double vectors");
+      // Two double vectors per step, widened and rounded as full float vectors (WidenToDoubles,
+      // DemoteToFloats), the rotation on each as below. The same operations per value, so the
+      // same bits: a third fewer instructions in a loop that is bound by them on AVX2 (bf16 and
+      // f16 rows are half the bytes of float32 ones).
       for (; k + 2 * lanes <= pairs; k += 2 * lanes) {
-        const auto x0w = WidenVec<kBF16>(dfw, xr + k);
-        const auto x1w = WidenVec<kBF16>(dfw, xr + pairs + k);
-        const VD x0a = hn::PromoteTo(d, hn::LowerHalf(dfh, x0w));
-        const VD x0b = hn::PromoteTo(d, hn::UpperHalf(dfh, x0w));
-        const VD x1a = hn::PromoteTo(d, hn::LowerHalf(dfh, x1w));
-        const VD x1b = hn::PromoteTo(d, hn::UpperHalf(dfh, x1w));
+        VD x0a, x0b, x1a, x1b;
+        WidenToDoubles<kBF16>(xr + k, x0a, x0b);
+        WidenToDoubles<kBF16>(xr + pairs + k, x1a, x1b);
         const VD ca = hn::Load(d, c + k), cb = hn::Load(d, c + k + lanes);
         const VD sa = hn::Load(d, s + k), sb = hn::Load(d, s + k + lanes);
         const VD y0a = hn::MulSub(x0a, ca, hn::Mul(x1a, sa));
         const VD y0b = hn::MulSub(x0b, cb, hn::Mul(x1b, sb));
         const VD y1a = hn::MulAdd(x1a, ca, hn::Mul(x0a, sa));
         const VD y1b = hn::MulAdd(x1b, cb, hn::Mul(x0b, sb));
-        const auto y0 = hn::Combine(dfw, hn::DemoteTo(df, y0b), hn::DemoteTo(df, y0a));
-        const auto y1 = hn::Combine(dfw, hn::DemoteTo(df, y1b), hn::DemoteTo(df, y1a));
-        NarrowVec2<kBF16>(dfw, y0, y1, orow + k, orow + pairs + k);
+        NarrowVec2<kBF16>(DF32(), DemoteToFloats(y0a, y0b), DemoteToFloats(y1a, y1b), orow + k,
+                          orow + pairs + k);
       }
 #endif
       for (; k < pairs; k += lanes) {
@@ -458,13 +470,8 @@ void RotateHalfRows(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t 
       size_t j = 0;
       for (; j + 2 * lanes <= rotary; j += 2 * lanes) {
 #if HWY_TARGET != HWY_SCALAR
-        // One full float vector widened and rounded per two double vectors (as in the half
-        // style above): the same bits.
-        const DF32 dfw;
-        const hn::Half<DF32> dfh;
-        const auto xw = WidenVec<kBF16>(dfw, xr + j);
-        const VD xa = hn::PromoteTo(d, hn::LowerHalf(dfh, xw));
-        const VD xb = hn::PromoteTo(d, hn::UpperHalf(dfh, xw));
+        VD xa, xb;  // as in the half style above: the same bits
+        WidenToDoubles<kBF16>(xr + j, xa, xb);
 #else
         const VD xa = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + j));
         const VD xb = hn::PromoteTo(d, WidenVec<kBF16>(df, xr + j + lanes));
@@ -474,8 +481,7 @@ void RotateHalfRows(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t 
         const VD yb = hn::MulAdd(xb, hn::Load(d, c2 + j + lanes),
                                  hn::Mul(hn::Reverse2(d, xb), hn::Load(d, s2 + j + lanes)));
 #if HWY_TARGET != HWY_SCALAR
-        NarrowVec<kBF16>(dfw, hn::Combine(dfw, hn::DemoteTo(df, yb), hn::DemoteTo(df, ya)),
-                         orow + j);
+        NarrowVec<kBF16>(DF32(), DemoteToFloats(ya, yb), orow + j);
 #else
         NarrowVec2<kBF16>(df, hn::DemoteTo(df, ya), hn::DemoteTo(df, yb), orow + j,
                           orow + j + lanes);
