@@ -19,7 +19,9 @@ namespace posenc::kernels {
 // Rows the decoding kernels fetch into L2 ahead of their use, one per key while they work on
 // the other operand (the values of a tile during its scores, the next tile's keys during its
 // values): each pass then finds its rows in L2 instead of restarting the hardware prefetcher on
-// every tile, which halved the rate at which a decoding step read a bf16 cache (Zen 4).
+// every tile, which halved the rate at which a decoding step read a bf16 cache (Zen 4). On AVX2
+// (Zen 3) a pass fetching its own rows a few keys ahead measured faster instead
+// (kStreamHalfDecode in attention_hwy.cc).
 struct PrefetchRows {
   const char* p = nullptr;  // row 0
   int64_t n = 0;            // rows
