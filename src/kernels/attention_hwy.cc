@@ -170,10 +170,9 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const T* k,
 // Zen 4). Each (key, head) gives 4 accumulators (4 query rows), folded at once into one vector of
 // lanes / 4 partial sums per row; the partial vectors of lanes / 4 keys are then folded together.
 // A float32 cache keeps blocks of lanes / 4 keys x 4 rows (DotBlock: each query vector loaded
-// once per block), which measured faster for it; so does a half cache on 8-lane targets (AVX2),
-// with the tile's values prefetched during the blocks: on Zen 3 that took 476 instead of 589
-// instructions per (key, kv head), 160 instead of 212 cycles from an L3-resident cache, and the
-// same time from DRAM, where the step is bound by memory. Either way each score costs about two
+// once per block), which measured faster for it; so does a half cache on 8-lane targets (AVX2,
+// see kStreamHalfDecode): on Zen 3 that took 476 instead of 589 instructions per (key, kv head)
+// and 160 instead of 212 cycles from an L3-resident cache. Either way each score costs about two
 // operations instead of a full horizontal sum, and every score is summed by the same tree of
 // pairwise additions (the vector grouping does not change a bit). Targets with fewer than 4 float
 // lanes use DotScores.
