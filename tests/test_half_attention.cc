@@ -83,6 +83,8 @@ const std::vector<Shape> kShapes = {
     {2, 9, 40, 4, 1, 17},    // few rows, odd head_dim (packed values, scalar tails)
     {1, 1, 3000, 8, 2, 64},  // decoding: dot products on the stored rows, split keys
     {1, 2, 200, 8, 8, 16},   // decoding, MHA
+    {1, 1, 333, 8, 2, 36},   // decoding, odd head_dim and key count (block and dim tails)
+    {2, 1, 150, 2, 2, 12},   // decoding, one row per kv head (padded 4-row blocks)
 };
 
 template <class T>
