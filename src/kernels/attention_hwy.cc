@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/attention_kernels.h"
@@ -508,12 +509,15 @@ HWY_INLINE void AccumulateWide(const float* HWY_RESTRICT pm, int64_t nk, const T
         if (!any) continue;
         const T* vr[kKeys];
         for (int64_t j = 0; j < kKeys; ++j) vr[j] = v + (c + j) * vstride + g * hstride;
-        if (used[0] && used[1] && used[2] && used[3]) {
-          // Every key of the block seen (decoding without a mask): no tests in the loop. The
-          // same multiply-adds in the same order as below.
+        // kAll: every key of the block seen (decoding without a mask), the loop without tests;
+        // otherwise the unseen keys' vectors are zero. The same multiply-adds either way.
+        const auto block = [&](auto all) {
+          constexpr bool kAll = decltype(all)::value;
           for (int64_t x = 0; x < dv; x += n) {
             hn::Vec<DF> vv[kKeys];
-            for (int64_t j = 0; j < kKeys; ++j) vv[j] = LoadKV(d, vr[j] + x);
+            for (int64_t j = 0; j < kKeys; ++j) {
+              vv[j] = kAll || used[j] ? LoadKV(d, vr[j] + x) : hn::Zero(d);
+            }
             for (int64_t rr = 0; rr < kRows; ++rr) {
               float* orow = o + (r0 + rr) * dpad + x;
               auto acc = hn::Load(d, orow);
@@ -523,19 +527,11 @@ HWY_INLINE void AccumulateWide(const float* HWY_RESTRICT pm, int64_t nk, const T
               hn::Store(acc, d, orow);
             }
           }
+        };
+        if (used[0] && used[1] && used[2] && used[3]) {
+          block(std::true_type{});
         } else {
-          for (int64_t x = 0; x < dv; x += n) {
-            hn::Vec<DF> vv[kKeys];
-            for (int64_t j = 0; j < kKeys; ++j)
-              vv[j] = used[j] ? LoadKV(d, vr[j] + x) : hn::Zero(d);
-            for (int64_t rr = 0; rr < kRows; ++rr) {
-              float* orow = o + (r0 + rr) * dpad + x;
-              auto acc = hn::Load(d, orow);
-              for (int64_t j = 0; j < kKeys; ++j)
-                acc = hn::MulAdd(hn::Set(d, pw[rr][j]), vv[j], acc);
-              hn::Store(acc, d, orow);
-            }
-          }
+          block(std::false_type{});
         }
         for (int64_t rr = 0; rr < kRows; ++rr) {
           float* orow = o + (r0 + rr) * dpad;
