@@ -403,11 +403,23 @@ static_assert(std::is_same_v<hn::Half<DF32>, DF>, "a float vector is two double 
 template <bool kBF16>
 HWY_INLINE void WidenToDoubles(const uint16_t* p, VD& lo, VD& hi) {
   const DD d;
-  const DF32 dfw;
   const hn::Half<DF32> dfh;
-  const auto w = WidenVec<kBF16>(dfw, p);
-  lo = hn::PromoteTo(d, hn::LowerHalf(dfh, w));
-  hi = hn::PromoteTo(d, hn::UpperHalf(dfh, w));
+  if constexpr (kBF16) {
+    // bf16 -> float32 is the 16 bits moved to the top of a zero word: interleaving the values
+    // with zeros gives each half's floats directly (one operation per half, instead of a
+    // widening, a shift and the split of the full vector).
+    const hn::Rebind<uint16_t, DF32> dh;
+    const hn::RebindToUnsigned<decltype(dfh)> du;
+    const auto h = hn::LoadU(dh, p);
+    const auto z = hn::Zero(dh);
+    lo = hn::PromoteTo(d, hn::BitCast(dfh, hn::ZipLower(du, z, h)));
+    hi = hn::PromoteTo(d, hn::BitCast(dfh, hn::ZipUpper(du, z, h)));
+  } else {
+    const DF32 dfw;
+    const auto w = WidenVec<kBF16>(dfw, p);
+    lo = hn::PromoteTo(d, hn::LowerHalf(dfh, w));
+    hi = hn::PromoteTo(d, hn::UpperHalf(dfh, w));
+  }
 }
 HWY_INLINE hn::Vec<DF32> DemoteToFloats(VD lo, VD hi) {
   const DF df;
