@@ -1235,37 +1235,24 @@ class Kernel {
                         static_cast<size_t>(it.nkv * it.gstride * std::max<int64_t>(lanes_, 16)));
         const int64_t kat = it.b * p_.k_stride[0] + it.hk * p_.k_stride[2] + j0 * p_.k_stride[1];
         int64_t ks1 = p_.k_stride[1], ks2 = p_.k_stride[2];
+        // Rows [from, from + n) of a half-precision K or V, for the prefetches below.
+        const int64_t vs1 = p_.v_stride[1], vs2 = p_.v_stride[2];
+        const auto half_rows = [&](const uint16_t* from, int64_t n, int64_t s1, int64_t s2) {
+          return PrefetchRows{
+              reinterpret_cast<const char*>(from), n, s1 * 2, s2 * 2, it.nkv, dim_ * 2};
+        };
         if (p_.k16 != nullptr && p_.v16 != nullptr && kStreamHalfDecode) {
           // A half-precision cache on AVX2: each pass fetches its own rows ahead (see
           // kStreamHalfDecode), over the item's keys from this tile on.
-          kstream = {reinterpret_cast<const char*>(p_.k16 + kat),
-                     j_end - j0,
-                     ks1 * 2,
-                     ks2 * 2,
-                     it.nkv,
-                     dim_ * 2};
-          vstream = {reinterpret_cast<const char*>(vbase16 + j0 * p_.v_stride[1]),
-                     j_end - j0,
-                     p_.v_stride[1] * 2,
-                     p_.v_stride[2] * 2,
-                     it.nkv,
-                     dim_ * 2};
+          kstream = half_rows(p_.k16 + kat, j_end - j0, ks1, ks2);
+          vstream = half_rows(vbase16 + j0 * vs1, j_end - j0, vs1, vs2);
         } else if (p_.k16 != nullptr && p_.v16 != nullptr && (!bf16dot_ || bf16_dot_prefetch())) {
           // A half-precision cache: the tile's values fetched during its dot products, the next
           // tile's keys during its values. (A float32 cache, twice the bytes per key, read
           // slower with them: measured. The vdpbf16ps scores on Intel too: bf16_dot.h.)
-          vahead = {reinterpret_cast<const char*>(vbase16 + j0 * p_.v_stride[1]),
-                    nk,
-                    p_.v_stride[1] * 2,
-                    p_.v_stride[2] * 2,
-                    it.nkv,
-                    dim_ * 2};
-          kahead = {reinterpret_cast<const char*>(p_.k16 + kat + kTileK * ks1),
-                    std::clamp<int64_t>(j_end - j0 - kTileK, 0, kTileK),
-                    ks1 * 2,
-                    ks2 * 2,
-                    it.nkv,
-                    dim_ * 2};
+          vahead = half_rows(vbase16 + j0 * vs1, nk, vs1, vs2);
+          kahead = half_rows(p_.k16 + kat + kTileK * ks1,
+                             std::clamp<int64_t>(j_end - j0 - kTileK, 0, kTileK), ks1, ks2);
         }
         if (p_.rope.cs != nullptr) {
           // RoPE: the tile's rows of every kv head widened (half precision) and rotated first.
