@@ -796,13 +796,6 @@ class Kernel {
     }
   }
 
-  static void PrefetchToL2(const float* from, int64_t floats) {
-    const char* bytes = reinterpret_cast<const char*>(from);
-    for (int64_t b = 0; b < floats * static_cast<int64_t>(sizeof(float)); b += 64) {
-      __builtin_prefetch(bytes + b, 0, 2);
-    }
-  }
-
   // The value rows of keys [j0, j0 + kTileK) of (batch row b, kv head hk), widened from half
   // precision, dpad floats apart with zeros past head_dim and past the last key. Rows read in
   // place from a [seq, heads, dim] tensor are heads * dim floats apart, 4 KB for 8 heads of 128,
@@ -1247,8 +1240,8 @@ class Kernel {
       if (vt_all != nullptr && j0 + kTileK < j_end) {
         // The group's next key and value tiles toward L2 while this one is computed: 3-4 %
         // of causal prefill at L 4096 on Zen 3 (alternated runs), where the tiles come from L3.
-        PrefetchToL2(kt_all + (t + 1) * dim_ * kTileK, dim_ * kTileK);
-        PrefetchToL2(vt_all + (t + 1) * kTileK * dpad_, kTileK * dpad_);
+        prefetch_l2(kt_all + (t + 1) * dim_ * kTileK, dim_ * kTileK * sizeof(float));
+        prefetch_l2(vt_all + (t + 1) * kTileK * dpad_, kTileK * dpad_ * sizeof(float));
       }
       bool full = nk == kTileK;
       if (p_.causal && khi > qlo) full = false;
@@ -1366,10 +1359,11 @@ class Kernel {
       }
       for (int64_t g2 = 0; g2 < it.nkv; ++g2) {
         // The tile's values packed dpad floats apart (vt_all: one kv head per item).
-        const float* vt = vt_all + t * kTileK * dpad_;
-        if (vt_all == nullptr) {
+        const float* vt = sc.vt.get();
+        if (vt_all != nullptr) {
+          vt = vt_all + t * kTileK * dpad_;
+        } else {
           PackValueTile(it.b, it.hk + g2, j0, sc.vt.get());
-          vt = sc.vt.get();
         }
         AccumulateTile(sc.s.get() + g2 * it.gstride * kTileK, nk, vt, dpad_, dpad_, it.gstride,
                        sc.o.get() + g2 * it.gstride * dpad_);
