@@ -51,6 +51,8 @@ __attribute__((always_inline)) inline void prefetch_row(const PrefetchRows& a, i
 
 // True when this build has the kernel and the processor and the OS support AVX512_BF16.
 bool bf16_dot_supported();
+// Whether this build holds the AVX512_BF16 kernel at all (the compiler could target it).
+bool bf16_dot_compiled();
 
 // When decoding uses these scores (POSENC_BF16_DOT: unset or "auto", "1", "0"):
 //   kAuto: when each kv head has 8 query-row slots (5 to 8 rows: a GQA group of 5 to 8 heads

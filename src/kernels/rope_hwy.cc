@@ -402,24 +402,15 @@ void NarrowRow(RopeDType t, const float* HWY_RESTRICT src, uint16_t* HWY_RESTRIC
 static_assert(std::is_same_v<hn::Half<DF32>, DF>, "a float vector is two double vectors");
 template <bool kBF16>
 HWY_INLINE void WidenToDoubles(const uint16_t* p, VD& lo, VD& hi) {
+  // The full float vector is widened first (WidenVec: PromoteTo from a half-width load), then
+  // split into its lower and upper halves: every step keeps lane order at any vector width. A
+  // block-local shortcut (interleaving the bf16 values with zeros, ZipLower / ZipUpper) would
+  // give the right values only while the 16-bit vector is one 128-bit block (AVX2 and below).
   const DD d;
   const hn::Half<DF32> dfh;
-  if constexpr (kBF16) {
-    // bf16 -> float32 is the 16 bits moved to the top of a zero word: interleaving the values
-    // with zeros gives each half's floats directly (one operation per half, instead of a
-    // widening, a shift and the split of the full vector).
-    const hn::Rebind<uint16_t, DF32> dh;
-    const hn::RebindToUnsigned<decltype(dfh)> du;
-    const auto h = hn::LoadU(dh, p);
-    const auto z = hn::Zero(dh);
-    lo = hn::PromoteTo(d, hn::BitCast(dfh, hn::ZipLower(du, z, h)));
-    hi = hn::PromoteTo(d, hn::BitCast(dfh, hn::ZipUpper(du, z, h)));
-  } else {
-    const DF32 dfw;
-    const auto w = WidenVec<kBF16>(dfw, p);
-    lo = hn::PromoteTo(d, hn::LowerHalf(dfh, w));
-    hi = hn::PromoteTo(d, hn::UpperHalf(dfh, w));
-  }
+  const auto w = WidenVec<kBF16>(DF32(), p);
+  lo = hn::PromoteTo(d, hn::LowerHalf(dfh, w));
+  hi = hn::PromoteTo(d, hn::UpperHalf(dfh, w));
 }
 HWY_INLINE hn::Vec<DF32> DemoteToFloats(VD lo, VD hi) {
   const DF df;

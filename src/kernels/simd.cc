@@ -94,6 +94,14 @@ bool bf16_dot_supported() {
 #endif
 }
 
+bool bf16_dot_compiled() {
+#if defined(POSENC_HAVE_BF16_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
 Bf16Dot bf16_dot_policy() {
   if (!bf16_dot_supported()) return Bf16Dot::kOff;
   switch (g_bf16_dot_test_mode.load(std::memory_order_relaxed)) {
