@@ -67,6 +67,7 @@ nlohmann::json layer_json(const ModelLayer& l) {
   j["index"] = l.index;
   j["attention"] = l.attention;
   j["rope"] = l.rope;
+  j["nope"] = !l.rope;
   if (l.rope) {
     j["rope_theta"] = l.rope_config.base;
     j["rope_scaling"] = scaling_json(l.rope_config.scaling);
@@ -159,7 +160,7 @@ nlohmann::json describe_json(const ModelConfig& cfg) {
 int run_describe(const DescribeArgs& a) {
   const ModelConfig cfg = read_model_config(a.config);
   if (a.json) {
-    std::cout << describe_json(cfg).dump() << std::endl;
+    std::cout << json_dump(describe_json(cfg)) << std::endl;
   } else {
     std::cout << describe(cfg) << std::flush;
   }

@@ -146,8 +146,8 @@ int inspect_npy(const InspectArgs& a) {
     j.erase("safetensors_dtype");
     j["format"] = "npy";
     j["descr"] = npy_dtype(t.dtype);
-    j["file"] = a.file;
-    std::cout << j.dump() << std::endl;
+    set_json_path(j, "file", a.file);
+    std::cout << json_dump(j) << std::endl;
     return 0;
   }
   std::cout << a.file << ": npy\n"
@@ -182,12 +182,10 @@ int inspect_safetensors(const InspectArgs& a) {
     }
     nlohmann::json meta = nlohmann::json::object();
     for (const auto& [k, v] : f.metadata) meta[k] = v;
-    const nlohmann::json j = {{"file", a.file},
-                              {"format", "safetensors"},
-                              {"tensors", tensors},
-                              {"metadata", meta},
-                              {"data_bytes", total}};
-    std::cout << j.dump() << std::endl;
+    nlohmann::json j = {
+        {"format", "safetensors"}, {"tensors", tensors}, {"metadata", meta}, {"data_bytes", total}};
+    set_json_path(j, "file", a.file);
+    std::cout << json_dump(j) << std::endl;
     return 0;
   }
   std::cout << a.file << ": safetensors, " << rows.size()

@@ -42,6 +42,8 @@ struct RopeSetup {
   std::optional<MRope> mrope;
   std::optional<ModelConfig> model;
   std::optional<int64_t> layer;
+  bool nope = false;  // the layer applies no RoPE (Llama 4's NoPE layers): freqs empty
+  std::optional<AttentionTemperature> temperature;  // the layer's attention-temperature tuning
 };
 
 void add_freq_flags(CLI::App* app, FreqFlags& f, bool with_inv_freq) {
@@ -80,9 +82,11 @@ std::optional<ModelConfig> read_config(const CLI::App& app, const FreqFlags& f) 
 
 // Resolves the frequencies for inputs with head dim `head_dim` (0: not known, rope-freqs without
 // --head-dim) at sequence length `seq_len`.
-// `model` is the --config file's contents (read_config).
+// `model` is the --config file's contents (read_config). allow_nope: a --layer without RoPE gives
+// a setup with nope set (rope-freqs reports it) instead of a usage error (rope has nothing to
+// rotate with).
 RopeSetup rope_setup(const FreqFlags& f, const std::optional<ModelConfig>& model, int64_t head_dim,
-                     const std::string& head_dim_origin, int64_t seq_len) {
+                     const std::string& head_dim_origin, int64_t seq_len, bool allow_nope = false) {
   require_at_least("--seq-len", seq_len, 0);
   const RopeAngles angles = parse_rope_angles(f.angles);
   RopeSetup s;
@@ -103,13 +107,20 @@ RopeSetup rope_setup(const FreqFlags& f, const std::optional<ModelConfig>& model
     const RopeConfig* rc = &m.rope;
     if (f.layer) {
       const ModelLayer& l = model_layer(m, *f.layer);
+      s.layer = f.layer;
+      s.temperature = l.temperature;
+      if (!l.rope && allow_nope) {
+        s.nope = true;
+        s.style = m.rope.style;
+        s.freqs.angles = angles;
+        return s;
+      }
       if (!l.rope) {
         throw UsageError("--layer " + std::to_string(*f.layer) + ": layer " +
                          std::to_string(*f.layer) + " of " + f.config +
                          " uses no RoPE (a NoPE layer)");
       }
       rc = &l.rope_config;
-      s.layer = f.layer;
     } else {
       const ModelLayer* first = nullptr;
       for (const ModelLayer& l : m.layers) {
@@ -271,20 +282,33 @@ int run_rope_freqs(const CLI::App& app, const RopeFreqsArgs& a) {
   }
   if (a.freq.config.empty()) require_at_least("--head-dim", a.head_dim, 0);
   const std::optional<ModelConfig> model = read_config(app, a.freq);
-  const RopeSetup s = rope_setup(a.freq, model, a.head_dim, "--head-dim", seq_len);
+  const RopeSetup s =
+      rope_setup(a.freq, model, a.head_dim, "--head-dim", seq_len, /*allow_nope=*/true);
+  // A NoPE layer writes an empty table (float64 [0]).
   write_f64(a.out, {static_cast<int64_t>(s.freqs.inv_freq.size())}, s.freqs.inv_freq);
 
-  // Exactly the contract's three keys by default; --details appends the rest.
+  // Exactly the three keys rotary_dim, attention_factor, style for a RoPE layer; a NoPE layer
+  // adds "nope": true and its attention-temperature tuning when it has one; --details appends
+  // the rest.
   std::string line = "{\"rotary_dim\": " + std::to_string(s.freqs.rotary_dim()) +
                      ", \"attention_factor\": " + full_precision(s.freqs.attention_factor) +
                      ", \"style\": \"" + style_name(s.style) + "\"";
+  if (s.nope) line += ", \"nope\": true";
+  if (s.temperature) {
+    line += ", \"temperature\": {\"floor_scale\": " + full_precision(s.temperature->floor_scale) +
+            ", \"attn_scale\": " + full_precision(s.temperature->attn_scale) + "}";
+  }
   if (!a.details) {
     std::cout << line << "}" << std::endl;
     return 0;
   }
-  line += ", \"scaling\": \"" + std::string(scaling_name(s.scaling)) +
-          "\", \"base\": " + full_precision(s.base) + ", \"seq_len\": " + std::to_string(seq_len) +
-          ", \"angles\": \"" + a.freq.angles + "\"";
+  if (s.nope) {
+    line += ", \"scaling\": null, \"base\": null";
+  } else {
+    line += ", \"scaling\": \"" + std::string(scaling_name(s.scaling)) +
+            "\", \"base\": " + full_precision(s.base);
+  }
+  line += ", \"seq_len\": " + std::to_string(seq_len) + ", \"angles\": \"" + a.freq.angles + "\"";
   if (s.model) {
     line += ", \"model_type\": \"" + json_escape(s.model->model_type) +
             "\", \"head_dim\": " + std::to_string(s.model->head_dim);
@@ -347,7 +371,10 @@ Command add_rope_freqs_command(CLI::App& parent) {
       "--seq-len L (default 0) is the sequence length (max position + 1) the frequencies are "
       "for: only dynamic NTK and LongRoPE depend on it; 0 means a short sequence (dynamic: the "
       "unscaled base; LongRoPE: short_factor). Without --config: --head-dim D, --rotary-dim, "
-      "--base, --style as for `posenc rope`.");
+      "--base, --style as for `posenc rope`. With --layer N, a layer "
+      "without RoPE (Llama 4's NoPE layers) exits 0 with \"nope\": true, \"rotary_dim\": 0, "
+      "attention factor 1, an empty table, and its attention-temperature tuning as "
+      "\"temperature\": {\"floor_scale\", \"attn_scale\"} when the layer has it.");
   add_freq_flags(app, a->freq, false);
   app->add_option("--seq-len", a->freq.seq_len,
                   "Sequence length L (default 0: the short / original regime)");

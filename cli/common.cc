@@ -9,6 +9,7 @@
 #include <cstring>
 #include <iomanip>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <ostream>
 #include <sstream>
 #include <system_error>
@@ -645,11 +646,75 @@ void print_check_table(std::ostream& os, const std::vector<CheckResult>& results
      << " failed\n";
 }
 
+namespace {
+// The length of the UTF-8 sequence at s[i] (1 to 4), or 0 when the bytes there are not a
+// well-formed sequence (RFC 3629: no overlong forms, no surrogates, nothing above U+10FFFF).
+std::size_t utf8_sequence(const std::string& s, std::size_t i) {
+  const auto at = [&](std::size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned c = at(i);
+  if (c < 0x80) return 1;
+  std::size_t n = 0;
+  unsigned lo = 0x80, hi = 0xbf;  // the allowed range of the second byte
+  if (c >= 0xc2 && c <= 0xdf) {
+    n = 2;
+  } else if (c >= 0xe0 && c <= 0xef) {
+    n = 3;
+    if (c == 0xe0) lo = 0xa0;
+    if (c == 0xed) hi = 0x9f;
+  } else if (c >= 0xf0 && c <= 0xf4) {
+    n = 4;
+    if (c == 0xf0) lo = 0x90;
+    if (c == 0xf4) hi = 0x8f;
+  } else {
+    return 0;
+  }
+  if (i + n > s.size()) return 0;
+  if (at(i + 1) < lo || at(i + 1) > hi) return 0;
+  for (std::size_t k = 2; k < n; ++k) {
+    if (at(i + k) < 0x80 || at(i + k) > 0xbf) return 0;
+  }
+  return n;
+}
+}  // namespace
+
+bool is_valid_utf8(const std::string& s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = utf8_sequence(s, i);
+    if (n == 0) return false;
+    i += n;
+  }
+  return true;
+}
+
+std::string hex_bytes(const std::string& s) {
+  static const char* kDigits = "0123456789abcdef";
+  std::string out;
+  out.reserve(2 * s.size());
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    out += kDigits[c >> 4];
+    out += kDigits[c & 15];
+  }
+  return out;
+}
+
 std::string json_escape(const std::string& s) {
   std::string out;
   out.reserve(s.size() + 2);
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const std::size_t n = utf8_sequence(s, i);
+    if (n == 0) {  // not UTF-8: the byte becomes U+FFFD (its value is in the _hex field)
+      out += "\\ufffd";
+      ++i;
+      continue;
+    }
+    if (n > 1) {
+      out.append(s, i, n);
+      i += n;
+      continue;
+    }
+    ++i;
     switch (c) {
       case '"':
         out += "\\\"";
@@ -667,16 +732,25 @@ std::string json_escape(const std::string& s) {
         out += "\\t";
         break;
       default:
-        if (c < 0x20) {
+        if (c < 0x20 || c == 0x7f) {
           char buf[8];
           std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
           out += buf;
         } else {
-          out += ch;
+          out += static_cast<char>(c);
         }
     }
   }
   return out;
+}
+
+std::string json_dump(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+void set_json_path(nlohmann::json& j, const std::string& key, const std::string& path) {
+  j[key] = path;
+  if (!is_valid_utf8(path)) j[key + "_hex"] = hex_bytes(path);
 }
 
 namespace {

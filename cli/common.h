@@ -12,6 +12,7 @@
 #include <functional>
 #include <iosfwd>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -268,6 +269,15 @@ std::string expected_text(const CheckResult& r);
 void print_check_table(std::ostream& os, const std::vector<CheckResult>& results);
 // One JSON object per line.
 void print_check_json(std::ostream& os, const std::vector<CheckResult>& results);
+// Text outputs that echo a path or a name (which on Linux is any byte string) stay valid JSON:
+// json_escape writes the body of a JSON string literal, each byte that is not part of well-formed
+// UTF-8 as U+FFFD; json_dump serializes the same way; set_json_path sets j[key] to the path and,
+// when it is not valid UTF-8, j[key + "_hex"] to its bytes in lowercase hex (so the exact name
+// can be recovered: bytes.fromhex in Python).
 std::string json_escape(const std::string& s);
+bool is_valid_utf8(const std::string& s);
+std::string hex_bytes(const std::string& s);
+std::string json_dump(const nlohmann::json& j);
+void set_json_path(nlohmann::json& j, const std::string& key, const std::string& path);
 
 }  // namespace posenc::cli

@@ -1861,6 +1861,26 @@ RopeFrequencies layer_rope_frequencies(const ModelConfig& cfg, int64_t layer, in
   return rope_frequencies(l.rope_config, seq_len, angles);
 }
 
+LayerRopeFrequencies layer_rope(const ModelConfig& cfg, int64_t layer, int64_t seq_len,
+                                RopeAngles angles) {
+  if (cfg.scheme != ModelScheme::kRope) {
+    throw ValueError("layer_rope: model_type '" + cfg.model_type + "' does not use RoPE");
+  }
+  const ModelLayer& l = model_layer(cfg, layer);
+  LayerRopeFrequencies out;
+  if (l.rope) {
+    static_cast<RopeFrequencies&>(out) = rope_frequencies(l.rope_config, seq_len, angles);
+    out.style = l.rope_config.style;
+  } else {
+    out.angles = angles;
+    out.style = cfg.rope.style;
+  }
+  out.layer = layer;
+  out.nope = !l.rope;
+  out.temperature = l.temperature;
+  return out;
+}
+
 void apply_model_rope(const ModelConfig& cfg, const RopeFrequencies& freqs, View<const float, 4> x,
                       View<float, 4> out, const Positions* positions, Direction direction) {
   const int64_t rd = freqs.rotary_dim();

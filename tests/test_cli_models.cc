@@ -579,6 +579,54 @@ TEST_F(CliModelsTest, InspectSafetensorsAndNpy) {
                       "none.safetensors");
 }
 
+// A file name is any byte string; JSON text is UTF-8. inspect --json stays valid JSON (strictly
+// parsed here), the bad bytes as U+FFFD and the exact name in file_hex.
+TEST_F(CliModelsTest, InspectJsonNameNotUtf8) {
+  const std::vector<int64_t> shape = {4};
+  const std::string good = write_f32("plain.npy", shape, random_floats(4, 3));
+  for (const std::string& name :
+       {std::string("w\xffx.npy"), std::string("\xc3(\xa9\xed\xa0\x80.npy"),
+        std::string("tail\xe2\x82.npy")}) {
+    const std::string bad = path(name);
+    fs::copy_file(good, bad, fs::copy_options::overwrite_existing);
+    const RunResult r = run("inspect --json " + quote(bad));
+    ASSERT_EQ(r.status, 0) << r.err;
+    nlohmann::json j;
+    ASSERT_NO_THROW(j = nlohmann::json::parse(r.out)) << r.out;
+    EXPECT_EQ(j.at("file_hex").get<std::string>().size(), 2 * bad.size());
+    std::string back;
+    const std::string hex = j.at("file_hex").get<std::string>();
+    for (std::size_t i = 0; i + 1 < hex.size(); i += 2) {
+      back += static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16));
+    }
+    EXPECT_EQ(back, bad);
+    const std::string shown = j.at("file").get<std::string>();
+    EXPECT_NE(shown.find("\xef\xbf\xbd"), std::string::npos) << shown;  // U+FFFD
+    EXPECT_EQ(j.at("shape"), nlohmann::json({4}));
+    // A valid name has no file_hex; the text output still names the file.
+    const RunResult t = run("inspect " + quote(bad));
+    EXPECT_EQ(t.status, 0) << t.err;
+  }
+  // A valid UTF-8 name (not ASCII) is echoed as is.
+  const std::string ok = path("caf\xc3\xa9.npy");
+  fs::copy_file(good, ok, fs::copy_options::overwrite_existing);
+  const RunResult r = run("inspect --json " + quote(ok));
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("file"), ok);
+  EXPECT_FALSE(j.contains("file_hex"));
+  // A .safetensors file under such a name too.
+  SafetensorsFile f;
+  f.tensors["x"] = Tensor::from_f32({2}, {1.0f, 2.0f});
+  const std::string st = path("t\x80.safetensors");
+  write_safetensors(st, f);
+  const RunResult rs = run("inspect --json " + quote(st));
+  ASSERT_EQ(rs.status, 0) << rs.err;
+  const nlohmann::json js = nlohmann::json::parse(rs.out);
+  EXPECT_EQ(js.at("tensors").at(0).at("name"), "x");
+  EXPECT_TRUE(js.contains("file_hex"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // attention --config
 
@@ -823,9 +871,62 @@ TEST_F(CliModelsTest, RopeFreqsLayer) {
   EXPECT_NE(r.out.find("\"style\": \"interleaved\""), std::string::npos) << r.out;
   (void)run_ok("rope-freqs --config " + config("llama-4-scout-17b-16e-instruct.json"),
                path("l4b.npy"));
-  expect_error("rope-freqs",
-               "--config " + config("llama-4-scout-17b-16e-instruct.json") + " --layer 3", "NoPE");
   expect_error("rope-freqs", "--head-dim 64 --layer 1", "--layer needs --config");
+}
+
+// Llama 4's NoPE layers: rope-freqs --layer N on every layer exits 0; a NoPE layer says so
+// ("nope": true, rotary_dim 0, its temperature tuning) and writes an empty table; a RoPE layer's
+// line keeps exactly the three keys. `rope` on a NoPE layer has nothing to rotate with: an error.
+TEST_F(CliModelsTest, RopeFreqsNopeLayers) {
+  const std::string cfg = config("llama-4-scout-17b-16e-instruct.json");
+  const ModelConfig m = load("llama-4-scout-17b-16e-instruct.json");
+  ASSERT_EQ(m.layers.size(), 48u);
+  int nope_layers = 0;
+  for (const ModelLayer& l : m.layers) {
+    const std::string out = path("layer" + std::to_string(l.index) + ".npy");
+    const RunResult r = run("rope-freqs --config " + cfg + " --layer " + std::to_string(l.index) +
+                            " --out " + quote(out));
+    ASSERT_EQ(r.status, 0) << l.index << ": " << r.err;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    const Tensor t = read_npy(out);
+    if (!l.rope) {
+      ++nope_layers;
+      EXPECT_EQ(j.at("nope"), true) << r.out;
+      EXPECT_EQ(j.at("rotary_dim"), 0) << r.out;
+      EXPECT_EQ(j.at("attention_factor"), 1) << r.out;
+      EXPECT_EQ(j.at("style"), "interleaved") << r.out;
+      ASSERT_TRUE(l.temperature.has_value());
+      EXPECT_EQ(j.at("temperature").at("floor_scale").get<double>(), l.temperature->floor_scale);
+      EXPECT_EQ(j.at("temperature").at("attn_scale").get<double>(), l.temperature->attn_scale);
+      EXPECT_EQ(t.shape, std::vector<int64_t>({0}));
+    } else {
+      EXPECT_EQ(j.size(), 3u) << r.out;
+      EXPECT_FALSE(j.contains("nope")) << r.out;
+      EXPECT_EQ(j.at("rotary_dim"), 128) << r.out;
+      EXPECT_EQ(t.to_f64("t"), layer_rope_frequencies(m, l.index).inv_freq);
+    }
+  }
+  EXPECT_EQ(nope_layers, 12);
+  // --details on a NoPE layer: no scaling or base, the layer named.
+  const RunResult d =
+      run("rope-freqs --config " + cfg + " --layer 7 --details --out " + quote(path("d.npy")));
+  ASSERT_EQ(d.status, 0) << d.err;
+  const nlohmann::json jd = nlohmann::json::parse(d.out);
+  EXPECT_EQ(jd.at("nope"), true);
+  EXPECT_EQ(jd.at("layer"), 7);
+  EXPECT_TRUE(jd.at("scaling").is_null());
+  EXPECT_EQ(jd.at("model_type"), "llama4");
+  // Out of range stays an error; rope on a NoPE layer too.
+  expect_error("rope-freqs", "--config " + cfg + " --layer 48", "out of range");
+  const std::string x = write_f32("xn.npy", {1, 2, 1, 128}, random_floats(256, 4));
+  expect_error("rope", "--config " + cfg + " --layer 3 --in " + quote(x), "NoPE");
+  // describe --json marks the same layers.
+  const RunResult dj = run("describe --json " + cfg);
+  ASSERT_EQ(dj.status, 0) << dj.err;
+  const nlohmann::json layers = nlohmann::json::parse(dj.out).at("layers");
+  for (const ModelLayer& l : m.layers) {
+    EXPECT_EQ(layers.at(l.index).at("nope"), !l.rope) << l.index;
+  }
 }
 
 TEST_F(CliModelsTest, RopeDeepseekLayout) {

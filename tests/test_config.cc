@@ -860,6 +860,23 @@ TEST(ModelConfigLayers, Llama4Scout) {
   }
   EXPECT_EQ(*c.layers[0].attention_chunk, 8192);
   EXPECT_THROW((void)layer_rope_frequencies(c, 3), ValueError);
+  // layer_rope walks every layer without an error: NoPE layers say so.
+  for (const ModelLayer& l : c.layers) {
+    const LayerRopeFrequencies lr = layer_rope(c, l.index, 100);
+    EXPECT_EQ(lr.layer, l.index);
+    EXPECT_EQ(lr.nope, !l.rope) << l.index;
+    EXPECT_EQ(lr.style, RopeStyle::kInterleaved) << l.index;
+    EXPECT_EQ(lr.temperature.has_value(), !l.rope) << l.index;
+    if (l.rope) {
+      EXPECT_EQ(lr.inv_freq, layer_rope_frequencies(c, l.index, 100).inv_freq) << l.index;
+    } else {
+      EXPECT_EQ(lr.rotary_dim(), 0) << l.index;
+      EXPECT_EQ(lr.attention_factor, 1.0) << l.index;
+      EXPECT_EQ(lr.temperature->floor_scale, l.temperature->floor_scale);
+    }
+  }
+  EXPECT_THROW((void)layer_rope(c, 48), ValueError);
+  EXPECT_THROW((void)layer_rope(c, -1), ValueError);
   // Equal low / high factors: every frequency is either unscaled or divided by the factor.
   const RopeFrequencies f = layer_rope_frequencies(c, 0);
   for (std::size_t i = 0; i < f.inv_freq.size(); ++i) {

@@ -128,6 +128,20 @@ const ModelLayer& model_layer(const ModelConfig& cfg, int64_t layer);
 RopeFrequencies layer_rope_frequencies(const ModelConfig& cfg, int64_t layer, int64_t seq_len = 0,
                                        RopeAngles angles = RopeAngles::kAccurate);
 
+// One layer's rotary encoding as a walk over a model's layers needs it, NoPE layers included:
+// a RoPE layer gives its frequencies (as layer_rope_frequencies) and style; a layer without
+// RoPE (Llama 4's NoPE layers) gives nope = true, no frequencies (rotary_dim() 0, attention
+// factor 1) and the model's style. temperature: the layer's attention-temperature tuning, if
+// any. Throws ValueError for a model without RoPE or a layer out of range.
+struct LayerRopeFrequencies : RopeFrequencies {
+  int64_t layer = 0;
+  bool nope = false;
+  RopeStyle style = RopeStyle::kHalf;
+  std::optional<AttentionTemperature> temperature;
+};
+LayerRopeFrequencies layer_rope(const ModelConfig& cfg, int64_t layer, int64_t seq_len = 0,
+                                RopeAngles angles = RopeAngles::kAccurate);
+
 // Applies the model's RoPE to x [batch, seq, heads, head_dim] as its code does: rope_offset and
 // rope_deinterleave included (head_dim may be the full head, the rotated part starting at
 // rope_offset, or just the rotary part, rotary_dim wide). Dims outside the rotary part are copied.

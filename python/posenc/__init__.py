@@ -23,6 +23,7 @@ from ._posenc import (  # noqa: F401  (the public API)
     Error,
     InvalidValueError,
     IoError,
+    LayerRopeFrequencies,
     ModelConfig,
     RopeFrequencies,
     ShapeError,

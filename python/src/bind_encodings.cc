@@ -154,6 +154,62 @@ RopeFrequencies make_freqs(const pb::object& config, std::optional<int64_t> head
   return rope_frequencies(c, seq_len, a);
 }
 
+pb::object temperature_dict(const std::optional<AttentionTemperature>& t) {
+  if (!t) return pb::none();
+  return pb::dict("floor_scale"_a = t->floor_scale, "attn_scale"_a = t->attn_scale);
+}
+
+// rope_frequencies(...): the first positional argument is head_dim (an int) or a config (a path,
+// dict or ModelConfig, as config=); layer= picks a layer of the config, NoPE layers included.
+pb::object rope_frequencies_call(const pb::object& first, int64_t rotary_dim, double base,
+                                 const pb::object& scaling, int64_t seq_len,
+                                 const std::string& angles, pb::object config,
+                                 std::optional<int64_t> layer) {
+  std::optional<int64_t> head_dim;
+  if (!first.is_none()) {
+    if (pb::isinstance<pb::int_>(first) && !pb::isinstance<pb::bool_>(first)) {
+      head_dim = first.cast<int64_t>();
+    } else if (pb::isinstance<pb::str>(first) || pb::isinstance<pb::dict>(first) ||
+               pb::isinstance<ModelConfig>(first) || pb::hasattr(first, "__fspath__")) {
+      if (!config.is_none()) {
+        throw pb::type_error("rope_frequencies: config given twice (positionally and config=)");
+      }
+      config = first;
+    } else {
+      throw pb::type_error(
+          "rope_frequencies: the first argument must be head_dim (an int) or a "
+          "config (a config.json path, dict or ModelConfig), got " +
+          pb::str(pb::type::handle_of(first).attr("__name__")).cast<std::string>());
+    }
+  }
+  if (layer) {
+    if (config.is_none()) throw pb::type_error("rope_frequencies: layer= needs a config");
+    if (head_dim) throw pb::type_error("rope_frequencies: layer= takes a config, not head_dim");
+    const ModelConfig m = model_config_arg(config);
+    if (seq_len < 0) throw ValueError("rope_frequencies: seq_len must be >= 0");
+    return pb::cast(layer_rope(m, *layer, seq_len, parse_angles(angles)));
+  }
+  if (!config.is_none() && head_dim) {
+    throw pb::type_error("rope_frequencies: head_dim and config are exclusive");
+  }
+  return pb::cast(make_freqs(config, head_dim, rotary_dim, base, scaling, seq_len, angles));
+}
+
+pb::dict scaling_dict(const RopeScaling& s);
+
+pb::dict layer_dict(const ModelLayer& l) {
+  pb::dict d("index"_a = l.index, "attention"_a = l.attention, "rope"_a = l.rope,
+             "nope"_a = !l.rope);
+  d["rope_theta"] = l.rope ? pb::cast(l.rope_config.base) : pb::none();
+  d["rope_scaling"] = l.rope ? pb::object(scaling_dict(l.rope_config.scaling)) : pb::none();
+  d["sliding_window"] = l.sliding_window ? pb::cast(*l.sliding_window) : pb::none();
+  d["attention_chunk"] = l.attention_chunk ? pb::cast(*l.attention_chunk) : pb::none();
+  d["softmax_scale"] = l.softmax_scale;
+  d["temperature"] = temperature_dict(l.temperature);
+  d["attention_sinks"] = l.attention_sinks;
+  return d;
+}
+
 }  // namespace
 
 RopeSetup rope_setup(const pb::array& xa, const pb::object& freqs, const pb::object& style,
@@ -366,6 +422,27 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
                (f.angles == RopeAngles::kFloat32 ? "float32" : "accurate") + "')";
       });
 
+  pb::class_<LayerRopeFrequencies, RopeFrequencies>(
+      m, "LayerRopeFrequencies",
+      "One layer's RoPE (rope_frequencies(config, layer=N)): a RopeFrequencies plus layer, nope "
+      "(True on a layer without RoPE, Llama 4's NoPE layers: no frequencies, rotary_dim 0, "
+      "attention_factor 1), style, and temperature (the layer's attention-temperature tuning as "
+      "{'floor_scale', 'attn_scale'}, or None).")
+      .def_readonly("layer", &LayerRopeFrequencies::layer)
+      .def_readonly("nope", &LayerRopeFrequencies::nope)
+      .def_property_readonly("style",
+                             [](const LayerRopeFrequencies& f) { return style_name(f.style); })
+      .def_property_readonly(
+          "temperature",
+          [](const LayerRopeFrequencies& f) { return temperature_dict(f.temperature); })
+      .def("__repr__", [](const LayerRopeFrequencies& f) {
+        return "LayerRopeFrequencies(layer=" + std::to_string(f.layer) +
+               ", nope=" + (f.nope ? "True" : "False") +
+               ", rotary_dim=" + std::to_string(f.rotary_dim()) +
+               ", attention_factor=" + std::to_string(f.attention_factor) + ", style='" +
+               style_name(f.style) + "')";
+      });
+
   pb::class_<ModelConfig>(m, "ModelConfig",
                           "A Hugging Face config.json read by read_model_config: the model's "
                           "positional encoding and the dimensions attention needs.")
@@ -413,6 +490,12 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
                                    "position_buckets"_a = c.deberta.position_buckets,
                                    "float64_log"_a = c.deberta.float64_log,
                                    "p2c"_a = p2c_name(c.deberta.p2c));
+                             })
+      .def_property_readonly("layers",
+                             [](const ModelConfig& c) {
+                               pb::list out;
+                               for (const ModelLayer& l : c.layers) out.append(layer_dict(l));
+                               return out;
                              })
       .def("effective_context", &ModelConfig::effective_context)
       .def("__repr__", [](const ModelConfig& c) {
@@ -557,22 +640,18 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
       "[max_positions, dim]: dtable[p] = sum of dy at position p.");
 
   // ---- RoPE ----
-  m.def(
-      "rope_frequencies",
-      [](std::optional<int64_t> head_dim, int64_t rotary_dim, double base,
-         const pb::object& scaling, int64_t seq_len, const std::string& angles,
-         const pb::object& config) {
-        return make_freqs(config, head_dim, rotary_dim, base, scaling, seq_len, angles);
-      },
-      arg("head_dim") = pb::none(), pb::kw_only(), arg("rotary_dim") = 0, arg("base") = 1e4,
-      arg("scaling") = pb::none(), arg("seq_len") = 0, arg("angles") = "accurate",
-      arg("config") = pb::none(),
-      "rope_frequencies(head_dim, *, rotary_dim=0, base=1e4, scaling=None, seq_len=0, "
-      "angles='accurate', config=None) -> RopeFrequencies\n\n"
-      "rotary_dim 0 means head_dim; scaling is a Hugging Face rope_scaling dict (rope_type "
-      "linear, dynamic, yarn, llama3, longrope and their keys); seq_len is the sequence length "
-      "(max position + 1) for dynamic NTK and LongRoPE. config (a config.json path, dict or "
-      "ModelConfig) replaces head_dim, rotary_dim, base and scaling.");
+  m.def("rope_frequencies", &rope_frequencies_call, arg("head_dim") = pb::none(), pb::kw_only(),
+        arg("rotary_dim") = 0, arg("base") = 1e4, arg("scaling") = pb::none(), arg("seq_len") = 0,
+        arg("angles") = "accurate", arg("config") = pb::none(), arg("layer") = pb::none(),
+        "rope_frequencies(head_dim, *, rotary_dim=0, base=1e4, scaling=None, seq_len=0, "
+        "angles='accurate', config=None, layer=None) -> RopeFrequencies\n\n"
+        "rotary_dim 0 means head_dim; scaling is a Hugging Face rope_scaling dict (rope_type "
+        "linear, dynamic, yarn, llama3, longrope and their keys); seq_len is the sequence length "
+        "(max position + 1) for dynamic NTK and LongRoPE. config (a config.json path, dict or "
+        "ModelConfig; also accepted as the first argument) replaces head_dim, rotary_dim, base and "
+        "scaling. layer=N (with a config) gives that layer's RoPE as a LayerRopeFrequencies: a "
+        "layer without RoPE (Llama 4's NoPE layers) is no error but nope=True, rotary_dim 0, "
+        "attention_factor 1 and the layer's temperature tuning.");
   const char* rope_doc =
       "apply_rope(x, freqs=None, *, style=None, positions=None, inverse=False, inplace=False, "
       "out=None, num_threads=0, rotary_dim=0, base=1e4, scaling=None, seq_len=None, "

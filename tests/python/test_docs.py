@@ -25,9 +25,27 @@ def test_numpy_quick_start_runs(tmp_path, monkeypatch):
     assert (tmp_path / "pe.png").exists() and (tmp_path / "posenc-demo" / "index.html").exists()
 
 
+def block_starting(text):
+    found = [b for b in blocks() if b.startswith(text)]
+    assert len(found) == 1, text
+    return found[0]
+
+
+def test_layer_walk_example_runs(monkeypatch):
+    code = block_starting("import posenc\ncfg = posenc.read_model_config")
+    monkeypatch.chdir(os.path.abspath(os.path.join(os.path.dirname(DOC), "..")))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "docs/python.md (layer walk)", "exec"), {})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 48
+    assert lines[0] == "0 128 None"
+    assert lines[3] == "3 NoPE {'floor_scale': 8192.0, 'attn_scale': 0.1}"
+
+
 def test_pytorch_decoder_example_trains():
     pytest.importorskip("torch")
-    code = blocks()[1]
+    code = block_starting("import torch, posenc.torch as pt")
     assert len(code.strip().splitlines()) <= 32
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

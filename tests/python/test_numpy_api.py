@@ -459,3 +459,47 @@ def test_gil_is_released_while_kernels_run():
     inside = [x for x in ticks if start < x < end]
     assert end - start > 0.02
     assert len(inside) >= 3  # the ticker ran during the calls
+
+
+def test_rope_frequencies_walks_every_layer_nope_included(configs_dir):
+    path = os.path.join(configs_dir, "llama-4-scout-17b-16e-instruct.json")
+    cfg = posenc.read_model_config(path)
+    assert len(cfg.layers) == 48
+    nope = 0
+    for layer in cfg.layers:
+        n = layer["index"]
+        # The config positionally, as a path, or as config=: the same answer, never an error.
+        f = posenc.rope_frequencies(path, layer=n)
+        g = posenc.rope_frequencies(config=cfg, layer=n)
+        assert isinstance(f, posenc.RopeFrequencies)
+        assert isinstance(f, posenc.LayerRopeFrequencies)
+        assert f.layer == n and f.nope == layer["nope"] == (not layer["rope"])
+        assert f.style == "interleaved"
+        np.testing.assert_array_equal(f.inv_freq, g.inv_freq)
+        if f.nope:
+            nope += 1
+            assert f.rotary_dim == 0 and f.inv_freq.shape == (0,)
+            assert f.attention_factor == 1.0
+            assert f.temperature == layer["temperature"] == {"floor_scale": 8192.0,
+                                                             "attn_scale": 0.1}
+        else:
+            assert f.rotary_dim == 128 and f.temperature is None
+            assert layer["attention_chunk"] == 8192
+    assert nope == 12
+    # A RoPE layer's frequencies are those of the model's RoPE layers.
+    np.testing.assert_array_equal(posenc.rope_frequencies(cfg, layer=0).inv_freq,
+                                  posenc.rope_frequencies(config=cfg).inv_freq)
+    with pytest.raises(posenc.InvalidValueError, match="out of range"):
+        posenc.rope_frequencies(cfg, layer=48)
+    with pytest.raises(TypeError, match="needs a config"):
+        posenc.rope_frequencies(128, layer=0)
+    with pytest.raises(TypeError, match="given twice"):
+        posenc.rope_frequencies(path, config=cfg)
+    with pytest.raises(TypeError, match="first argument"):
+        posenc.rope_frequencies(1.5)
+    # Gemma 3's local and global layers differ in theta: layer= picks each.
+    gemma = posenc.read_model_config(os.path.join(configs_dir, "gemma-3-4b-it.json"))
+    local, glob = posenc.rope_frequencies(gemma, layer=0), posenc.rope_frequencies(gemma, layer=5)
+    assert not local.nope and not glob.nope
+    assert not np.array_equal(local.inv_freq, glob.inv_freq)
+    assert [l["rope_theta"] for l in gemma.layers[:6]] == [1e4] * 5 + [1e6]
