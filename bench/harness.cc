@@ -24,6 +24,7 @@
 #include "posenc/error.h"
 #include "posenc/half.h"
 #include "posenc/rope.h"
+#include "posenc/schemes.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -496,8 +497,7 @@ double kv_bytes(const AttentionShape& s) {
 }
 
 const std::vector<std::string>& scheme_names() {
-  static const std::vector<std::string> names = {"none", "rope",    "alibi", "t5",
-                                                 "shaw", "deberta", "xl"};
+  static const std::vector<std::string> names = posenc::scheme_names();
   return names;
 }
 
@@ -1041,8 +1041,7 @@ std::vector<Entry> suite(const SuiteOptions& options) {
   all.push_back({"sgemm", [=] { return bench_sgemm(threads, gemm_n, timing); }});
   all.push_back({"rope_neox_" + dims_name(rope_seq, 32, 128),
                  [=] { return bench_rope(rope_seq, 32, 128, threads, timing); }});
-  for (const char* scheme : {"none", "alibi", "t5", "shaw", "deberta", "xl", "rope"}) {
-    const std::string s = scheme;
+  for (const std::string& s : scheme_names()) {
     all.push_back(
         {attention_name(s, attn), [=] { return bench_attention(s, attn, threads, timing); }});
   }
@@ -1067,8 +1066,7 @@ std::vector<Entry> suite(const SuiteOptions& options) {
                  [=] { return bench_rope_half("bf16", rope_seq, 32, 128, threads, timing); }});
   all.push_back({"peak_memory_" + attention_name("none", peak),
                  [=] { return bench_peak_memory_attention(peak, threads); }});
-  for (const char* scheme : {"none", "rope", "alibi", "t5", "shaw", "deberta", "xl"}) {
-    const std::string s = scheme;
+  for (const std::string& s : scheme_names()) {
     all.push_back({"attention_backward_" + attention_name(s, attn).substr(10),
                    [=] { return bench_attention_backward(s, attn, threads, timing); }});
   }

@@ -135,7 +135,7 @@ double attention_flops(const AttentionShape& shape);
 // Bytes of k and v (what a decode step must read).
 double kv_bytes(const AttentionShape& shape);
 
-// Scheme names accepted by AttentionWorkload: none, rope, alibi, t5, shaw, deberta, xl.
+// Scheme names accepted by AttentionWorkload: every scheme of the registry (posenc/schemes.h).
 const std::vector<std::string>& scheme_names();
 
 // Random q, k, v (uniform in [-1, 1], fixed seed), an output, and the scheme's parameters:

@@ -31,7 +31,11 @@ import subprocess
 import sys
 import time
 
-SCHEMES = ("none", "rope", "alibi", "t5", "shaw", "xl", "deberta")
+def scheme_names():
+    """The registry's schemes (posenc.SCHEMES), read in a subprocess like every measurement."""
+    out = subprocess.run([sys.executable, "-c", "import posenc; print(','.join(posenc.SCHEMES))"],
+                         check=True, capture_output=True, text=True)
+    return tuple(out.stdout.strip().split(","))
 
 
 # ---- one measurement, in a subprocess -----------------------------------------------------------
@@ -236,7 +240,8 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=3, help="timed steps per subprocess")
     ap.add_argument("--rounds", type=int, default=2, help="subprocesses per implementation")
-    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--schemes", default=None,
+                    help="comma-separated schemes (default: every scheme posenc has)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -256,7 +261,8 @@ def main():
                       f"numpy +{r['numpy_overhead_us']:5.1f} us   "
                       f"torch +{r.get('torch_overhead_us', float('nan')):5.1f} us")
     results = []
-    for scheme in [s for s in args.schemes.split(",") if s]:  # --schemes "": overhead only
+    schemes = scheme_names() if args.schemes is None else args.schemes.split(",")
+    for scheme in [s for s in schemes if s]:  # --schemes "": overhead only
         runs = {"posenc": [], "torch": []}
         peaks = {}
         for rep in range(args.rounds):  # subprocesses per implementation, alternating

@@ -16,6 +16,7 @@
 #include "figure.h"
 #include "plots.h"
 #include "posenc/config.h"
+#include "posenc/schemes.h"
 
 namespace posenc::cli {
 
@@ -304,7 +305,11 @@ Command add_plot_command(CLI::App& parent) {
                       "The [Lq, Lk] bias or index map: ALiBi per head, T5 buckets, Shaw and "
                       "DeBERTa clipping");
     auto a = std::make_shared<BiasArgs>();
-    add_scheme_options(k->app, a->s, {"alibi", "t5", "shaw", "deberta"}, 4);
+    std::vector<std::string> bias_schemes;  // the registry's schemes with a bias or index map
+    for (const SchemeInfo& s : attention_schemes()) {
+      if (s.bias_map) bias_schemes.push_back(s.name);
+    }
+    add_scheme_options(k->app, a->s, bias_schemes, 4);
     k->app->add_option("--length", a->length, "Queries = keys = L")->capture_default_str();
     k->app->add_flag("--causal", a->causal, "Mask keys after the query (T5: causal buckets)");
     CLI::App* sub = k->app;

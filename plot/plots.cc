@@ -15,6 +15,7 @@
 #include "posenc/error.h"
 #include "posenc/learned.h"
 #include "posenc/rope.h"
+#include "posenc/schemes.h"
 #include "posenc/shaw.h"
 #include "posenc/xl.h"
 
@@ -31,6 +32,24 @@ void require(bool ok, const std::string& message) {
 }
 
 // Integers as integers, else 4 significant digits ("10000", "0.0039", "1e+06").
+// The schemes whose relative term is an additive [Lq, Lk] bias or index map (the registry's
+// bias_map), and names for messages: "alibi, t5, shaw or deberta".
+std::vector<std::string> bias_map_schemes() {
+  std::vector<std::string> out;
+  for (const SchemeInfo& s : attention_schemes()) {
+    if (s.bias_map) out.push_back(s.name);
+  }
+  return out;
+}
+std::string names_text(const std::vector<std::string>& names) {
+  std::string s;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) s += i + 1 == names.size() ? " or " : ", ";
+    s += names[i];
+  }
+  return s;
+}
+
 std::string num(double v) {
   char buf[64];
   if (std::fabs(v) < 1e7 && v == std::round(v)) {
@@ -776,9 +795,9 @@ Figure rope_rotation_figure(const RopeRotationOptions& o) {
 // bias
 
 Figure bias_figure(const BiasOptions& o) {
-  static const std::vector<std::string> all = {"alibi", "t5", "shaw", "deberta"};
+  static const std::vector<std::string> all = bias_map_schemes();
   require(o.scheme == "all" || std::find(all.begin(), all.end(), o.scheme) != all.end(),
-          "bias: unknown scheme '" + o.scheme + "' (use all, alibi, t5, shaw or deberta)");
+          "bias: unknown scheme '" + o.scheme + "' (use all, " + names_text(all) + ")");
   require(o.length >= 1 && o.length <= 1024,
           "bias: --length must be in [1, 1024] (got " + std::to_string(o.length) + ")");
   require(o.shaw_k >= 1, "bias: --shaw-k must be >= 1 (got " + std::to_string(o.shaw_k) + ")");

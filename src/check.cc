@@ -15,6 +15,7 @@
 #include "posenc/error.h"
 #include "posenc/learned.h"
 #include "posenc/rope.h"
+#include "posenc/schemes.h"
 #include "posenc/sinusoidal.h"
 #include "posenc/size.h"
 
@@ -261,9 +262,10 @@ std::vector<CheckResult> run_checks(const CheckOptions& options) {
   }
   le("rope preserves norms (positions up to 2^20)", "rope", rope_norm_error(seed), 1e-12);
   le("<rope(q,m), rope(k,n)> depends only on n-m", "rope", rope_offset_spread(seed), 1e-9);
-  for (const char* s : {"alibi", "t5", "shaw", "xl", "deberta"}) {
-    le("scores depend only on the offset (constant content, shifted positions)", s,
-       relative_score_spread(s, seed), 1e-9);
+  for (const SchemeInfo& s : attention_schemes()) {
+    if (!s.relative) continue;
+    le("scores depend only on the offset (constant content, shifted positions)", s.name.c_str(),
+       relative_score_spread(s.name, seed), 1e-9);
   }
   {
     std::vector<float> table(4 * 2, 0.5f), x(2, 0.0f);

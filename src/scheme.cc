@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "common.h"
+#include "posenc/schemes.h"
 
 namespace posenc {
 
@@ -515,19 +516,19 @@ int64_t attention_seq_len(int64_t batch, int64_t seq_q, int64_t seq_k,
 
 std::vector<std::string> scheme_param_names(const std::string& name) {
   std::vector<std::string> names = scheme_required_params(name);
-  if (name == "alibi") names.push_back("slopes");
-  if (name == "shaw") names.push_back("rel_v");
-  names.push_back("sinks");  // attention sinks: any scheme
+  for (const SchemeParamInfo& p : scheme_info(name).params) {
+    if (!p.required) names.push_back(p.name);
+  }
+  for (const SchemeParamInfo& p : common_scheme_params()) names.push_back(p.name);
   return names;
 }
 
 std::vector<std::string> scheme_required_params(const std::string& name) {
-  if (name == "none" || name == "rope" || name == "alibi") return {};
-  if (name == "t5") return {"relative_attention_bias"};
-  if (name == "shaw") return {"rel_k"};
-  if (name == "xl") return {"r_w_bias", "r_r_bias", "r_net"};
-  if (name == "deberta") return {"pos_key", "pos_query"};
-  fail("unknown scheme '" + name + "' (none, rope, alibi, t5, shaw, xl, deberta)");
+  std::vector<std::string> names;
+  for (const SchemeParamInfo& p : scheme_info(name).params) {
+    if (p.required) names.push_back(p.name);
+  }
+  return names;
 }
 
 std::string model_attention_scheme(const ModelConfig& model, const std::string& config_name) {

@@ -627,3 +627,55 @@ TEST(BuildScheme, AlibiSlopesAndRopeSettings) {
 }
 
 }  // namespace
+
+// The scheme registry: one table in PositionScheme's order, the source of every front end's
+// list (names, parameters, settings).
+TEST(SchemeRegistry, OrderNamesParamsAndSettings) {
+  const std::vector<SchemeInfo>& all = attention_schemes();
+  ASSERT_EQ(all.size(), std::variant_size_v<PositionScheme>);
+  const PositionScheme variants[] = {NoPositions{}, Rope{},          Alibi{},  T5Bias{},
+                                     Shaw{},        TransformerXL{}, DeBERTa{}};
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    EXPECT_EQ(static_cast<std::size_t>(all[i].kind), i);
+    EXPECT_EQ(scheme_name(variants[i]), all[i].name);
+    EXPECT_EQ(&scheme_info(all[i].name), &all[i]);
+    EXPECT_EQ(&scheme_info(all[i].kind), &all[i]);
+    EXPECT_FALSE(all[i].title.empty());
+    EXPECT_FALSE(all[i].summary.empty());
+    // Its documentation page exists in the repository.
+    EXPECT_TRUE(
+        std::filesystem::exists(std::string(POSENC_TEST_CONFIGS_DIR) + "/../../" + all[i].doc))
+        << all[i].doc;
+  }
+  EXPECT_EQ(scheme_names(),
+            (std::vector<std::string>{"none", "rope", "alibi", "t5", "shaw", "xl", "deberta"}));
+  EXPECT_EQ(scheme_names_text(), "none, rope, alibi, t5, shaw, xl or deberta");
+  // The parameters build_scheme reads, required ones first, then the optional, then sinks.
+  EXPECT_EQ(scheme_param_names("t5"),
+            (std::vector<std::string>{"relative_attention_bias", "sinks"}));
+  EXPECT_EQ(scheme_param_names("alibi"), (std::vector<std::string>{"slopes", "sinks"}));
+  EXPECT_EQ(scheme_param_names("shaw"), (std::vector<std::string>{"rel_k", "rel_v", "sinks"}));
+  EXPECT_EQ(scheme_required_params("xl"),
+            (std::vector<std::string>{"r_w_bias", "r_r_bias", "r_net"}));
+  EXPECT_EQ(scheme_required_params("deberta"), (std::vector<std::string>{"pos_key", "pos_query"}));
+  EXPECT_TRUE(scheme_required_params("rope").empty());
+  // Settings shared by schemes are listed once with every scheme they serve.
+  bool base_found = false;
+  for (const SchemeSettingUse& u : scheme_settings()) {
+    if (u.setting.keyword == "base") {
+      base_found = true;
+      EXPECT_EQ(u.schemes, (std::vector<std::string>{"rope", "xl"}));
+    }
+    EXPECT_FALSE(u.schemes.empty());
+  }
+  EXPECT_TRUE(base_found);
+  // Unknown names: ValueError naming the known ones.
+  try {
+    (void)scheme_info("sinusoidal");
+    ADD_FAILURE() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("'sinusoidal'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("xl or deberta"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)scheme_param_names("ALiBi"), ValueError);
+}

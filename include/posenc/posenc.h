@@ -11,6 +11,7 @@
 #include "posenc/learned.h"
 #include "posenc/rope.h"
 #include "posenc/scheme.h"
+#include "posenc/schemes.h"
 #include "posenc/shaw.h"
 #include "posenc/sinusoidal.h"
 #include "posenc/t5.h"
