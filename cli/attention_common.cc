@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "posenc/schemes.h"
+
 namespace posenc::cli {
 
 namespace {
@@ -245,14 +247,32 @@ std::vector<double> AttentionInputs::q64() const {
   return x;
 }
 
+namespace {
+// The --params help from the scheme registry: each scheme's tensors and layouts.
+std::string params_help() {
+  std::string h = "Parameters .safetensors:";
+  auto tensors = [](const std::vector<SchemeParamInfo>& ps) {
+    std::string t;
+    for (const SchemeParamInfo& p : ps) {
+      t += (t.empty() ? " " : ", ") + p.name + " " + p.layout + (p.required ? "" : " (optional)");
+    }
+    return t;
+  };
+  for (const SchemeInfo& s : attention_schemes()) {
+    if (!s.params.empty()) h += " " + s.name + tensors(s.params) + ";";
+  }
+  return h + " any scheme:" + tensors(common_scheme_params()) +
+         " (attention sinks; required by gpt_oss layers)";
+}
+}  // namespace
+
 void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHelp& help) {
   app->add_option("--q", a.q, "Queries .npy [batch, seq_q, heads_q, head_dim]")->required();
   app->add_option("--k", a.k, "Keys .npy [batch, seq_k, heads_kv, head_dim]")->required();
   app->add_option("--v", a.v, "Values .npy [batch, seq_k, heads_kv, head_dim]")->required();
   app->add_option("--out", a.out, help.out)->required();
-  app->add_option("--scheme", a.scheme,
-                  "none, rope, alibi, t5, shaw, xl or deberta (required unless --config)")
-      ->check(CLI::IsMember({"none", "rope", "alibi", "t5", "shaw", "xl", "deberta"}));
+  app->add_option("--scheme", a.scheme, scheme_names_text() + " (required unless --config)")
+      ->check(CLI::IsMember(scheme_names()));
   app->add_option("--config", a.config,
                   "Model config.json: scheme and its settings from the model (rope: theta, "
                   "rotary dim, style, scaling at seq_len = max position + 1; alibi: slopes; t5: "
@@ -265,17 +285,13 @@ void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHel
                   "the model's layers differ (gemma2/3, gpt_oss, llama4)");
   app->add_flag("--causal", a.causal, "Key j visible iff pos_k(j) <= pos_q(i)");
   app->add_option("--scale", a.scale, "Score scale (default 1/sqrt(D); DeBERTa 1/sqrt(3D))");
-  app->add_option("--params", a.params,
-                  "Parameters .safetensors: t5 relative_attention_bias [NB, H]; alibi slopes [H] "
-                  "(optional); shaw rel_k, rel_v [2K+1, D] or [2K+1, H, D]; xl r_w_bias, "
-                  "r_r_bias [H, D], r_net [H*D, Dm]; deberta pos_key, pos_query [2K, H, D]; any "
-                  "scheme: sinks [Hq] (attention sinks, optional; required by gpt_oss layers)");
+  app->add_option("--params", a.params, params_help());
   app->add_option("--base", a.base, "rope: theta; xl: sinusoid base")->capture_default_str();
   app->add_option("--rotary-dim", a.rotary_dim, "rope: rotary dim R (default head_dim)");
   app->add_option("--style", a.style, "rope: half or interleaved")
       ->check(CLI::IsMember({"half", "interleaved"}))
       ->capture_default_str();
-  app->add_option("--angles", a.angles, "rope: accurate or float32 angles (SPEC section 10)")
+  app->add_option("--angles", a.angles, "rope: accurate or float32 angles (docs/precision.md)")
       ->check(CLI::IsMember({"accurate", "float32"}))
       ->capture_default_str();
   app->add_option("--seq-len", a.seq_len,

@@ -1,7 +1,7 @@
 // cli/attention_common.h - what `posenc attention` and `posenc attention-grad` share: the flags,
-// reading q, k, v, positions and the .safetensors --params file (tensor names of SPEC §9), and
-// handing them with a model --config to posenc::build_scheme (posenc/scheme.h), which the
-// Python bindings share.
+// reading q, k, v, positions and the .safetensors --params file (tensor names of
+// docs/attention.md), and handing them with a model --config to posenc::build_scheme
+// (posenc/scheme.h), which the Python bindings share.
 #pragma once
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// cli/cmd_alibi.cc - `posenc alibi-slopes`: ALiBi head slopes (SPEC §4).
+// cli/cmd_alibi.cc - `posenc alibi-slopes`: ALiBi head slopes (docs/alibi.md).
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <string>

@@ -1,10 +1,11 @@
-// cli/cmd_attention.cc - `posenc attention`: attention with any positional scheme (SPEC §0-§9).
+// cli/cmd_attention.cc - `posenc attention`: attention with any positional scheme
+// (docs/attention.md).
 //
 // Reads q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] (.npy, any float dtype; v's head dim may be
-// smaller: multi-head latent attention), builds the
-// posenc::PositionScheme from flags and a .safetensors parameter file (tensor names of SPEC §9;
-// see attention_common.h), runs posenc::attention (or the float64 oracle posenc::ref::attention
-// with --reference, parameters in their file's precision) and writes out [B, Lq, Hq, D].
+// smaller: multi-head latent attention), builds the posenc::PositionScheme from flags and a
+// .safetensors parameter file (tensor names of docs/attention.md, Parameter names; see
+// attention_common.h), runs posenc::attention (or the float64 oracle posenc::ref::attention with
+// --reference, parameters in their file's precision) and writes out [B, Lq, Hq, D].
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <string>
@@ -66,7 +67,8 @@ Command add_attention_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "attention",
       "Attention out [B, Lq, Hq, D] from q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] (.npy) with a "
-      "positional scheme; parameters from a .safetensors file (SPEC section 9 names)");
+      "positional scheme; parameters from a .safetensors file, named as in docs/attention.md "
+      "(Parameter names)");
   add_attention_flags(
       app, *a,
       {.out = "Output [batch, seq_q, heads_q, head_dim]: .npy, or .safetensors (one tensor "

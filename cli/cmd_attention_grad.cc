@@ -1,4 +1,5 @@
-// cli/cmd_attention_grad.cc - `posenc attention-grad`: gradients of attention (SPEC §0-§9).
+// cli/cmd_attention_grad.cc - `posenc attention-grad`: gradients of attention
+// (docs/attention.md, Backward).
 //
 // Reads what `posenc attention` reads (same flags, attention_common.h) plus dout = dLoss/dout
 // [B, Lq, Hq, D], runs the forward with the per-row log-sum-exp (posenc::attention, or the

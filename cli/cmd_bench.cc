@@ -7,7 +7,8 @@
 //    "threads": 16, "gbps": 43.3, "baseline": "copy_bandwidth", "ratio": 0.87,
 //    "simd_target": "AVX3", "quick": false}
 // Bandwidth-bound entries carry "gbps", compute-bound ones "gflops" (useful FLOPs); "ratio" is
-// the rate over the first baseline's (RoPE and decode: copy_bandwidth, attention: sgemm) and
+// the rate over the first baseline's (RoPE: copy_bandwidth, decode: read_bandwidth, attention:
+// sgemm) and
 // "ratio_<name>" over the others'. Attention entries with positions also carry "vs_none": their
 // time over a no-position run timed in alternation with them (median of the pairs' ratios), and
 // "none_median_s". Without --json: a table with the same numbers. Entries run

@@ -1,4 +1,4 @@
-// cli/cmd_deberta.cc - `posenc deberta-buckets`: DeBERTa relative index maps (SPEC §8).
+// cli/cmd_deberta.cc - `posenc deberta-buckets`: DeBERTa relative index maps (docs/deberta.md).
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <string>
@@ -31,7 +31,7 @@ int run_deberta(const DebertaArgs& a) {
   cfg.float64_log = a.float64_log;
   cfg.p2c = a.p2c == "paper" ? DebertaP2c::kPaper : DebertaP2c::kModel;
   validate(cfg);
-  // SPEC §0 default positions: key j at j, query i at Lk - Lq + i.
+  // Default positions: key j at j, query i at Lk - Lq + i.
   if (a.query_length > a.key_length) {
     throw UsageError("default positions need --query-length <= --key-length (got " +
                      std::to_string(a.query_length) + " > " + std::to_string(a.key_length) + ")");

@@ -1,4 +1,5 @@
-// cli/cmd_learned.cc - `posenc learned`: add a learned absolute position table (SPEC §2).
+// cli/cmd_learned.cc - `posenc learned`: add a learned absolute position table
+// (docs/learned.md).
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <optional>

@@ -1,4 +1,4 @@
-// cli/cmd_rope.cc - `posenc rope`: rotate x [batch, seq, heads, head_dim] (SPEC §3), and
+// cli/cmd_rope.cc - `posenc rope`: rotate x [batch, seq, heads, head_dim] (docs/rope.md), and
 // `posenc rope-freqs`: the inverse frequencies and attention factor a configuration uses.
 //
 // Frequencies come from flags (--base, --rotary-dim, --style) or from a model's config.json
@@ -59,7 +59,7 @@ void add_freq_flags(CLI::App* app, FreqFlags& f, bool with_inv_freq) {
       ->check(CLI::IsMember({"half", "interleaved"}));
   app->add_option("--angles", f.angles,
                   "accurate (p * inv_freq, cos and sin in double) or float32 (the frameworks' "
-                  "float32 recipe, SPEC section 10)")
+                  "float32 recipe; docs/precision.md)")
       ->check(CLI::IsMember({"accurate", "float32"}))
       ->capture_default_str();
   app->add_option("--layer", f.layer,

@@ -1,5 +1,5 @@
 // cli/cmd_rope_precision.cc - `posenc rope-precision`: RoPE output and angle error at large
-// positions, accurate vs float32 angles (posenc::rope_precision, SPEC §10).
+// positions, accurate vs float32 angles (posenc::rope_precision, docs/precision.md).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>

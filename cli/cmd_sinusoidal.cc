@@ -1,4 +1,4 @@
-// cli/cmd_sinusoidal.cc - `posenc sinusoidal`: a fixed sinusoidal table (SPEC §1).
+// cli/cmd_sinusoidal.cc - `posenc sinusoidal`: a fixed sinusoidal table (docs/sinusoidal.md).
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <optional>

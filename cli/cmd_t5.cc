@@ -1,4 +1,5 @@
-// cli/cmd_t5.cc - `posenc t5-buckets`: the T5 relative-position bucket map (SPEC §5).
+// cli/cmd_t5.cc - `posenc t5-buckets`: the T5 relative-position bucket map
+// (docs/t5.md).
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <optional>

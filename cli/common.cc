@@ -425,7 +425,7 @@ constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 const std::vector<IntRange> kRanges = {
     // Threads: libgomp keeps per-thread start data on the caller's stack.
     {"*", "--threads", 0, kMaxThreads},
-    // Positions and lengths: posenc positions lie in [0, 2^48] (SPEC §0).
+    // Positions and lengths: posenc positions lie in [0, 2^48].
     {"*", "--length", 0, kPow48},
     {"*", "--query-length", 0, kPow48},
     {"*", "--key-length", 0, kPow48},

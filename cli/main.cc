@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
     CLI::App app{
         "posenc - transformer positional encodings (sinusoidal, learned, RoPE, ALiBi, T5, "
         "Shaw, Transformer-XL, DeBERTa).\nTensors are .npy files, named parameters "
-        ".safetensors (see SPEC.md section 9).",
+        ".safetensors (docs/cli.md, File conventions).",
         "posenc"};
     const std::vector<pc::Command> commands = pc::add_all_commands(app);
     command = command_name(argc, argv, commands);

@@ -1,4 +1,4 @@
-// src/alibi.cc - ALiBi slopes (Press, Smith, Lewis 2022, "Train Short, Test Long"; SPEC §4).
+// src/alibi.cc - ALiBi slopes (Press, Smith, Lewis 2022, "Train Short, Test Long"; docs/alibi.md).
 #include "posenc/alibi.h"
 
 #include <cmath>

@@ -1,4 +1,5 @@
-// src/attention.cc - scaled dot-product attention with every positional scheme (SPEC §0, §3-§8).
+// src/attention.cc - scaled dot-product attention with every positional scheme
+// (docs/attention.md).
 //
 // One implementation templated on the scalar type: T = double is the float64 oracle
 // (posenc::ref::attention), T = float the simple float32 path (float accumulation). Both go one
@@ -6,8 +7,8 @@
 // tiled kernel of the next stage replaces the float32 path and is tested against the T = double
 // instantiation.
 //
-// Score order (SPEC §0): s = scale * (q.k + relative-content terms) + bias; mask; softmax over
-// keys; weighted sum of values (+ Shaw's value term).
+// Score order (docs/attention.md, Score order): s = scale * (q.k + relative-content terms)
+// + bias; mask; softmax over keys; weighted sum of values (+ Shaw's value term).
 #include "posenc/attention.h"
 
 #include <algorithm>
@@ -22,12 +23,12 @@
 #include "hwy/aligned_allocator.h"
 #include "kernels/attention_kernels.h"
 #include "kernels/parallel.h"
+#include "posenc/schemes.h"
 
 namespace posenc {
 
 std::string scheme_name(const PositionScheme& scheme) {
-  static const char* kNames[] = {"none", "rope", "alibi", "t5", "shaw", "xl", "deberta"};
-  return kNames[scheme.index()];
+  return scheme_info(static_cast<SchemeKind>(scheme.index())).name;
 }
 
 namespace {
@@ -655,7 +656,7 @@ void check_backward_args(const Problem<T>& pr, const PositionScheme& scheme, con
 // The materialized backward, one score row at a time (T = double: the oracle; T = float: the
 // simple float32 path). For row i of head h: P_j = exp(s_ij - lse_i) on visible keys,
 // dP_j = dout_i . (v_j + rel_v[idx]), D_i = dout_i . out_i, dS_j = P_j (dP_j - D_i); each
-// score term then passes dS on (SPEC §0 score order, docs/attention.md "Backward").
+// score term then passes dS on (the score order and docs/attention.md "Backward").
 template <class T>
 void run_backward(const Problem<T>& pr, const Prepared<T>& p, const View<const T, 4>& out,
                   const View<const T, 3>& lse, const View<const T, 4>& dout,

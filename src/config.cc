@@ -1,4 +1,4 @@
-// src/config.cc - Hugging Face style config.json -> ModelConfig (SPEC §3, §3.1, §4, §5, §8).
+// src/config.cc - Hugging Face style config.json -> ModelConfig (docs/model-configs.md).
 //
 // Strict reading: every key that decides the positional encoding is type-checked, range-checked
 // and cross-checked against its aliases (rope_theta / rotary_emb_base, type / rope_type,

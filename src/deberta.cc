@@ -1,5 +1,5 @@
 // src/deberta.cc - DeBERTa relative positions and log buckets (He et al. 2021, "DeBERTa:
-// Decoding-enhanced BERT with Disentangled Attention"; SPEC §8).
+// Decoding-enhanced BERT with Disentangled Attention"; docs/deberta.md).
 #include "posenc/deberta.h"
 
 #include <algorithm>

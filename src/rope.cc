@@ -1,5 +1,5 @@
-// src/rope.cc - rotary position embedding (Su et al. 2021, "RoFormer"; SPEC §3) and the HF
-// frequency scalings (SPEC §3.1): position interpolation (Chen et al. 2023), dynamic NTK,
+// src/rope.cc - rotary position embedding (Su et al. 2021, "RoFormer"; docs/rope.md) and the HF
+// frequency scalings (docs/rope-scaling/): position interpolation (Chen et al. 2023), dynamic NTK,
 // YaRN (Peng et al. 2023), Llama 3.1's wavelength-banded scaling, LongRoPE (Ding et al. 2024).
 //
 // Precision: inverse frequencies are double; p * inv_freq, cos and sin are double; the rotated

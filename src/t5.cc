@@ -1,5 +1,5 @@
 // src/t5.cc - T5 relative position buckets (Raffel et al. 2020, "Exploring the Limits of
-// Transfer Learning", §2.1; SPEC §5).
+// Transfer Learning", §2.1; docs/t5.md).
 //
 // The logarithmic part is evaluated in float32 exactly as the reference models do (the float32
 // quotient n/e, a float32 log, division by log(MD/e) rounded to float32, multiplication by

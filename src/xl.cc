@@ -1,4 +1,4 @@
-// src/xl.cc - Transformer-XL relative sinusoid R(delta) (Dai et al. 2019; SPEC §7).
+// src/xl.cc - Transformer-XL relative sinusoid R(delta) (Dai et al. 2019; docs/transformer-xl.md).
 #include "posenc/xl.h"
 
 #include <cmath>

@@ -112,6 +112,30 @@ TEST_F(CliTest, HelpExitsZeroForEveryCommand) {
   EXPECT_NE(r.out.find("--scheme"), std::string::npos);
 }
 
+// The attention commands read the scheme registry: every scheme, parameter and settings flag of
+// the registry is in their help, and an unknown scheme is refused naming the known ones.
+TEST_F(CliTest, AttentionFlagsFollowTheSchemeRegistry) {
+  for (const char* cmd : {"attention", "attention-grad"}) {
+    const RunResult r = run(std::string(cmd) + " --help");
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_NE(r.out.find(scheme_names_text()), std::string::npos) << r.out;
+    for (const SchemeInfo& s : attention_schemes()) {
+      for (const SchemeParamInfo& p : s.params) {
+        EXPECT_NE(r.out.find(p.name + " " + p.layout), std::string::npos) << cmd << " " << p.name;
+      }
+      for (const SchemeSettingInfo& t : s.settings) {
+        if (!t.flag.empty()) {
+          EXPECT_NE(r.out.find(t.flag), std::string::npos) << cmd << " " << t.flag;
+        }
+      }
+    }
+  }
+  const RunResult bad = run("attention --q q.npy --k k.npy --v v.npy --out o.npy --scheme nope");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("nope"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("deberta"), std::string::npos) << bad.err;
+}
+
 TEST_F(CliTest, Version) {
   RunResult r = run("version");
   EXPECT_EQ(r.status, 0);

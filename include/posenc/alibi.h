@@ -1,4 +1,4 @@
-// posenc/alibi.h - attention with linear biases (ALiBi, Press et al. 2022; SPEC §4).
+// posenc/alibi.h - attention with linear biases (ALiBi, Press et al. 2022; docs/alibi.md).
 //
 // Slopes for H heads, max bias B (8 in the paper, MPT's `alibi_bias_max`):
 //   H a power of two:  m_h = 2^(-B h / H),  h = 1..H

@@ -1,4 +1,5 @@
-// posenc/attention.h - scaled dot-product attention with any positional scheme (SPEC §0).
+// posenc/attention.h - scaled dot-product attention with any positional scheme
+// (docs/attention.md).
 //
 // Shapes: q [batch, seq_q, heads_q, head_dim], k and v [batch, seq_k, heads_kv, head_dim],
 // out [batch, seq_q, heads_q, head_dim]; heads_kv divides heads_q and query head h reads kv head
@@ -77,10 +78,10 @@ struct AttentionOptions {
 // (batch, kv head, query block)) that computes every scheme inside its tiles and never forms the
 // [seq_q, seq_k] score matrix; memory O(threads x block) beyond the inputs and O(L) or O(L x K)
 // scheme tables. Results are bit-identical for any options.num_threads. Positions: nullptr = the
-// SPEC §0 defaults. Throws ShapeError / ValueError naming the argument (shapes, heads ratio,
-// scheme tables, positions, fully masked rows). `out` must not overlap the inputs. Thread-safe
-// for distinct outputs. Views whose last dimension is strided, and positions too sparse for
-// int32 distance tables, take the simple path (attention_naive).
+// defaults (key j at j, query i at seq_k - seq_q + i). Throws ShapeError / ValueError naming the
+// argument (shapes, heads ratio, scheme tables, positions, fully masked rows). `out` must not
+// overlap the inputs. Thread-safe for distinct outputs. Views whose last dimension is strided, and
+// positions too sparse for int32 distance tables, take the simple path (attention_naive).
 void attention(View<const float, 4> q, View<const float, 4> k, View<const float, 4> v,
                const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
                const Positions* query_positions = nullptr,
@@ -136,8 +137,8 @@ void attention_merge(View<const float, 4> out_a, View<const float, 3> lse_a,
 
 // Gradients of attention, written (not accumulated) into the views given. dq, dk, dv have the
 // shapes of q, k, v and are required. The gradient of each learned parameter of the scheme,
-// named as SPEC §9 names the parameter with a leading `d`, is computed when its view has data
-// and must then have the parameter's shape:
+// named as the parameter (docs/attention.md, Parameter names) with a leading `d`, is computed
+// when its view has data and must then have the parameter's shape:
 //   T5      drelative_attention_bias [num_buckets, heads_q]
 //   ALiBi   dslopes [heads_q]  (the slopes as a parameter; with or without Alibi::slopes given)
 //   Shaw    drel_k, drel_v     like rel_k, rel_v ([2K+1, 1 or heads_q, head_dim])
@@ -183,11 +184,11 @@ void attention_backward_naive(View<const float, 4> q, View<const float, 4> k,
                               const Positions* key_positions = nullptr);
 
 namespace ref {
-// Float64 parameter tables for the oracle, by their SPEC §9 names. A view with data replaces the
-// scheme's float32 table of the same name (which may then be empty, data == nullptr): the oracle
-// computes with float64 parameters end to end, and ref::attention_backward's table gradients are
-// with respect to these tables. Same shapes and rules as the scheme's views (any strides); a table
-// the scheme does not have is a ValueError.
+// Float64 parameter tables for the oracle, by parameter name (docs/attention.md, Parameter names).
+// A view with data replaces the scheme's float32 table of the same name (which may then be empty,
+// data == nullptr): the oracle computes with float64 parameters end to end, and
+// ref::attention_backward's table gradients are with respect to these tables. Same shapes and rules
+// as the scheme's views (any strides); a table the scheme does not have is a ValueError.
 struct SchemeTables {
   View<const double, 2> relative_attention_bias;  // T5 [num_buckets, heads_q]
   View<const double, 3> rel_k, rel_v;             // Shaw [2K+1, 1 or heads_q, head_dim]
@@ -197,8 +198,9 @@ struct SchemeTables {
   View<const double, 1> sinks;                    // replaces AttentionOptions::sinks [heads_q]
 };
 
-// The float64 oracle: materialized scores, straight from SPEC. Same contract and validation;
-// scheme tables are float32 (exactly promoted) unless float64 `tables` replace them.
+// The float64 oracle: materialized scores, straight from the formulas of docs/attention.md. Same
+// contract and validation; scheme tables are float32 (exactly promoted) unless float64 `tables`
+// replace them.
 void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
                const PositionScheme& scheme, const AttentionOptions& options, View<double, 4> out,
                const Positions* query_positions = nullptr,

@@ -41,7 +41,7 @@ double rope_offset_spread(uint64_t seed);
 // a common amount (scheme: alibi, t5, shaw, xl, deberta).
 double relative_score_spread(const std::string& scheme, uint64_t seed);
 
-// RoPE angle precision at large positions (`posenc rope-precision`, SPEC §10). For each
+// RoPE angle precision at large positions (`posenc rope-precision`, docs/precision.md). For each
 // position p, 8 tokens at p .. p + 7 with 4 heads of unit-normal float32 inputs (from `seed`, the
 // same for every p), RopeConfig{head_dim, base}, half style:
 //   accurate_error: max |apply_rope (kAccurate) - ref::apply_rope|, the same frequencies;

@@ -1,4 +1,4 @@
-// posenc/io.h - tensor files: NumPy .npy and .safetensors (SPEC §9).
+// posenc/io.h - tensor files: NumPy .npy and .safetensors (docs/cli.md, File conventions).
 //
 // Nothing else in posenc reads or writes bytes. Readers validate everything (magic, header,
 // dtype, shape, declared size against the real size, offsets) and throw IoError with a message

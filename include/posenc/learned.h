@@ -1,5 +1,5 @@
 // posenc/learned.h - learned absolute position embeddings (GPT-2 `wpe`, BERT
-// `position_embeddings`; SPEC §2).
+// `position_embeddings`; docs/learned.md).
 //
 //   y = x + W[p],  W [max_positions, dim].   Backward: dW[p] += dy.
 // A learned table cannot extrapolate: a position outside [0, max_positions) is an error, never a

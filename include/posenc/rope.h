@@ -1,4 +1,4 @@
-// posenc/rope.h - rotary position embedding (RoPE, Su et al. 2021; SPEC §3).
+// posenc/rope.h - rotary position embedding (RoPE, Su et al. 2021; docs/rope.md).
 //
 //   inv_freq[i] = theta^(-2i/R), i in [0, R/2);  a = p * inv_freq[i];  c = cos(a)*af, s = sin(a)*af
 //   half (GPT-NeoX, HF rotate_half):  y[i] = x[i] c - x[i+R/2] s,   y[i+R/2] = x[i+R/2] c + x[i] s
@@ -25,7 +25,7 @@ namespace posenc {
 enum class RopeStyle { kHalf, kInterleaved };
 enum class Direction { kForward, kInverse };
 
-// HF `rope_scaling` / `rope_parameters` (SPEC §3.1). Only the fields of `type` are read.
+// HF `rope_scaling` / `rope_parameters` (docs/rope-scaling/). Only the fields of `type` are read.
 enum class RopeScalingType { kDefault, kLinear, kDynamic, kYarn, kLlama3, kLongRope };
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kDefault;
@@ -52,7 +52,7 @@ struct RopeConfig {
   RopeScaling scaling = {};
 };
 
-// How angles are formed (SPEC §10).
+// How angles are formed (docs/precision.md).
 //   kAccurate (default): p * inv_freq, cos and sin in double, the rotation in double, one
 //     rounding: float32 output equals the float64 reference to float32 rounding at any position.
 //   kFloat32: the frameworks' recipe, for comparison and compatibility: inverse frequencies

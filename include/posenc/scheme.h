@@ -1,6 +1,7 @@
 // posenc/scheme.h - a PositionScheme built from settings, an optional model config.json and named
-// parameter tensors (SPEC §9 names): what `posenc attention`, `posenc attention-grad` and the
-// Python bindings share, so that a scheme means the same thing everywhere.
+// parameter tensors (docs/attention.md, Parameter names): what `posenc attention`,
+// `posenc attention-grad` and the Python bindings share, so that a scheme means the same thing
+// everywhere.
 //
 //   SchemeSettings s{.scheme = "t5", .max_distance = 128};
 //   ParamMap params{{"relative_attention_bias", ParamTensor::of(table_view)}};
@@ -94,8 +95,8 @@ struct SchemeDims {
   int64_t seq_len = 0;
 };
 
-// The largest position + 1 over the queries and keys of an attention call (SPEC §0 defaults
-// when positions are nullptr: keys 0 .. seq_k - 1, queries last).
+// The largest position + 1 over the queries and keys of an attention call (the default
+// positions when they are nullptr: keys 0 .. seq_k - 1, queries last).
 int64_t attention_seq_len(int64_t batch, int64_t seq_q, int64_t seq_k,
                           const Positions* query_positions, const Positions* key_positions);
 
@@ -105,7 +106,7 @@ enum class SchemePrecision { kFloat32, kFloat64 };
 
 // A learned parameter of the built scheme that was given: its gradient is "d" + name.
 struct LearnedParam {
-  std::string name;                 // SPEC §9 name, e.g. "rel_k"
+  std::string name;                 // parameter name, e.g. "rel_k"
   std::vector<int64_t> shape;       // as given
   std::vector<int64_t> grad_shape;  // as the scheme views it: what AttentionGrads' field wants
   // True when a shared Shaw table [2K+1, D] was broadcast over the heads (stride 0) to pair with
@@ -120,7 +121,7 @@ struct BuiltScheme {
   ref::SchemeTables tables64;         // float64 tables (kFloat64 only)
   std::string name;                   // none, rope, ...
   std::optional<double> scale;        // the model's score scale when it fixes one (T5: 1)
-  std::vector<LearnedParam> learned;  // in SPEC §9 order
+  std::vector<LearnedParam> learned;  // in scheme_param_names order
   // Attention sinks [heads_q] from the `sinks` parameter (float32 view; kFloat64: in tables64).
   View<const float, 1> sinks;
   // The model layer's masks (SchemeSettings::layer): sliding window and chunk.

@@ -1,4 +1,5 @@
-// posenc/shaw.h - relative position representations (Shaw, Uszkoreit, Vaswani 2018; SPEC §6).
+// posenc/shaw.h - relative position representations (Shaw, Uszkoreit, Vaswani 2018;
+// docs/shaw.md).
 //
 //   idx = clamp(rel, -K, K) + K            (rel = pos_k - pos_q)
 //   s_ij  = scale * q_i . (k_j + rel_k[idx])

@@ -1,4 +1,5 @@
-// posenc/sinusoidal.h - fixed sinusoidal absolute encodings (Vaswani et al. 2017, SPEC §1).
+// posenc/sinusoidal.h - fixed sinusoidal absolute encodings (Vaswani et al. 2017,
+// docs/sinusoidal.md).
 //
 //   w_i = base^(-2i / den),  i in [0, d/2)
 //   interleaved (paper):      PE[p, 2i] = sin(p w_i),  PE[p, 2i+1] = cos(p w_i)
@@ -56,7 +57,7 @@ void add_sinusoidal(const SinusoidalConfig& cfg, View<float, 3> x,
                     const Positions* positions = nullptr);
 
 namespace ref {
-// PE[p, k] in double, straight from SPEC §1.
+// PE[p, k] in double, straight from the formula.
 double sinusoidal_value(const SinusoidalConfig& cfg, int64_t p, int64_t k);
 std::vector<double> sinusoidal_table(const SinusoidalConfig& cfg, int64_t length);
 }  // namespace ref

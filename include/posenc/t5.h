@@ -1,4 +1,4 @@
-// posenc/t5.h - T5 bucketed relative attention bias (Raffel et al. 2020; SPEC §5).
+// posenc/t5.h - T5 bucketed relative attention bias (Raffel et al. 2020; docs/t5.md).
 //
 // rel = pos_k - pos_q.
 //   bidirectional: NB' = NB/2, b = (rel > 0) NB', n = |rel|;   causal: NB' = NB, b = 0,
@@ -28,7 +28,7 @@ void validate(const T5BucketConfig& cfg);
 // Bucket of one relative position (key minus query). No validation (hot path).
 int64_t t5_bucket(int64_t rel, const T5BucketConfig& cfg);
 
-// Bucket map [seq_q, seq_k] row-major with the SPEC §0 default positions (query i at
+// Bucket map [seq_q, seq_k] row-major with the default positions (query i at
 // seq_k - seq_q + i, key j at j) unless explicit positions are given.
 std::vector<int64_t> t5_bucket_map(const T5BucketConfig& cfg, int64_t seq_q, int64_t seq_k,
                                    const Positions* query_positions = nullptr,

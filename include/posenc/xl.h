@@ -1,4 +1,4 @@
-// posenc/xl.h - Transformer-XL relative attention (Dai et al. 2019; SPEC §7).
+// posenc/xl.h - Transformer-XL relative attention (Dai et al. 2019; docs/transformer-xl.md).
 //
 //   delta = pos_q - pos_k;  R(delta) = [sin(delta w_0 ..), cos(delta w_0 ..)], w_i = base^(-2i/Dm)
 //   r(delta) = W_r R(delta) reshaped [H, D]   (W_r = r_net [H*D, Dm])

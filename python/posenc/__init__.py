@@ -56,7 +56,9 @@ from ._posenc import (  # noqa: F401  (the public API)
 )
 from . import plot, ref  # noqa: F401,E402
 
-SCHEMES = ("none", "rope", "alibi", "t5", "shaw", "xl", "deberta")
+from ._posenc import schemes  # noqa: F401,E402  (the registry: one dict per scheme)
+
+SCHEMES = tuple(s["name"] for s in schemes())
 
 CheckRow = _namedtuple("CheckRow", "property scheme measured threshold expect passed")
 CheckRow.__doc__ = ("One measured claim of `posenc check`: the property, the scheme, the measured "
@@ -76,7 +78,7 @@ def check(seed=None):
 
 
 def rope_precision(positions=(1 << 16, 1 << 20, 1 << 24), head_dim=128, base=5e5, seed=1):
-    """RoPE angle precision at large positions (`posenc rope-precision`, SPEC §10).
+    """RoPE angle precision at large positions (`posenc rope-precision`, docs/precision.md).
 
     Returns RopePrecisionRow(position, accurate_error, float32_error, float32_angle_error) rows:
     max |float32 output - float64 reference| with accurate angles and with the frameworks'

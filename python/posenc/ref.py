@@ -1,4 +1,4 @@
-"""posenc.ref: the float64 reference (posenc::ref), materialized and written from the SPEC.
+"""posenc.ref: the float64 reference (posenc::ref), materialized, from the formulas of docs/.
 
 attention / attention_grad / attention_scores take the keywords of posenc.attention and compute
 in float64 with float64 parameter tables (float32 inputs are widened exactly); apply_rope,

@@ -119,10 +119,10 @@ class _AttentionFunction(torch.autograd.Function):
 def attention(q, k, v, scheme=None, *, params=None, return_lse=False, **kwargs):
     """Attention with a positional scheme, differentiable (see posenc.attention for keywords).
 
-    params: {name: tensor} (SPEC §9 names); tables with requires_grad get gradients. Returns
-    out [batch, seq_q, heads_q, head_dim] (and lse [batch, heads_q, seq_q], not differentiable,
-    with return_lse=True). q's dtype decides: float32 runs the fused kernels, float64 the float64
-    reference. Tensors must be on the CPU.
+    params: {name: tensor} (docs/attention.md, Parameter names); tables with requires_grad get
+    gradients. Returns out [batch, seq_q, heads_q, head_dim] (and lse [batch, heads_q, seq_q], not
+    differentiable, with return_lse=True). q's dtype decides: float32 runs the fused kernels,
+    float64 the float64 reference. Tensors must be on the CPU.
 
     Half precision: a torch.bfloat16 / torch.float16 q gives out of q's dtype (lse float32), the
     float32 result of the widened inputs rounded once. Without gradients, q, k, v of one half
@@ -237,7 +237,7 @@ class _Scheme(nn.Module):
         return dict(self._settings)
 
     def tables(self):
-        """The parameter tables by SPEC §9 name."""
+        """The parameter tables by name (docs/attention.md, Parameter names)."""
         return {n: getattr(self, n) for n in self._table_names if getattr(self, n) is not None}
 
     def forward(self, q, k, v, *, params=None, **kwargs):
@@ -321,7 +321,7 @@ class Rope(_Scheme):
 
 
 class Alibi(_Scheme):
-    """ALiBi: linear biases with slopes for `heads` heads (SPEC §4), or the model's slopes.
+    """ALiBi: linear biases with slopes for `heads` heads (docs/alibi.md), or the model's slopes.
 
     learnable=True makes the slopes a Parameter (gradients through the fused backward).
     """
@@ -347,7 +347,7 @@ class Alibi(_Scheme):
 
 
 class T5RelativeBias(_Scheme):
-    """T5's bucketed relative bias: table relative_attention_bias [num_buckets, heads] (SPEC §5).
+    """T5's bucketed relative bias: table relative_attention_bias [num_buckets, heads] (docs/t5.md).
 
     Score scale 1 by default, as T5 (pass scale= to override). bidirectional: None follows the
     mask (encoder: bidirectional, causal decoder: causal buckets).
@@ -372,7 +372,7 @@ class T5RelativeBias(_Scheme):
 
 class ShawRelative(_Scheme):
     """Shaw et al.'s clipped relative representations: rel_k, rel_v [2K+1, head_dim] shared by
-    the heads, or [2K+1, heads, head_dim] with heads= (SPEC §6). value=False: no rel_v."""
+    the heads, or [2K+1, heads, head_dim] with heads= (docs/shaw.md). value=False: no rel_v."""
 
     scheme = "shaw"
     _table_names = ("rel_k", "rel_v")
@@ -387,7 +387,8 @@ class ShawRelative(_Scheme):
 
 class XLRelative(_Scheme):
     """Transformer-XL's relative attention: r_w_bias (u), r_r_bias (v) [heads, head_dim] and the
-    projection r_net [heads * head_dim, d_model] of the distance sinusoid (SPEC §7)."""
+    projection r_net [heads * head_dim, d_model] of the distance sinusoid
+    (docs/transformer-xl.md)."""
 
     scheme = "xl"
     _table_names = ("r_w_bias", "r_r_bias", "r_net")
@@ -402,7 +403,7 @@ class XLRelative(_Scheme):
 
 class DebertaRelative(_Scheme):
     """DeBERTa's disentangled attention: projected tables pos_key, pos_query [2K, heads,
-    head_dim] (SPEC §8; in the model they are the layer's key / query projections of its
+    head_dim] (docs/deberta.md; in the model they are the layer's key / query projections of its
     relative embeddings). K = position_buckets if > 0, else max_relative_positions."""
 
     scheme = "deberta"
@@ -470,9 +471,9 @@ class LearnedPositions(nn.Module):
 
 
 class SinusoidalPositions(nn.Module):
-    """Fixed sinusoidal positions: x + PE[position] (SPEC §1; layout 'interleaved' as the paper,
-    'concat' as Transformer-XL / Marian; denominator, origin and odd_dim as posenc.add_sinusoidal).
-    Differentiable in x (the table is fixed)."""
+    """Fixed sinusoidal positions: x + PE[position] (docs/sinusoidal.md; layout 'interleaved' as
+    the paper, 'concat' as Transformer-XL / Marian; denominator, origin and odd_dim as
+    posenc.add_sinusoidal). Differentiable in x (the table is fixed)."""
 
     def __init__(self, dim, base=1e4, layout="interleaved", *, denominator="dim", origin=0,
                  odd_dim="error"):
@@ -503,8 +504,13 @@ class SinusoidalPositions(nn.Module):
         return f"dim={self.dim}, " + ", ".join(f"{k}={v!r}" for k, v in self._cfg.items())
 
 
-_SCHEMES = {"none": NoPositions, "rope": Rope, "alibi": Alibi, "t5": T5RelativeBias,
+_MODULES = {"none": NoPositions, "rope": Rope, "alibi": Alibi, "t5": T5RelativeBias,
             "shaw": ShawRelative, "xl": XLRelative, "deberta": DebertaRelative}
+# One module per scheme of the registry (posenc.schemes()), in its order.
+_missing = [s["name"] for s in _posenc.schemes() if s["name"] not in _MODULES]
+if _missing:
+    raise ImportError(f"posenc.torch: no module for scheme(s) {', '.join(_missing)}")
+_SCHEMES = {s["name"]: _MODULES[s["name"]] for s in _posenc.schemes()}
 
 
 class PositionalAttention(nn.Module):

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "calls.h"
+#include "posenc/schemes.h"
 
 namespace posenc::py {
 
@@ -21,31 +22,21 @@ namespace {
 
 using pb::arg;
 
-// Keyword arguments of the attention functions and the schemes each applies to ("" = all).
-struct Keyword {
-  const char* name;
-  const char* schemes;
-};
-constexpr Keyword kSchemeKeywords[] = {
-    {"base", "rope xl"},
-    {"rotary_dim", "rope"},
-    {"style", "rope"},
-    {"angles", "rope"},
-    {"seq_len", "rope"},
-    {"freqs", "rope"},
-    {"max_bias", "alibi"},
-    {"num_buckets", "t5"},
-    {"max_distance", "t5"},
-    {"bidirectional", "t5"},
-    {"position_buckets", "deberta"},
-    {"max_relative_positions", "deberta"},
-    {"deberta_p2c", "deberta"},
-    {"deberta_float64_log", "deberta"},
-};
+// Keyword arguments of the attention functions that belong to some schemes only (the registry's
+// settings, posenc/schemes.h), each with the schemes it applies to.
+const std::vector<SchemeSettingUse>& scheme_keywords() {
+  static const std::vector<SchemeSettingUse> uses = scheme_settings();
+  return uses;
+}
 
-bool applies(const char* schemes, const std::string& scheme) {
-  const std::string s = std::string(" ") + schemes + " ";
-  return s.find(" " + scheme + " ") != std::string::npos;
+bool applies(const SchemeSettingUse& k, const std::string& scheme) {
+  return std::find(k.schemes.begin(), k.schemes.end(), scheme) != k.schemes.end();
+}
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : " ") + n;
+  return s;
 }
 
 void add_param(Call& c, const std::string& name, const pb::handle& value) {
@@ -221,10 +212,12 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
                         : c.model ? model_attention_scheme(*c.model, c.settings.config_name)
                                   : std::string("none");
   if (c.settings.scheme.empty() && !c.model) c.settings.scheme = "none";
-  for (const Keyword& k : kSchemeKeywords) {
-    if (kw.contains(k.name) && !kw[k.name].is_none() && !applies(k.schemes, s)) {
-      throw pb::type_error(fn + "(): keyword '" + k.name + "' does not apply to scheme '" + s +
-                           "' (it is for " + k.schemes + ")");
+  for (const SchemeSettingUse& k : scheme_keywords()) {
+    const char* name = k.setting.keyword.c_str();
+    if (kw.contains(name) && !kw[name].is_none() && !applies(k, s)) {
+      throw pb::type_error(fn + "(): keyword '" + k.setting.keyword +
+                           "' does not apply to scheme '" + s + "' (it is for " +
+                           join_names(k.schemes) + ")");
     }
   }
   parse_params(c, params);
@@ -406,14 +399,15 @@ const char* kAttentionDoc =
           allow_fully_masked=False, num_threads=0, return_lse=False, out=None,
           **scheme settings) -> out, or (out, lse) with return_lse=True
 
-Scaled dot-product attention with a positional scheme (SPEC §0): q [batch, seq_q, heads_q,
-head_dim], k and v [batch, seq_k, heads_kv, head_dim] (heads_kv divides heads_q: MHA, GQA, MQA).
+Scaled dot-product attention with a positional scheme (docs/attention.md): q [batch, seq_q,
+heads_q, head_dim], k and v [batch, seq_k, heads_kv, head_dim] (heads_kv divides heads_q: MHA,
+GQA, MQA).
 float32 q runs the fused kernel (SIMD, threads, no [seq_q, seq_k] matrix); float64 q runs the
 float64 reference with float64 parameters. k, v, dout and params are converted to q's dtype if
 they differ; arrays of that dtype with non-negative strides are used without a copy.
 
 scheme: 'none', 'rope', 'alibi', 't5', 'shaw', 'xl', 'deberta' (default: config's, else none).
-params: {name: array} by SPEC §9 names, or a .safetensors path: t5 relative_attention_bias
+params: {name: array} by parameter name, or a .safetensors path: t5 relative_attention_bias
 [num_buckets, heads_q]; alibi slopes [heads_q] (optional); shaw rel_k, rel_v [2K+1, head_dim] or
 [2K+1, heads_q, head_dim]; xl r_w_bias, r_r_bias [heads_q, head_dim], r_net [heads_q*head_dim,
 d_model]; deberta pos_key, pos_query [2K, heads_q, head_dim]; any scheme: sinks [heads_q]
@@ -431,7 +425,7 @@ angles='accurate'|'float32', seq_len (default max position + 1), freqs=RopeFrequ
 max_bias=8; t5 num_buckets, max_distance=128, bidirectional (default: not causal); xl base=1e4;
 deberta position_buckets=0, max_relative_positions=512, deberta_p2c='model'|'paper',
 deberta_float64_log=False. A setting for another scheme raises TypeError.
-Positions: None (SPEC defaults: key j at j, query i at seq_k - seq_q + i), an int offset, or int
+Positions: None (the defaults: key j at j, query i at seq_k - seq_q + i), an int offset, or int
 ids [seq] / [batch, seq]. lse [batch, heads_q, seq_q] is the per-row log-sum-exp.)doc";
 
 const char* kGradDoc =
@@ -445,6 +439,33 @@ forward runs first. Parameter gradients have the shape the parameter was given i
 }  // namespace
 
 void bind_attention(pb::module_& m, pb::module_& ref) {
+  m.def(
+      "schemes",
+      [] {
+        pb::list out;
+        for (const SchemeInfo& s : attention_schemes()) {
+          pb::list params, settings;
+          for (const SchemeParamInfo& p : s.params) {
+            params.append(pb::dict(pb::arg("name") = p.name, pb::arg("layout") = p.layout,
+                                   pb::arg("required") = p.required, pb::arg("learned") = p.learned,
+                                   pb::arg("help") = p.help));
+          }
+          for (const SchemeSettingInfo& t : s.settings) {
+            settings.append(pb::dict(pb::arg("keyword") = t.keyword, pb::arg("flag") = t.flag,
+                                     pb::arg("help") = t.help));
+          }
+          out.append(pb::dict(pb::arg("name") = s.name, pb::arg("title") = s.title,
+                              pb::arg("summary") = s.summary, pb::arg("models") = s.models,
+                              pb::arg("doc") = s.doc, pb::arg("params") = params,
+                              pb::arg("settings") = settings, pb::arg("relative") = s.relative,
+                              pb::arg("bias_map") = s.bias_map));
+        }
+        return out;
+      },
+      "schemes() -> list of dict\n\nThe attention schemes, in order (none, rope, alibi, t5, "
+      "shaw, xl, deberta): name, title, summary, models, doc (its documentation page), params "
+      "(name, layout, required, learned, help), settings (keyword, flag, help), relative and "
+      "bias_map. posenc.SCHEMES holds the names.");
   const std::set<std::string> fwd_extra = {"out", "return_lse"};
   const std::set<std::string> grad_extra = {"out", "lse"};
   m.def(
@@ -472,7 +493,8 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
       },
       arg("q"), arg("k"), arg("v"), arg("scheme") = pb::none(),
       "ref.attention(q, k, v, scheme=None, **kwargs): attention in float64 (inputs and "
-      "parameters converted to float64): posenc::ref::attention, materialized from the SPEC.");
+      "parameters converted to float64): posenc::ref::attention, materialized from the formulas of "
+      "docs/attention.md.");
   ref.def(
       "attention_grad",
       [grad_extra](const pb::object& q, const pb::object& k, const pb::object& v,

@@ -518,7 +518,7 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
   // ---- sinusoidal ----
   const char* sin_doc =
       " Config keywords: base=1e4, layout='interleaved'|'concat', denominator='dim'|"
-      "'half_minus_one', origin=0, odd_dim='error'|'zero_pad' (SPEC §1).";
+      "'half_minus_one', origin=0, odd_dim='error'|'zero_pad' (docs/sinusoidal.md).";
   m.def(
       "sinusoidal_table",
       [](int64_t length, int64_t dim, double base, const std::string& layout,
@@ -551,7 +551,8 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
       },
       arg("length"), arg("dim"), pb::kw_only(), arg("base") = 1e4, arg("layout") = "interleaved",
       arg("denominator") = "dim", arg("origin") = 0, arg("odd_dim") = "error",
-      "sinusoidal_table(length, dim, **config) -> float64 [length, dim], straight from SPEC §1.");
+      "sinusoidal_table(length, dim, **config) -> float64 [length, dim], straight from the formula "
+      "(docs/sinusoidal.md).");
   m.def(
       "sinusoidal_frequencies",
       [](int64_t dim, double base, const std::string& denominator) {
@@ -807,7 +808,7 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
         return pb::array_t<double>(static_cast<pb::ssize_t>(s.size()), s.data());
       },
       arg("heads"), pb::kw_only(), arg("max_bias") = 8.0,
-      "alibi_slopes(heads, *, max_bias=8.0) -> float64 [heads] (SPEC §4; BLOOM, MPT, "
+      "alibi_slopes(heads, *, max_bias=8.0) -> float64 [heads] (docs/alibi.md; BLOOM, MPT, "
       "Falcon-RW).");
   auto t5_cfg = [](int64_t nb, int64_t md, bool bidir) {
     T5BucketConfig c{.num_buckets = nb, .max_distance = md, .bidirectional = bidir};
@@ -856,7 +857,7 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
         return map_int(rel, [&](int64_t r) { return shaw_index(r, k); });
       },
       arg("rel"), arg("max_relative_position"),
-      "shaw_index(rel, max_relative_position) -> clamp(rel, -K, K) + K (SPEC §6).");
+      "shaw_index(rel, max_relative_position) -> clamp(rel, -K, K) + K (docs/shaw.md).");
   m.def(
       "deberta_bucket",
       [](const pb::object& rho, int64_t mrp, int64_t pb_, bool f64log) {

@@ -1,4 +1,5 @@
-// Whole-file reads, atomic writes, and the owning Tensor's element conversions (SPEC §9).
+// Whole-file reads, atomic writes, and the owning Tensor's element conversions
+// (docs/cli.md, File conventions).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-// NumPy .npy reader and writer (SPEC §9).
+// NumPy .npy reader and writer (docs/cli.md, File conventions).
 //
 // Format (numpy/lib/format.py): magic "\x93NUMPY", major and minor version bytes, header length
 // (2 bytes little-endian in 1.0; 4 bytes in 2.0 and 3.0), then a Python dict literal such as

@@ -1,4 +1,4 @@
-// .safetensors reader and writer (SPEC §9).
+// .safetensors reader and writer (docs/cli.md, File conventions).
 //
 // Format (huggingface/safetensors): u64 little-endian header length N, N bytes of JSON
 //   {"__metadata__": {"k": "v"}, "name": {"dtype": "F32", "shape": [2, 3],

@@ -167,13 +167,13 @@ HWY_INLINE void DotScores(const float* HWY_RESTRICT qp, int64_t dim, const T* k,
 
 // Decoding dot products. A half-precision cache is read in memory order, key by key and, within
 // a key, head by head (one contiguous run per key in a [seq, heads, dim] cache): blocks of
-// several keys per head made interleaved streams that were read at half the rate (measured on
-// Zen 4). Each (key, head) gives 4 accumulators (4 query rows), folded at once into one vector of
+// several keys per head made interleaved streams that were read much more slowly (measured on
+// AVX-512). Each (key, head) gives 4 accumulators (4 query rows), folded at once into one vector of
 // lanes / 4 partial sums per row; the partial vectors of lanes / 4 keys are then folded together.
 // A float32 cache keeps blocks of lanes / 4 keys x 4 rows (DotBlock: each query vector loaded
 // once per block), which measured faster for it; so does a half cache on 8-lane targets (AVX2,
-// see kStreamHalfDecode): on Zen 3 that took 476 instead of 589 instructions per (key, kv head)
-// and 160 instead of 212 cycles from an L3-resident cache. Either way each score costs about two
+// see kStreamHalfDecode), where it takes fewer instructions and cycles per (key, kv head)
+// (figures in docs/performance.md, Measured design choices). Either way each score costs about two
 // operations instead of a full horizontal sum, and every score is summed by the same tree of
 // pairwise additions (the vector grouping does not change a bit). Targets with fewer than 4 float
 // lanes use DotScores.
@@ -182,7 +182,7 @@ constexpr size_t kLanesMax = HWY_LANES(float);
 // Half-precision caches on 8-lane targets (AVX2): both passes read the cache in key blocks and
 // fetch their own rows kStreamAhead keys ahead (PrefetchRows `stream`), instead of fetching one
 // pass's rows during the other (`ahead`, kept for 16-lane targets, where it was measured). On
-// Zen 3 that made a bf16 or f16 decoding step 1.2x faster (paired, 32768 and 4096 keys); the
+// AVX2 that measured faster for bf16 and f16 decoding (figures in docs/performance.md); the
 // same prefetch made no difference to a float32 cache, which goes without.
 constexpr bool kStreamHalfDecode = kLanesMax == 8;
 constexpr int64_t kStreamAhead = 16;
@@ -256,8 +256,8 @@ HWY_INLINE void DotBlock(const float* HWY_RESTRICT qp, int64_t dim, const T* k, 
   hn::Store(ReduceTree(d, acc, n), d, sum);
   if (kb == static_cast<int64_t>(keys) && dv == dim) {
     // A full block without tails: each row's kMax / 4 scores are one fixed-size copy (with the
-    // query vectors kept in registers, a float32 decoding step from an L3-resident cache took
-    // 16 % less time on Zen 3 than through the general loop below).
+    // query vectors kept in registers, measured faster for float32 decoding than the general
+    // loop below; docs/performance.md).
     for (size_t r = 0; r < 4; ++r) {
       std::memcpy(s + static_cast<int64_t>(r) * kTileK, sum + r * (kMax / 4),
                   sizeof(float) * (kMax / 4));
@@ -799,11 +799,10 @@ class Kernel {
   // The value rows of keys [j0, j0 + kTileK) of (batch row b, kv head hk), widened from half
   // precision, dpad floats apart with zeros past head_dim and past the last key. Rows read in
   // place from a [seq, heads, dim] tensor are heads * dim floats apart, 4 KB for 8 heads of 128,
-  // so the 64 rows of a tile fall on the same L1 sets and evict each other: packed, causal
-  // prefill at L 4096, 8 heads of 128 took 0.60x the time on AMD Zen 3 (AVX2, paired runs).
-  // Packed once per (batch row, kv head) for all its query blocks (vt_all), the per-tile copy
-  // (8-10 % of that prefill's time, waiting on rows 4 KB apart, a page each) is gone; with the
-  // next tiles prefetched, the same shape takes 0.96-0.97 x the time (alternated runs).
+  // so the 64 rows of a tile fall on the same L1 sets and evict each other: packing them measured
+  // faster for causal prefill on AVX2. Packed once per (batch row, kv head) for all its query
+  // blocks (vt_all), the per-tile copy (waiting on rows 4 KB apart, a page each) is gone, and
+  // the next tiles are prefetched (figures in docs/performance.md, Measured design choices).
   void PackValueTile(int64_t b, int64_t hk, int64_t j0, float* vt) const {
     const int64_t nk = std::min(kTileK, p_.seq_k - j0);
     const int64_t at = b * p_.v_stride[0] + hk * p_.v_stride[2] + j0 * p_.v_stride[1];
@@ -1238,8 +1237,8 @@ class Kernel {
       }
       const int64_t nk = std::min(kTileK, j_end - j0);
       if (vt_all != nullptr && j0 + kTileK < j_end) {
-        // The group's next key and value tiles toward L2 while this one is computed: 3-4 %
-        // of causal prefill at L 4096 on Zen 3 (alternated runs), where the tiles come from L3.
+        // The group's next key and value tiles toward L2 while this one is computed (measured
+        // faster for causal prefill, whose tiles come from L3; docs/performance.md).
         prefetch_l2(kt_all + (t + 1) * dim_ * kTileK, dim_ * kTileK * sizeof(float));
         prefetch_l2(vt_all + (t + 1) * kTileK * dpad_, kTileK * dpad_ * sizeof(float));
       }

@@ -19,9 +19,9 @@ namespace posenc::kernels {
 // Rows the decoding kernels fetch into L2 ahead of their use, one per key while they work on
 // the other operand (the values of a tile during its scores, the next tile's keys during its
 // values): each pass then finds its rows in L2 instead of restarting the hardware prefetcher on
-// every tile, which halved the rate at which a decoding step read a bf16 cache (Zen 4). On AVX2
-// (Zen 3) a pass fetching its own rows a few keys ahead measured faster instead
-// (kStreamHalfDecode in attention_hwy.cc).
+// every tile, which made a decoding step read a bf16 cache much more slowly (measured on
+// AVX-512). On AVX2 a pass fetching its own rows a few keys ahead measured faster instead
+// (kStreamHalfDecode in attention_hwy.cc; figures in docs/performance.md).
 struct PrefetchRows {
   const char* p = nullptr;  // row 0
   int64_t n = 0;            // rows
@@ -37,9 +37,8 @@ __attribute__((always_inline)) inline void prefetch_l2(const void* p, int64_t by
 }
 
 // Fetches row i (nothing past the last row) into L2. Always inlined: declared outside the SIMD
-// targets' code, it was otherwise compiled into the AVX2 decoding loops in a way that cost a bf16
-// or f16 decoding step 1.4x its time on Zen 3 (vs_float32 0.69 -> 1.05-1.15, paired; 0.75 again
-// with the attribute).
+// targets' code, it was otherwise compiled into the AVX2 decoding loops in a way that made bf16
+// and f16 decoding markedly slower (docs/performance.md, Measured design choices).
 __attribute__((always_inline)) inline void prefetch_row(const PrefetchRows& a, int64_t i) {
   if (i >= a.n) return;
   if (a.hstride == a.bytes) {  // the heads of a row are one run
@@ -57,10 +56,9 @@ bool bf16_dot_compiled();
 // When decoding uses these scores (POSENC_BF16_DOT: unset or "auto", "1", "0"):
 //   kAuto: when each kv head has 8 query-row slots (5 to 8 rows: a GQA group of 5 to 8 heads
 //     at one token, or of 3 or 4 heads at two tokens), where the scores are a large part of the
-//     work. Measured on a Sapphire Rapids, 2 threads, 32768 bf16 keys (DRAM-bound): against the
-//     widening kernel 0.94x (64 q / 8 kv heads) and 0.99x (32 / 8, two tokens), but 1.10-1.14x
-//     with 4 rows per kv head (32 / 8, one token), where the widening kernel's slower score pass
-//     hides more of the memory traffic; with the cache in L3, 0.79-0.94x for either.
+//     work: there it measured faster than the widening kernel, while with 4 rows per kv head
+//     and a cache in DRAM the widening kernel's slower score pass hides more of the memory
+//     traffic and wins (figures in docs/precision.md and docs/performance.md).
 //   kOn: in every decoding shape with a bf16 query and cache.
 //   kOff: never (kOff too where the processor lacks AVX512_BF16).
 enum class Bf16Dot { kOff, kAuto, kOn };
@@ -70,10 +68,9 @@ bool bf16_dot_used(int64_t rows_per_kv_head);
 // For tests and benchmarks: 0 kOff, 1 kOn, 2 kAuto, -1 back to the environment's choice.
 void set_bf16_dot_for_test(int mode);
 // Whether decoding with these scores fetches the tile's values (and the next tile's keys) into
-// L2 ahead of their use, as the widening kernel does: not on Intel processors. Measured on a
-// Sapphire Rapids (2 threads, 4 rows per kv head, 32768 keys): against the widening kernel
-// 0.93-0.95x without, 1.08-1.13x with; on AMD Zen 3 turning the widening kernel's prefetch off
-// doubles the time, so AMD keeps it.
+// L2 ahead of their use, as the widening kernel does: not on Intel processors, where it
+// measured faster without; on AMD, turning the widening kernel's prefetch off made it much
+// slower, so AMD keeps it (figures in docs/performance.md).
 bool bf16_dot_prefetch();
 
 // S[g * rows_per_head + r][c] (rows s_stride floats apart) = q_{g, r} . k_{c, g} for kv heads

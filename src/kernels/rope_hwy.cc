@@ -1,5 +1,5 @@
-// src/kernels/rope_hwy.cc - float32 rotary position embedding (RoPE, Su et al. 2021, SPEC §3)
-// with accurate angles (SPEC §10), Highway dynamic dispatch.
+// src/kernels/rope_hwy.cc - float32 rotary position embedding (RoPE, Su et al. 2021, docs/rope.md)
+// with accurate angles (docs/precision.md), Highway dynamic dispatch.
 //
 // For every token (b, i) at position p and pair k < R/2, with w_k = inv_freq[k]:
 //   a = p * w_k (double, the same product the float64 reference forms),

@@ -47,8 +47,9 @@ struct RopeParams {
   int num_threads = 1;                   // >= 1
 };
 
-// Accurate-angle RoPE (SPEC §3, §10) on every tensor of `p`: angles p * inv_freq in double,
-// reduced exactly modulo pi/2, cos/sin and the rotation in double, one rounding to float32.
+// Accurate-angle RoPE (docs/rope.md, Precision) on every tensor of `p`: angles p * inv_freq in
+// double, reduced exactly modulo pi/2, cos/sin and the rotation in double, one rounding to
+// float32.
 void rope_f32(const RopeParams& p);
 
 // dst[i] = to_float(src[i]) (posenc/half.h; exact) and dst[i] = from_float<T>(src[i]) (round to

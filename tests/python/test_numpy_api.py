@@ -503,3 +503,45 @@ def test_rope_frequencies_walks_every_layer_nope_included(configs_dir):
     assert not local.nope and not glob.nope
     assert not np.array_equal(local.inv_freq, glob.inv_freq)
     assert [l["rope_theta"] for l in gemma.layers[:6]] == [1e4] * 5 + [1e6]
+
+
+def test_scheme_registry_is_the_one_list():
+    infos = posenc.schemes()
+    assert posenc.SCHEMES == tuple(s["name"] for s in infos) == (
+        "none", "rope", "alibi", "t5", "shaw", "xl", "deberta")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    for s in infos:
+        assert os.path.exists(os.path.join(root, s["doc"])), s["doc"]
+        for p in s["params"]:
+            assert set(p) == {"name", "layout", "required", "learned", "help"}
+    t5 = next(s for s in infos if s["name"] == "t5")
+    assert [p["name"] for p in t5["params"]] == ["relative_attention_bias"]
+    assert [k["keyword"] for k in t5["settings"]] == ["num_buckets", "max_distance",
+                                                      "bidirectional"]
+    # A setting of another scheme is refused, naming the schemes it is for.
+    q = np.zeros((1, 3, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="'max_bias' does not apply to scheme 't5'.*alibi"):
+        posenc.attention(q, q, q, "t5", max_bias=4.0,
+                         params={"relative_attention_bias": np.zeros((32, 2), np.float32)})
+    with pytest.raises(TypeError, match="'base' does not apply to scheme 'alibi'.*rope xl"):
+        posenc.attention(q, q, q, "alibi", base=100.0)
+    # Every settings keyword of the registry is accepted by attention() for its scheme.
+    values = {"base": 1e4, "rotary_dim": 8, "style": "half", "angles": "accurate", "seq_len": 10,
+              "max_bias": 8.0, "position_buckets": 0, "max_relative_positions": 4,
+              "deberta_p2c": "model", "deberta_float64_log": False, "num_buckets": 32,
+              "max_distance": 128, "bidirectional": True}
+    rng = np.random.default_rng(1)
+    tables = {"t5": {"relative_attention_bias": rng.standard_normal((32, 2)).astype(np.float32)},
+              "xl": {"r_w_bias": np.zeros((2, 8), np.float32),
+                     "r_r_bias": np.zeros((2, 8), np.float32),
+                     "r_net": rng.standard_normal((16, 6)).astype(np.float32)},
+              "deberta": {"pos_key": rng.standard_normal((8, 2, 8)).astype(np.float32),
+                          "pos_query": rng.standard_normal((8, 2, 8)).astype(np.float32)}}
+    for s in infos:
+        for k in s["settings"]:
+            if k["keyword"] in ("freqs",):
+                continue
+            kw = {"max_relative_positions": 4} if s["name"] == "deberta" else {}
+            kw[k["keyword"]] = values[k["keyword"]]
+            out = posenc.attention(q, q, q, s["name"], params=tables.get(s["name"]), **kw)
+            assert out.shape == q.shape
