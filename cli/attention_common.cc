@@ -162,11 +162,11 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
   // library's); with it only those the config does not determine (reject_with_config above).
   SchemeSettings s;
   s.scheme = a.scheme;
-  s.angles = parse_rope_angles(a.angles);
+  s.angles = parse_rope_angles(a.angles, "--angles");
   if (!model) {
     s.base = a.base;
     s.rotary_dim = a.rotary_dim;
-    s.style = parse_rope_style(a.style);
+    s.style = parse_rope_style(a.style, "--style");
     s.max_bias = a.max_bias;
     s.max_distance = a.max_distance;
     s.position_buckets = a.position_buckets;
@@ -175,7 +175,7 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
     s.base = a.base;
   }
   if (app.count("--deberta-p2c") > 0) {
-    s.deberta_p2c = a.deberta_p2c == "paper" ? DebertaP2c::kPaper : DebertaP2c::kModel;
+    s.deberta_p2c = parse_deberta_p2c(a.deberta_p2c, "--deberta-p2c");
   }
   if (a.deberta_float64_log) s.deberta_float64_log = true;
   s.layer = a.layer;

@@ -29,7 +29,7 @@ int run_deberta(const DebertaArgs& a) {
   cfg.max_relative_positions = a.max_relative_positions;
   cfg.position_buckets = a.position_buckets;
   cfg.float64_log = a.float64_log;
-  cfg.p2c = a.p2c == "paper" ? DebertaP2c::kPaper : DebertaP2c::kModel;
+  cfg.p2c = parse_deberta_p2c(a.p2c, "--p2c");
   validate(cfg);
   // Default positions: key j at j, query i at Lk - Lq + i.
   if (a.query_length > a.key_length) {

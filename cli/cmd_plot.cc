@@ -37,10 +37,6 @@ void add_output_options(CLI::App* app, Output& o) {
       ->capture_default_str();
 }
 
-SinLayout parse_layout(const std::string& s) {
-  return s == "concat" ? SinLayout::kConcat : SinLayout::kInterleaved;
-}
-
 std::string file_name(const std::string& path) {
   return std::filesystem::path(path).filename().string();
 }
@@ -68,7 +64,7 @@ plot::Figure build_heatmap(const CLI::App& app, const HeatmapArgs& a, const Outp
   if (app.count("--length") > 0 || a.preset.empty()) o.length = a.length;
   if (app.count("--dim") > 0 || a.preset.empty()) o.dim = a.dim;
   o.base = a.base;
-  o.layout = parse_layout(a.layout);
+  o.layout = parse_sin_layout(a.layout, "--layout");
   if (!a.colormap.empty()) {
     o.colormap = a.colormap == "diverging" ? plot::Colormap::kDiverging : plot::Colormap::kViridis;
   }
@@ -231,7 +227,7 @@ Command add_plot_command(CLI::App& parent) {
     Kind* kp = k.get();
     k->build = [a, kp] {
       plot::ClockOptions o = a->o;
-      o.layout = parse_layout(a->layout);
+      o.layout = parse_sin_layout(a->layout, "--layout");
       if (a->embedding.size() == 2) {
         o.embedding_x = a->embedding[0];
         o.embedding_y = a->embedding[1];

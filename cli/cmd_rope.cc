@@ -88,7 +88,7 @@ std::optional<ModelConfig> read_config(const CLI::App& app, const FreqFlags& f) 
 RopeSetup rope_setup(const FreqFlags& f, const std::optional<ModelConfig>& model, int64_t head_dim,
                      const std::string& head_dim_origin, int64_t seq_len, bool allow_nope = false) {
   require_at_least("--seq-len", seq_len, 0);
-  const RopeAngles angles = parse_rope_angles(f.angles);
+  const RopeAngles angles = parse_rope_angles(f.angles, "--angles");
   RopeSetup s;
   if (model) {
     s.model = model;
@@ -148,7 +148,7 @@ RopeSetup rope_setup(const FreqFlags& f, const std::optional<ModelConfig>& model
     }
     return s;
   }
-  if (f.style) s.style = parse_rope_style(*f.style);
+  if (f.style) s.style = parse_rope_style(*f.style, "--style");
   const int64_t rotary = f.rotary_dim.value_or(0);
   if (!f.inv_freq.empty()) {
     if (f.base) throw UsageError("--base conflicts with --inv-freq");

@@ -28,10 +28,9 @@ int run_sinusoidal(const SinusoidalArgs& a) {
   cfg.dim = a.dim;
   cfg.base = a.base;
   cfg.layout = a.layout == "concat" ? SinLayout::kConcat : SinLayout::kInterleaved;
-  cfg.denominator =
-      a.denominator == "half-minus-one" ? SinDenominator::kHalfMinusOne : SinDenominator::kDim;
+  cfg.denominator = parse_sin_denominator(a.denominator, "--denominator");
   cfg.origin = a.origin;
-  cfg.odd_dim = a.odd_dim == "zero-pad" ? SinOddDim::kZeroPad : SinOddDim::kError;
+  cfg.odd_dim = parse_sin_odd_dim(a.odd_dim, "--odd-dim");
   validate(cfg);
 
   if (!a.positions.empty()) {

@@ -347,18 +347,6 @@ void write_i64(const std::string& path, std::vector<int64_t> shape,
   write_values(path, DType::kI64, shape, values);
 }
 
-RopeStyle parse_rope_style(const std::string& s) {
-  if (s == "half") return RopeStyle::kHalf;
-  if (s == "interleaved") return RopeStyle::kInterleaved;
-  throw UsageError("--style must be half or interleaved (got '" + s + "')");
-}
-
-RopeAngles parse_rope_angles(const std::string& s) {
-  if (s == "accurate") return RopeAngles::kAccurate;
-  if (s == "float32") return RopeAngles::kFloat32;
-  throw UsageError("--angles must be accurate or float32 (got '" + s + "')");
-}
-
 ModelConfig read_rope_model_config(const std::string& path) {
   ModelConfig cfg = read_model_config(path);
   if (cfg.scheme != ModelScheme::kRope) {

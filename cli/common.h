@@ -200,11 +200,6 @@ void write_output(const std::string& path, DType dtype, const std::vector<int64_
 void write_output(const std::string& path, DType dtype, const std::vector<int64_t>& shape,
                   const std::vector<double>& values);
 
-// Choice parsing (the CLI11 option already restricts the spelling).
-RopeStyle parse_rope_style(const std::string& s);
-
-RopeAngles parse_rope_angles(const std::string& s);
-
 // read_model_config(path), which must describe a RoPE model: otherwise a UsageError naming the
 // model_type and its scheme.
 ModelConfig read_rope_model_config(const std::string& path);

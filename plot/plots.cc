@@ -14,6 +14,7 @@
 #include "posenc/check.h"
 #include "posenc/error.h"
 #include "posenc/learned.h"
+#include "posenc/names.h"
 #include "posenc/rope.h"
 #include "posenc/schemes.h"
 #include "posenc/shaw.h"
@@ -60,10 +61,6 @@ std::string num(double v) {
   std::string s = buf;
   if (!s.empty() && s[0] == '-') s = "\u2212" + s.substr(1);
   return s;
-}
-
-std::string layout_name(SinLayout l) {
-  return l == SinLayout::kInterleaved ? "interleaved" : "concat";
 }
 
 std::vector<double> randn(std::mt19937_64& rng, int64_t n, double sd = 1.0) {

@@ -152,7 +152,7 @@ struct Prepared {
   View<const T, 3> rel_k, rel_v;
   int64_t shaw_k = 0;
   // xl: projected r(delta) [H * D] per distance, built on demand before the loop.
-  View<const T, 2> xl_u, xl_v, xl_rnet;
+  View<const T, 2> xl_content_bias, xl_position_bias, xl_rnet;
   double xl_base = 1e4;
   std::unordered_map<int64_t, std::vector<T>> xl_r;
   // deberta
@@ -317,8 +317,8 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
                        ") must be even and >= 2");
     }
     if (!std::isfinite(x->base) || x->base <= 1.0) fail("attention: xl: base must be > 1");
-    p.xl_u = u;
-    p.xl_v = vb;
+    p.xl_content_bias = u;
+    p.xl_position_bias = vb;
     p.xl_rnet = rnet;
     p.xl_base = x->base;
     // Project R(delta) for every distance that occurs: O(#distances * H * D * Dm). Distances of
@@ -480,12 +480,12 @@ void score_row(const Problem<T>& pr, const Prepared<T>& p, int64_t b, int64_t h,
         break;
       }
       case 5: {  // xl: u.k + (q + v).r(delta)
-        const T* u = p.xl_u.data + h * p.xl_u.stride[0];
-        const T* vv = p.xl_v.data + h * p.xl_v.stride[0];
+        const T* u = p.xl_content_bias.data + h * p.xl_content_bias.stride[0];
+        const T* vv = p.xl_position_bias.data + h * p.xl_position_bias.stride[0];
         const T* r = p.xl_r.at(pq - pk).data() + h * dim;
         for (int64_t c = 0; c < dim; ++c) {
-          content += static_cast<T>(u[c * p.xl_u.stride[1]]) * kr[c * ks] +
-                     (qr[c * qs] + static_cast<T>(vv[c * p.xl_v.stride[1]])) * r[c];
+          content += static_cast<T>(u[c * p.xl_content_bias.stride[1]]) * kr[c * ks] +
+                     (qr[c * qs] + static_cast<T>(vv[c * p.xl_position_bias.stride[1]])) * r[c];
         }
         break;
       }
@@ -636,8 +636,8 @@ void check_backward_args(const Problem<T>& pr, const PositionScheme& scheme, con
   }
   param(g.drel_k, kind == 4, p.rel_k.shape, "drel_k");
   param(g.drel_v, kind == 4, p.rel_v.shape, "drel_v");
-  param(g.dr_w_bias, kind == 5, p.xl_u.shape, "dr_w_bias");
-  param(g.dr_r_bias, kind == 5, p.xl_v.shape, "dr_r_bias");
+  param(g.dr_w_bias, kind == 5, p.xl_content_bias.shape, "dr_w_bias");
+  param(g.dr_r_bias, kind == 5, p.xl_position_bias.shape, "dr_r_bias");
   param(g.dr_net, kind == 5, p.xl_rnet.shape, "dr_net");
   param(g.dpos_key, kind == 6, p.pos_key.shape, "dpos_key");
   param(g.dpos_query, kind == 6, p.pos_query.shape, "dpos_query");
@@ -728,7 +728,7 @@ void run_backward(const Problem<T>& pr, const Prepared<T>& p, const View<const T
           for (int64_t c = 0; c < dim; ++c) {
             const T kc = kval(c);
             T qc = qrow[ud(c)];
-            if (p.kind == 5) qc += static_cast<T>(p.xl_u(h, c));
+            if (p.kind == 5) qc += static_cast<T>(p.xl_content_bias(h, c));
             dq_acc[ud(c)] += sds * kc;
             dk(b, j, hk, c) += sds * qc;
           }
@@ -759,7 +759,8 @@ void run_backward(const Problem<T>& pr, const Prepared<T>& p, const View<const T
                 dq_acc[ud(c)] += sds * r[c];
                 if (g.dr_w_bias.data) g.dr_w_bias(h, c) += sds * kval(c);
                 if (g.dr_r_bias.data) g.dr_r_bias(h, c) += sds * r[c];
-                dr[ud(h * dim + c)] += sds * (qrow[ud(c)] + static_cast<T>(p.xl_v(h, c)));
+                dr[ud(h * dim + c)] +=
+                    sds * (qrow[ud(c)] + static_cast<T>(p.xl_position_bias(h, c)));
               }
               break;
             }
@@ -883,7 +884,8 @@ void check_fully_masked(const Problem<float>& pr) {
 // domain (positions too sparse for int32 distance tables).
 struct FusedTables {
   std::vector<int32_t> qpos, kpos, dmax, c2p, p2c;
-  std::vector<float> bias, rel_k, rel_v, pos_key, pos_query, xl_sin, xl_rnet, xl_u, xl_v, sinks;
+  std::vector<float> bias, rel_k, rel_v, pos_key, pos_query, xl_sin, xl_rnet, xl_content_bias,
+      xl_position_bias, sinks;
   // RoPE: cos/sin by position and the per-row table offsets, or (outside the table's domain)
   // rotated copies of q and k.
   hwy::AlignedFreeUniquePtr<double[]> rope_cs;
@@ -1089,8 +1091,8 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   // kernel projects them with r_net), u and v dense.
   auto& xl_sin = tab.xl_sin;
   auto& xl_rnet = tab.xl_rnet;
-  auto& xl_u = tab.xl_u;
-  auto& xl_v = tab.xl_v;
+  auto& xl_content_bias = tab.xl_content_bias;
+  auto& xl_position_bias = tab.xl_position_bias;
   if (p.kind == 5) {
     int64_t dlo = gdmin, dhi = gdmax;
     if (pr.opt.causal) dlo = std::max<int64_t>(dlo, 0);
@@ -1132,12 +1134,12 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
     for (int64_t o = 0; o < d.heads_q * d.head_dim; ++o)
       for (int64_t m = 0; m < dm; ++m)
         xl_rnet[static_cast<std::size_t>(o * dm + m)] = p.xl_rnet(o, m);
-    xl_u.resize(static_cast<std::size_t>(d.heads_q * d.head_dim));
-    xl_v.resize(xl_u.size());
+    xl_content_bias.resize(static_cast<std::size_t>(d.heads_q * d.head_dim));
+    xl_position_bias.resize(xl_content_bias.size());
     for (int64_t h = 0; h < d.heads_q; ++h) {
       for (int64_t c = 0; c < d.head_dim; ++c) {
-        xl_u[static_cast<std::size_t>(h * d.head_dim + c)] = p.xl_u(h, c);
-        xl_v[static_cast<std::size_t>(h * d.head_dim + c)] = p.xl_v(h, c);
+        xl_content_bias[static_cast<std::size_t>(h * d.head_dim + c)] = p.xl_content_bias(h, c);
+        xl_position_bias[static_cast<std::size_t>(h * d.head_dim + c)] = p.xl_position_bias(h, c);
       }
     }
     fp.xl_sin = xl_sin.data();
@@ -1145,8 +1147,8 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
     fp.xl_dmodel = dm;
     fp.xl_len = len;
     fp.xl_dmax = dhi;
-    fp.xl_u = xl_u.data();
-    fp.xl_v = xl_v.data();
+    fp.xl_content_bias = xl_content_bias.data();
+    fp.xl_position_bias = xl_position_bias.data();
   }
   return true;
 }
@@ -1365,22 +1367,18 @@ bool detail::attention_fused_storage(const StorageViews& s, const PositionScheme
   kernels::FusedAttentionParams fp;
   FusedTables tables;
   if (!fill_fused_params(pr, p, tables, fp, /*allow_rope_copies=*/false)) return false;
-  using Elem = kernels::FusedAttentionParams::Elem;
-  auto elem = [](Storage t) {
-    return t == Storage::kBF16 ? Elem::kBF16 : t == Storage::kF16 ? Elem::kF16 : Elem::kF32;
-  };
   auto bits = [](const float* x) { return reinterpret_cast<const uint16_t*>(x); };
-  fp.q_type = elem(s.q_type);
-  fp.kv_type = elem(s.kv_type);
-  fp.out_type = elem(s.out_type);
-  if (fp.q_type != Elem::kF32) fp.q16 = bits(fp.q), fp.q = nullptr;
-  if (fp.kv_type != Elem::kF32) {
+  fp.q_type = s.q_type;
+  fp.kv_type = s.kv_type;
+  fp.out_type = s.out_type;
+  if (fp.q_type != DType::kF32) fp.q16 = bits(fp.q), fp.q = nullptr;
+  if (fp.kv_type != DType::kF32) {
     fp.k16 = bits(fp.k), fp.k = nullptr;
     fp.v16 = bits(fp.v), fp.v = nullptr;
   }
   fp.out = s.out.data;
   fp.out_stride = {s.out.stride[0], s.out.stride[1], s.out.stride[2]};
-  if (fp.out_type != Elem::kF32) {
+  if (fp.out_type != DType::kF32) {
     fp.out16 = reinterpret_cast<uint16_t*>(fp.out);
     fp.out = nullptr;
   }
@@ -1388,10 +1386,10 @@ bool detail::attention_fused_storage(const StorageViews& s, const PositionScheme
   fp.nan_score = &nan_score;
   kernels::fused_attention(fp);
   if (nan_score != 0) return false;
-  if (fp.out_type == Elem::kF32) return all_finite(s.out);
+  if (fp.out_type == DType::kF32) return all_finite(s.out);
   // Half output: an infinity or NaN may come from the float32 result (the widened path reports
   // it) or from rounding a finite result past the type's range (the widened path gives the same).
-  const uint16_t exp_mask = fp.out_type == Elem::kBF16 ? 0x7f80 : 0x7c00;
+  const uint16_t exp_mask = fp.out_type == DType::kBF16 ? 0x7f80 : 0x7c00;
   for (int64_t b = 0; b < d.batch; ++b)
     for (int64_t i = 0; i < d.seq_q; ++i)
       for (int64_t h = 0; h < d.heads_q; ++h) {

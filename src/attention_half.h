@@ -1,20 +1,18 @@
 // src/attention_half.h - the fused forward on half-precision storage (private; src/attention.cc
-// implements it, src/half_entry.cc calls it).
+// implements it, src/half_precision_api.cc calls it).
 #pragma once
 
 #include "posenc/attention.h"
+#include "posenc/dtype.h"
 
 namespace posenc::detail {
-
-// Element type of a tensor given to attention_fused_storage.
-enum class Storage { kF32, kBF16, kF16 };
 
 // q, k, v and out with their shapes and strides (in elements); for kBF16 / kF16 the data
 // pointer addresses the 2-byte storage and is never read as float.
 struct StorageViews {
   View<const float, 4> q, k, v;
   View<float, 4> out;
-  Storage q_type = Storage::kF32, kv_type = Storage::kF32, out_type = Storage::kF32;
+  DType q_type = DType::kF32, kv_type = DType::kF32, out_type = DType::kF32;
 };
 
 // Validates the call like attention() and runs the fused kernel on the storage directly (rows

@@ -1948,34 +1948,6 @@ void apply_model_rope(const ModelConfig& cfg, const RopeFrequencies& freqs, View
   }
 }
 
-const char* style_name(RopeStyle s) {
-  switch (s) {
-    case RopeStyle::kHalf:
-      return "half";
-    case RopeStyle::kInterleaved:
-      return "interleaved";
-  }
-  return "unknown";
-}
-
-const char* scaling_name(RopeScalingType t) {
-  switch (t) {
-    case RopeScalingType::kDefault:
-      return "default";
-    case RopeScalingType::kLinear:
-      return "linear";
-    case RopeScalingType::kDynamic:
-      return "dynamic";
-    case RopeScalingType::kYarn:
-      return "yarn";
-    case RopeScalingType::kLlama3:
-      return "llama3";
-    case RopeScalingType::kLongRope:
-      return "longrope";
-  }
-  return "unknown";
-}
-
 namespace {
 
 std::string list_summary(const std::vector<double>& v) {

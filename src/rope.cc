@@ -645,8 +645,8 @@ bool rows_independent(const View<const T, 4>& x, const View<T, 4>& out) {
 }
 
 template <class T>
-constexpr kernels::RopeDType half_dtype() {
-  return std::is_same_v<T, bf16> ? kernels::RopeDType::kBF16 : kernels::RopeDType::kF16;
+constexpr DType half_dtype() {
+  return std::is_same_v<T, bf16> ? DType::kBF16 : DType::kF16;
 }
 
 }  // namespace
@@ -696,7 +696,7 @@ bool rerotate_rope_half(const RopeFrequencies& from, const RopeFrequencies& to, 
   // Token by token: its rows widened into `row`, re-rotated there by rerotate_rope's float32
   // code, rounded back once.
   const int64_t heads = k.shape[2], dim = k.shape[3];
-  const kernels::RopeDType dt = half_dtype<T>();
+  const DType dt = half_dtype<T>();
   std::vector<float> row(static_cast<std::size_t>(heads * dim));
   const auto rv = View<float, 4>::contiguous(row.data(), {1, 1, heads, dim});
   for (int64_t b = 0; b < k.shape[0]; ++b) {

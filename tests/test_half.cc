@@ -287,8 +287,8 @@ std::vector<int64_t> simd_targets() {
 }
 
 template <class H>
-constexpr kernels::RopeDType dtype_of() {
-  return std::is_same_v<H, bf16> ? kernels::RopeDType::kBF16 : kernels::RopeDType::kF16;
+constexpr DType dtype_of() {
+  return std::is_same_v<H, bf16> ? DType::kBF16 : DType::kF16;
 }
 
 // Widening of every pattern; rounding of every float whose top 20 bits vary, with the low 12
@@ -312,13 +312,13 @@ TEST(HalfRopeKernel, ConversionsEveryPatternEveryTarget) {
     // Odd lengths and offsets reach the scalar tails too.
     for (const int64_t n : {int64_t{0x10000}, int64_t{0xffff}, int64_t{13}}) {
       std::vector<float> wide(static_cast<std::size_t>(n));
-      kernels::half_to_float(kernels::RopeDType::kBF16, pats.data() + 0x10000 - n, wide.data(), n);
+      kernels::half_to_float(DType::kBF16, pats.data() + 0x10000 - n, wide.data(), n);
       for (int64_t i = 0; i < n; ++i) {
         const uint16_t h = pats[static_cast<std::size_t>(0x10000 - n + i)];
         ASSERT_EQ(std::bit_cast<uint32_t>(wide[i]), std::bit_cast<uint32_t>(to_float(bf16{h})))
             << "bf16 " << h;
       }
-      kernels::half_to_float(kernels::RopeDType::kF16, pats.data() + 0x10000 - n, wide.data(), n);
+      kernels::half_to_float(DType::kF16, pats.data() + 0x10000 - n, wide.data(), n);
       for (int64_t i = 0; i < n; ++i) {
         const uint16_t h = pats[static_cast<std::size_t>(0x10000 - n + i)];
         ASSERT_EQ(std::bit_cast<uint32_t>(wide[i]), std::bit_cast<uint32_t>(to_float(f16{h})))
@@ -328,8 +328,8 @@ TEST(HalfRopeKernel, ConversionsEveryPatternEveryTarget) {
     for (const int64_t off : {0, 3}) {
       const int64_t n = static_cast<int64_t>(floats.size()) - off;
       std::vector<uint16_t> b(static_cast<std::size_t>(n)), f(static_cast<std::size_t>(n));
-      kernels::float_to_half(kernels::RopeDType::kBF16, floats.data() + off, b.data(), n);
-      kernels::float_to_half(kernels::RopeDType::kF16, floats.data() + off, f.data(), n);
+      kernels::float_to_half(DType::kBF16, floats.data() + off, b.data(), n);
+      kernels::float_to_half(DType::kF16, floats.data() + off, f.data(), n);
       for (int64_t i = 0; i < n; ++i) {
         const float x = floats[static_cast<std::size_t>(i + off)];
         ASSERT_EQ(b[i], bf16_from_float(x).bits) << std::hex << std::bit_cast<uint32_t>(x);

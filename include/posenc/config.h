@@ -16,6 +16,7 @@
 
 #include "posenc/alibi.h"
 #include "posenc/deberta.h"
+#include "posenc/names.h"
 #include "posenc/rope.h"
 #include "posenc/t5.h"
 
@@ -161,9 +162,7 @@ RopeFrequencies model_rope_frequencies(const ModelConfig& cfg, int64_t seq_len =
 // effective context (what `posenc describe` prints).
 std::string describe(const ModelConfig& cfg);
 
-// "half" / "interleaved", "default" / "linear" / ..., for messages and JSON.
-const char* style_name(RopeStyle s);
-const char* scaling_name(RopeScalingType t);
+// "rope", "alibi", ..., for messages and JSON (the other enums' names: posenc/names.h).
 const char* model_scheme_name(ModelScheme s);  // "rope", "alibi", "t5", "deberta", "learned"
 
 }  // namespace posenc

@@ -20,11 +20,10 @@
 #include <string>
 #include <vector>
 
+#include "posenc/dtype.h"
 #include "posenc/tensor.h"
 
 namespace posenc {
-
-enum class DType { kF16, kBF16, kF32, kF64, kI32, kI64 };
 
 // "float32", "int64", ... (NumPy's names, for messages; files store "<f4" / "F32") and the
 // element size in bytes.

@@ -102,12 +102,6 @@ void parse_params(Call& c, const pb::handle& obj) {
   throw pb::type_error("params: a dict {name: array} or a .safetensors path");
 }
 
-DebertaP2c parse_p2c(const std::string& s) {
-  if (s == "model") return DebertaP2c::kModel;
-  if (s == "paper") return DebertaP2c::kPaper;
-  throw ValueError("deberta_p2c: '" + s + "' (model or paper)");
-}
-
 }  // namespace
 
 Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, const pb::handle& v,
@@ -200,7 +194,7 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
     } else if (name == "max_relative_positions") {
       c.settings.max_relative_positions = value.cast<int64_t>();
     } else if (name == "deberta_p2c") {
-      c.settings.deberta_p2c = parse_p2c(value.cast<std::string>());
+      c.settings.deberta_p2c = parse_deberta_p2c(value.cast<std::string>(), "deberta_p2c");
     } else if (name == "deberta_float64_log") {
       c.settings.deberta_float64_log = value.cast<bool>();
     } else {

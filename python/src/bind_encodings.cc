@@ -27,21 +27,9 @@ SinusoidalConfig sin_config(int64_t dim, double base, const std::string& layout,
   c.dim = dim;
   c.base = base;
   c.layout = parse_layout(layout);
-  if (denominator == "dim") {
-    c.denominator = SinDenominator::kDim;
-  } else if (denominator == "half_minus_one") {
-    c.denominator = SinDenominator::kHalfMinusOne;
-  } else {
-    throw ValueError("denominator: '" + denominator + "' (dim or half_minus_one)");
-  }
+  c.denominator = parse_sin_denominator(denominator, "denominator");
   c.origin = origin;
-  if (odd_dim == "error") {
-    c.odd_dim = SinOddDim::kError;
-  } else if (odd_dim == "zero_pad") {
-    c.odd_dim = SinOddDim::kZeroPad;
-  } else {
-    throw ValueError("odd_dim: '" + odd_dim + "' (error or zero_pad)");
-  }
+  c.odd_dim = parse_sin_odd_dim(odd_dim, "odd_dim");
   validate(c);
   return c;
 }
@@ -349,18 +337,10 @@ DebertaBuckets deberta_cfg(int64_t max_relative_positions, int64_t position_buck
   b.max_relative_positions = max_relative_positions;
   b.position_buckets = position_buckets;
   b.float64_log = float64_log;
-  if (p2c == "model") {
-    b.p2c = DebertaP2c::kModel;
-  } else if (p2c == "paper") {
-    b.p2c = DebertaP2c::kPaper;
-  } else {
-    throw ValueError("p2c: '" + p2c + "' (model or paper)");
-  }
+  b.p2c = parse_deberta_p2c(p2c, "p2c");
   validate(b);
   return b;
 }
-
-const char* p2c_name(DebertaP2c p) { return p == DebertaP2c::kPaper ? "paper" : "model"; }
 
 pb::dict scaling_dict(const RopeScaling& s) {
   pb::dict d("type"_a = scaling_name(s.type), "factor"_a = s.factor,
@@ -412,14 +392,12 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
                              })
       .def_readonly("attention_factor", &RopeFrequencies::attention_factor)
       .def_property_readonly("angles",
-                             [](const RopeFrequencies& f) {
-                               return f.angles == RopeAngles::kFloat32 ? "float32" : "accurate";
-                             })
+                             [](const RopeFrequencies& f) { return angles_name(f.angles); })
       .def_property_readonly("rotary_dim", &RopeFrequencies::rotary_dim)
       .def("__repr__", [](const RopeFrequencies& f) {
         return "RopeFrequencies(rotary_dim=" + std::to_string(f.rotary_dim()) +
                ", attention_factor=" + std::to_string(f.attention_factor) + ", angles='" +
-               (f.angles == RopeAngles::kFloat32 ? "float32" : "accurate") + "')";
+               angles_name(f.angles) + "')";
       });
 
   pb::class_<LayerRopeFrequencies, RopeFrequencies>(

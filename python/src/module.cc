@@ -57,24 +57,6 @@ ModelConfig model_config_arg(const pb::handle& obj) {
   throw pb::type_error("config: expected a path to config.json, a dict or a ModelConfig");
 }
 
-RopeStyle parse_style(const std::string& s) {
-  if (s == "half") return RopeStyle::kHalf;
-  if (s == "interleaved") return RopeStyle::kInterleaved;
-  throw ValueError("style: '" + s + "' (half or interleaved)");
-}
-
-RopeAngles parse_angles(const std::string& s) {
-  if (s == "accurate") return RopeAngles::kAccurate;
-  if (s == "float32") return RopeAngles::kFloat32;
-  throw ValueError("angles: '" + s + "' (accurate or float32)");
-}
-
-SinLayout parse_layout(const std::string& s) {
-  if (s == "interleaved") return SinLayout::kInterleaved;
-  if (s == "concat") return SinLayout::kConcat;
-  throw ValueError("layout: '" + s + "' (interleaved or concat)");
-}
-
 void unexpected_keyword(const std::string& fn, const std::string& key) {
   throw pb::type_error(fn + "() got an unexpected keyword argument '" + key + "'");
 }

@@ -123,9 +123,10 @@ std::optional<Positions> positions_arg(const pb::handle& obj, const char* what);
 ModelConfig model_config_arg(const pb::handle& obj);
 
 // Enum spellings (ValueError listing the choices).
-RopeStyle parse_style(const std::string& s);
-RopeAngles parse_angles(const std::string& s);
-SinLayout parse_layout(const std::string& s);
+// The enums' names: posenc/names.h (parse_rope_style, parse_rope_angles, parse_sin_layout, ...).
+inline RopeStyle parse_style(const std::string& s) { return parse_rope_style(s, "style"); }
+inline RopeAngles parse_angles(const std::string& s) { return parse_rope_angles(s, "angles"); }
+inline SinLayout parse_layout(const std::string& s) { return parse_sin_layout(s, "layout"); }
 
 // Raises TypeError "<fn>() got an unexpected keyword argument '<key>'".
 [[noreturn]] void unexpected_keyword(const std::string& fn, const std::string& key);

@@ -876,8 +876,8 @@ class BackwardKernel {
         std::memcpy(dob + r * dp, dor, static_cast<size_t>(dim_) * sizeof(float));
         if (xl_) {
           for (int64_t x = 0; x < dim_; ++x) {
-            qb[r * dp + x] = qr[x] + p_.xl_u[h * dim_ + x];
-            qx[r * dp + x] = qr[x] + p_.xl_v[h * dim_ + x];
+            qb[r * dp + x] = qr[x] + p_.xl_content_bias[h * dim_ + x];
+            qx[r * dp + x] = qr[x] + p_.xl_position_bias[h * dim_ + x];
           }
         }
         dsum[r] = Dot(dor, orow, dim_);

@@ -106,9 +106,8 @@ HWY_INLINE void WidenRow(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, int
   for (; x + lanes <= n; x += lanes) hn::StoreU(LoadKV(d, src + x), d, dst + x);
   for (; x < n; ++x) dst[x] = to_float(src[x]);
 }
-HWY_INLINE void WidenRow(FusedAttentionParams::Elem type, const uint16_t* src, float* dst,
-                         int64_t n) {
-  if (type == FusedAttentionParams::Elem::kBF16) {
+HWY_INLINE void WidenRow(DType type, const uint16_t* src, float* dst, int64_t n) {
+  if (type == DType::kBF16) {
     WidenRow(reinterpret_cast<const bf16*>(src), dst, n);
   } else {
     WidenRow(reinterpret_cast<const f16*>(src), dst, n);
@@ -561,9 +560,9 @@ struct RowTables {
   int64_t xl_t0 = 0, xl_w = 0, xl_ld = 0;
 };
 
-class Kernel {
+class ForwardKernel {
  public:
-  explicit Kernel(const FusedAttentionParams& p) : p_(p) {
+  explicit ForwardKernel(const FusedAttentionParams& p) : p_(p) {
     const DF d;
     lanes_ = static_cast<int64_t>(hn::Lanes(d));
     dim_ = p.head_dim;
@@ -614,10 +613,9 @@ class Kernel {
     // vdpbf16ps on the stored bits (bf16_dot.h). Not with RoPE in the kernel or Transformer-XL,
     // whose query and key rows are float32 by then.
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-    bf16dot_ = use_dot_ && p_.q16 != nullptr && p_.k16 != nullptr &&
-               p_.q_type == FusedAttentionParams::Elem::kBF16 &&
-               p_.kv_type == FusedAttentionParams::Elem::kBF16 && p_.rope.cs == nullptr &&
-               p_.xl_sin == nullptr && bf16_dot_used(rows_per_kv);
+    bf16dot_ = use_dot_ && p_.q16 != nullptr && p_.k16 != nullptr && p_.q_type == DType::kBF16 &&
+               p_.kv_type == DType::kBF16 && p_.rope.cs == nullptr && p_.xl_sin == nullptr &&
+               bf16_dot_used(rows_per_kv);
 #endif
     qb_stride_ = RoundUp(dim_, 32);
     const int64_t units = wide_ ? p_.batch : groups;
@@ -1141,8 +1139,8 @@ class Kernel {
         if (!Valid(it, r)) continue;
         const int64_t h = HeadOf(it, r);
         for (int64_t c = 0; c < dim_; ++c) {
-          qv[r * dim_ + c] = qp[r * dim_ + c] + p_.xl_v[h * dim_ + c];
-          qp[r * dim_ + c] += p_.xl_u[h * dim_ + c];
+          qv[r * dim_ + c] = qp[r * dim_ + c] + p_.xl_position_bias[h * dim_ + c];
+          qp[r * dim_ + c] += p_.xl_content_bias[h * dim_ + c];
         }
       }
       const auto [dlo, dhi] = VisibleDeltas(it, j_begin, j_end);
@@ -1313,7 +1311,7 @@ class Kernel {
           for (int64_t r = 0; r < it.nkv * it.gstride; ++r) {
             std::fill(sc.s.get() + r * kTileK + nk, sc.s.get() + (r + 1) * kTileK, 0.0f);
           }
-        } else if (p_.kv_type == FusedAttentionParams::Elem::kBF16) {
+        } else if (p_.kv_type == DType::kBF16) {
           DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
                         reinterpret_cast<const bf16*>(p_.k16 + kat), ks1, ks2, nk, sc.s.get(),
                         sc.part.get(), vahead, kstream);
@@ -1334,7 +1332,7 @@ class Kernel {
         if (vbase16 == nullptr) {
           AccumulateWide(sc.s.get(), nk, vbase + j0 * vs1, vs1, vs2, it.nkv, it.gstride, dim_,
                          dpad_, sc.o.get(), PrefetchRows{});
-        } else if (kStreamHalfDecode && p_.kv_type == FusedAttentionParams::Elem::kBF16) {
+        } else if (kStreamHalfDecode && p_.kv_type == DType::kBF16) {
           // Key blocks across heads, as for float32 (the same bits as AccumulateWideColumns).
           AccumulateWide(sc.s.get(), nk, reinterpret_cast<const bf16*>(vbase16 + j0 * vs1), vs1,
                          vs2, it.nkv, it.gstride, dim_, dpad_, sc.o.get(), vstream);
@@ -1344,7 +1342,7 @@ class Kernel {
         } else {
           sc.seen.resize(static_cast<size_t>(it.rows / 4));
           SeenKeys(sc.s.get(), it.rows, nk, sc.seen.data());
-          if (p_.kv_type == FusedAttentionParams::Elem::kBF16) {
+          if (p_.kv_type == DType::kBF16) {
             AccumulateWideColumns(sc.s.get(), nk, reinterpret_cast<const bf16*>(vbase16 + j0 * vs1),
                                   vs1, vs2, it.nkv, it.gstride, dim_, dpad_, sc.o.get(),
                                   sc.seen.data(), kahead);
@@ -1633,7 +1631,7 @@ class Kernel {
       FinishRow(it, r, h, i, dst, sc);
       if (p_.out16 != nullptr) {
         uint16_t* o16 = p_.out16 + oat;
-        if (p_.out_type == FusedAttentionParams::Elem::kBF16) {
+        if (p_.out_type == DType::kBF16) {
           for (int64_t x = 0; x < dim_; ++x) o16[x] = bf16_from_float(dst[x]).bits;
         } else {
           for (int64_t x = 0; x < dim_; ++x) o16[x] = f16_from_float(dst[x]).bits;
@@ -1710,7 +1708,7 @@ class Kernel {
 };
 
 void FusedAttention(const FusedAttentionParams& p) {
-  Kernel k(p);
+  ForwardKernel k(p);
   k.Run();
 }
 

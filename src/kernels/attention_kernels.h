@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kernels/rope_kernels.h"
+#include "posenc/dtype.h"
 
 namespace posenc::kernels {
 
@@ -32,8 +33,7 @@ struct FusedAttentionParams {
   // each kF32 (the float pointers above) or kBF16 / kF16 (the pointers below, same strides in
   // elements; the float pointer is then null). Rows are widened exactly as they are loaded and
   // the output rounded once (to nearest even).
-  enum class Elem : uint8_t { kF32, kBF16, kF16 };
-  Elem q_type = Elem::kF32, kv_type = Elem::kF32, out_type = Elem::kF32;
+  DType q_type = DType::kF32, kv_type = DType::kF32, out_type = DType::kF32;
   const uint16_t* q16 = nullptr;
   const uint16_t* k16 = nullptr;
   const uint16_t* v16 = nullptr;
@@ -82,16 +82,17 @@ struct FusedAttentionParams {
 
   // Transformer-XL: the kernel projects r(delta) = W_r R(delta) itself (a GEMM): xl_sin holds
   // R(delta) [xl_len, xl_dmodel] for delta = xl_dmax - t, t < xl_len (the distances a mask can
-  // leave visible); xl_rnet is W_r [heads_q * head_dim, xl_dmodel] dense; u = r_w_bias and
-  // v = r_r_bias [heads_q, head_dim] dense. Scores: (q + u) . k in the main product, and
-  // (q + v) . r(delta) from a per-block product against the band of distances it needs.
+  // leave visible); xl_rnet is W_r [heads_q * head_dim, xl_dmodel] dense;
+  // xl_content_bias = u (r_w_bias) and xl_position_bias = v (r_r_bias) [heads_q, head_dim] dense.
+  // Scores: (q + u) . k in the main product, and (q + v) . r(delta) from a per-block product
+  // against the band of distances it needs.
   const float* xl_sin = nullptr;
   const float* xl_rnet = nullptr;
   int64_t xl_dmodel = 0;
   int64_t xl_len = 0;
   int64_t xl_dmax = 0;
-  const float* xl_u = nullptr;
-  const float* xl_v = nullptr;
+  const float* xl_content_bias = nullptr;
+  const float* xl_position_bias = nullptr;
 
   // RoPE, rotated by the kernels as they load rows (rope.cs != nullptr; q and k above are then
   // the unrotated inputs): query row (b, i) by table row qpos[b, i] + rope_base[b], key row

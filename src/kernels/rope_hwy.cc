@@ -225,7 +225,7 @@ HWY_INLINE void RotateInterleaved(const float* x, float* out, size_t rotary,
   }
 }
 
-// Half-precision rows (RopeDType::kBF16 / kF16): the exact widening to_float and the rounding
+// Half-precision rows (DType::kBF16 / kF16): the exact widening to_float and the rounding
 // from_float<T> of posenc/half.h, lane by lane with integer operations, the same on every target
 // (Highway 1.0.3's DemoteTo to bf16 truncates, and its f16 conversions are emulated on some
 // targets); scalar tails take the functions of posenc/half.h themselves. Like f16_from_float,
@@ -373,16 +373,16 @@ void RoundTripRowT(const uint16_t* src, uint16_t* dst, size_t n) {
   for (; j < n; ++j) dst[j] = NarrowOne<kBF16>(WidenOne<kBF16>(src[j]));
 }
 
-void WidenRow(RopeDType t, const uint16_t* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
-  if (t == RopeDType::kBF16) {
+void WidenRow(DType t, const uint16_t* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
+  if (t == DType::kBF16) {
     WidenRowT<true>(src, dst, n);
   } else {
     WidenRowT<false>(src, dst, n);
   }
 }
 
-void NarrowRow(RopeDType t, const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst, size_t n) {
-  if (t == RopeDType::kBF16) {
+void NarrowRow(DType t, const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst, size_t n) {
+  if (t == DType::kBF16) {
     NarrowRowT<true>(src, dst, n);
   } else {
     NarrowRowT<false>(src, dst, n);
@@ -528,7 +528,7 @@ void RopeTokens(const RopeParams& p, const double* HWY_RESTRICT inv_freq, size_t
   // One widened row for bf16 / f16 tensors.
   const size_t head_dim = static_cast<size_t>(p.head_dim);
   bool any_half = false;
-  for (int t = 0; t < p.num_tensors; ++t) any_half |= p.tensors[t].dtype != RopeDType::kFloat32;
+  for (int t = 0; t < p.num_tensors; ++t) any_half |= p.tensors[t].dtype != DType::kF32;
   hwy::AlignedFreeUniquePtr<float[]> row_buf;
   if (any_half) row_buf = hwy::AllocateAligned<float>(head_dim);
   float* row = row_buf.get();
@@ -544,11 +544,11 @@ void RopeTokens(const RopeParams& p, const double* HWY_RESTRICT inv_freq, size_t
     }
     for (int t = 0; t < p.num_tensors; ++t) {
       const RopeTensor& tt = p.tensors[t];
-      if (tt.dtype != RopeDType::kFloat32) {
+      if (tt.dtype != DType::kF32) {
         // Rotated as the float32 rows below are, from values widened exactly (RotateHalfRows).
         const uint16_t* x = tt.x_half + b * tt.x_stride[0] + i * tt.x_stride[1];
         uint16_t* out = tt.out_half + b * tt.out_stride[0] + i * tt.out_stride[1];
-        if (tt.dtype == RopeDType::kBF16) {
+        if (tt.dtype == DType::kBF16) {
           RotateHalfRows<true>(x, tt.x_stride[2], out, tt.out_stride[2], tt.heads, head_dim, pairs,
                                p.interleaved, c, s, c2, s2, row);
         } else {
@@ -591,7 +591,7 @@ void RopeF32(const RopeParams& p) {
   // every thread has a few items. None of this changes a single output bit.
   int64_t row_bytes = 0;
   for (int t = 0; t < p.num_tensors; ++t) {
-    const int64_t elem = p.tensors[t].dtype == RopeDType::kFloat32 ? 4 : 2;
+    const int64_t elem = p.tensors[t].dtype == DType::kF32 ? 4 : 2;
     row_bytes += p.tensors[t].heads * p.head_dim * elem;
   }
   row_bytes = std::max<int64_t>(row_bytes, 1);
@@ -689,13 +689,13 @@ void rope_f32(const RopeParams& p) {
   HWY_DYNAMIC_DISPATCH(RopeF32)(p);
 }
 
-void half_to_float(RopeDType t, const uint16_t* src, float* dst, int64_t n) {
+void half_to_float(DType t, const uint16_t* src, float* dst, int64_t n) {
   static const bool env_applied = !simd_target_name().empty();
   (void)env_applied;
   HWY_DYNAMIC_DISPATCH(WidenRow)(t, src, dst, static_cast<size_t>(n));
 }
 
-void float_to_half(RopeDType t, const float* src, uint16_t* dst, int64_t n) {
+void float_to_half(DType t, const float* src, uint16_t* dst, int64_t n) {
   static const bool env_applied = !simd_target_name().empty();
   (void)env_applied;
   HWY_DYNAMIC_DISPATCH(NarrowRow)(t, src, dst, static_cast<size_t>(n));

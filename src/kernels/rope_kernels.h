@@ -6,12 +6,13 @@
 
 #include <cstdint>
 
+#include "posenc/dtype.h"
 #include "posenc/tensor.h"
 
 namespace posenc::kernels {
 
-// Element type of a RopeTensor: float32, or the bits of posenc::bf16 / posenc::f16.
-enum class RopeDType : uint8_t { kFloat32, kBF16, kF16 };
+// A RopeTensor's element type (posenc::DType): kF32, or kBF16 / kF16 (the bits of posenc::bf16 /
+// posenc::f16).
 
 // One tensor [batch, seq, heads, head_dim] rotated from x into out (out may equal x; any other
 // overlap is undefined). Strides are in elements for the batch, seq and heads dims (stride 0
@@ -24,7 +25,7 @@ struct RopeTensor {
   float* out = nullptr;
   const uint16_t* x_half = nullptr;
   uint16_t* out_half = nullptr;
-  RopeDType dtype = RopeDType::kFloat32;
+  DType dtype = DType::kF32;
   int64_t heads = 0;
   int64_t x_stride[3] = {0, 0, 0};
   int64_t out_stride[3] = {0, 0, 0};
@@ -55,8 +56,8 @@ void rope_f32(const RopeParams& p);
 // dst[i] = to_float(src[i]) (posenc/half.h; exact) and dst[i] = from_float<T>(src[i]) (round to
 // nearest even, NaN quiet, f16 overflow to infinity and subnormals) for i < n, T = bf16 or f16
 // (`t` != kFloat32), SIMD on the dispatched target.
-void half_to_float(RopeDType t, const uint16_t* src, float* dst, int64_t n);
-void float_to_half(RopeDType t, const float* src, uint16_t* dst, int64_t n);
+void half_to_float(DType t, const uint16_t* src, float* dst, int64_t n);
+void float_to_half(DType t, const float* src, uint16_t* dst, int64_t n);
 
 // cos/sin per position for kernels that rotate rows as they load them (the fused attention
 // kernels with RoPE, instead of rotated copies of q and k): row t of `cs` holds c[0, padded)

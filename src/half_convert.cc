@@ -1,9 +1,9 @@
-// src/half.cc - f16 / bf16 conversions (posenc/half.h).
-#include "posenc/half.h"
-
+// src/half_convert.cc - f16 / bf16 conversions (posenc/half.h).
 #include <bit>
 #include <cmath>
 #include <cstdint>
+
+#include "posenc/half.h"
 
 namespace posenc {
 

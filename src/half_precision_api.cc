@@ -1,5 +1,5 @@
-// src/half_entry.cc - bf16 / f16 entry points of attention, apply_rope and rerotate_rope: the
-// half-precision views widened exactly into float32 buffers, the float32 function, and one
+// src/half_precision_api.cc - bf16 / f16 entry points of attention, apply_rope and rerotate_rope:
+// the half-precision views widened exactly into float32 buffers, the float32 function, and one
 // rounding of the result to the output's type. apply_rope / rerotate_rope take the native
 // row-by-row kernel (src/rope.cc, src/kernels/rope_hwy.cc) when it applies, with the same bits.
 #include <cstddef>
@@ -78,10 +78,10 @@ void narrow(const std::vector<float>& src, View<T, 4> out) {
 }
 
 template <class T>
-detail::Storage storage_of() {
-  return std::is_same_v<T, bf16>  ? detail::Storage::kBF16
-         : std::is_same_v<T, f16> ? detail::Storage::kF16
-                                  : detail::Storage::kF32;
+DType storage_of() {
+  return std::is_same_v<T, bf16>  ? DType::kBF16
+         : std::is_same_v<T, f16> ? DType::kF16
+                                  : DType::kF32;
 }
 
 // Shape-and-stride views of the storage (see detail::StorageViews).
