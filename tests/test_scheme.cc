@@ -679,3 +679,37 @@ TEST(SchemeRegistry, OrderNamesParamsAndSettings) {
   }
   EXPECT_THROW((void)scheme_param_names("ALiBi"), ValueError);
 }
+
+// Every enum's names, both ways, from posenc/names.h.
+TEST(EnumNames, RoundTripAndErrorsNameTheChoices) {
+  for (RopeStyle s : {RopeStyle::kHalf, RopeStyle::kInterleaved}) {
+    EXPECT_EQ(parse_rope_style(style_name(s)), s);
+  }
+  for (RopeAngles a : {RopeAngles::kAccurate, RopeAngles::kFloat32}) {
+    EXPECT_EQ(parse_rope_angles(angles_name(a)), a);
+  }
+  for (SinLayout l : {SinLayout::kInterleaved, SinLayout::kConcat}) {
+    EXPECT_EQ(parse_sin_layout(layout_name(l)), l);
+  }
+  for (SinDenominator d : {SinDenominator::kDim, SinDenominator::kHalfMinusOne}) {
+    EXPECT_EQ(parse_sin_denominator(denominator_name(d)), d);
+  }
+  for (SinOddDim o : {SinOddDim::kError, SinOddDim::kZeroPad}) {
+    EXPECT_EQ(parse_sin_odd_dim(odd_dim_name(o)), o);
+  }
+  for (DebertaP2c p : {DebertaP2c::kModel, DebertaP2c::kPaper}) {
+    EXPECT_EQ(parse_deberta_p2c(p2c_name(p)), p);
+  }
+  // Python's keyword spelling is the same name.
+  EXPECT_EQ(parse_sin_denominator("half_minus_one"), SinDenominator::kHalfMinusOne);
+  EXPECT_EQ(parse_sin_odd_dim("zero_pad"), SinOddDim::kZeroPad);
+  EXPECT_STREQ(scaling_name(RopeScalingType::kYarn), "yarn");
+  try {
+    (void)parse_rope_style("neox", "--style");
+    ADD_FAILURE() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_STREQ(e.what(), "--style: 'neox' (half or interleaved)");
+  }
+  EXPECT_THROW((void)parse_sin_layout("Concat"), ValueError);
+  EXPECT_THROW((void)parse_deberta_p2c(""), ValueError);
+}
