@@ -41,6 +41,11 @@ constexpr std::pair<const char*, SinOddDim> kOddDims[] = {{"error", SinOddDim::k
 constexpr std::pair<const char*, DebertaP2c> kP2c[] = {{"model", DebertaP2c::kModel},
                                                        {"paper", DebertaP2c::kPaper}};
 
+constexpr std::pair<const char*, RopeScalingType> kScalings[] = {
+    {"default", RopeScalingType::kDefault}, {"linear", RopeScalingType::kLinear},
+    {"dynamic", RopeScalingType::kDynamic}, {"yarn", RopeScalingType::kYarn},
+    {"llama3", RopeScalingType::kLlama3},   {"longrope", RopeScalingType::kLongRope}};
+
 template <class E, std::size_t N>
 const char* name_of(E value, const std::pair<const char*, E> (&choices)[N]) {
   for (const auto& [name, v] : choices) {
@@ -58,23 +63,7 @@ const char* denominator_name(SinDenominator d) { return name_of(d, kDenominators
 const char* odd_dim_name(SinOddDim o) { return name_of(o, kOddDims); }
 const char* p2c_name(DebertaP2c p) { return name_of(p, kP2c); }
 
-const char* scaling_name(RopeScalingType t) {
-  switch (t) {
-    case RopeScalingType::kDefault:
-      return "default";
-    case RopeScalingType::kLinear:
-      return "linear";
-    case RopeScalingType::kDynamic:
-      return "dynamic";
-    case RopeScalingType::kYarn:
-      return "yarn";
-    case RopeScalingType::kLlama3:
-      return "llama3";
-    case RopeScalingType::kLongRope:
-      return "longrope";
-  }
-  return "unknown";
-}
+const char* scaling_name(RopeScalingType t) { return name_of(t, kScalings); }
 
 RopeStyle parse_rope_style(const std::string& s, const std::string& what) {
   return parse_choice(s, what, kStyles);
