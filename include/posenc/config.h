@@ -161,6 +161,13 @@ RopeFrequencies model_rope_frequencies(const ModelConfig& cfg, int64_t seq_len =
 // Multi-line text: scheme, dims, base, style, scaling and its parameters, attention factor,
 // effective context (what `posenc describe` prints).
 std::string describe(const ModelConfig& cfg);
+// The same as one JSON object (what `posenc describe --json` prints and the Python ModelConfig's
+// to_dict() returns): model_type, scheme, dims, the scheme's settings, layers (index, attention,
+// rope, nope, rope_theta, rope_scaling, sliding_window, attention_chunk, softmax_scale,
+// temperature, attention_sinks), defaults. rope_scaling_json: one scaling as {"type", and the
+// parameters that type reads}. The one serializer of these: every JSON or dict form uses it.
+std::string describe_json(const ModelConfig& cfg);
+std::string rope_scaling_json(const RopeScaling& s);
 
 // "rope", "alibi", ..., for messages and JSON (the other enums' names: posenc/names.h).
 const char* model_scheme_name(ModelScheme s);  // "rope", "alibi", "t5", "deberta", "learned"

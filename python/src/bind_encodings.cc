@@ -183,19 +183,11 @@ pb::object rope_frequencies_call(const pb::object& first, int64_t rotary_dim, do
   return pb::cast(make_freqs(config, head_dim, rotary_dim, base, scaling, seq_len, angles));
 }
 
-pb::dict scaling_dict(const RopeScaling& s);
-
-pb::dict layer_dict(const ModelLayer& l) {
-  pb::dict d("index"_a = l.index, "attention"_a = l.attention, "rope"_a = l.rope,
-             "nope"_a = !l.rope);
-  d["rope_theta"] = l.rope ? pb::cast(l.rope_config.base) : pb::none();
-  d["rope_scaling"] = l.rope ? pb::object(scaling_dict(l.rope_config.scaling)) : pb::none();
-  d["sliding_window"] = l.sliding_window ? pb::cast(*l.sliding_window) : pb::none();
-  d["attention_chunk"] = l.attention_chunk ? pb::cast(*l.attention_chunk) : pb::none();
-  d["softmax_scale"] = l.softmax_scale;
-  d["temperature"] = temperature_dict(l.temperature);
-  d["attention_sinks"] = l.attention_sinks;
-  return d;
+// The library's JSON forms (describe_json, rope_scaling_json) as Python objects: the one
+// serializer of a model config.
+pb::object from_json(const std::string& text) {
+  static const pb::object& loads = py_attr("json", "loads");
+  return loads(text);
 }
 
 }  // namespace
@@ -342,30 +334,7 @@ DebertaBuckets deberta_cfg(int64_t max_relative_positions, int64_t position_buck
   return b;
 }
 
-pb::dict scaling_dict(const RopeScaling& s) {
-  pb::dict d("type"_a = scaling_name(s.type), "factor"_a = s.factor,
-             "original_max_position_embeddings"_a = s.original_max_position_embeddings,
-             "max_position_embeddings"_a = s.max_position_embeddings);
-  if (s.type == RopeScalingType::kLlama3) {
-    d["low_freq_factor"] = s.low_freq_factor;
-    d["high_freq_factor"] = s.high_freq_factor;
-  }
-  if (s.type == RopeScalingType::kYarn) {
-    d["beta_fast"] = s.beta_fast;
-    d["beta_slow"] = s.beta_slow;
-    d["truncate"] = s.truncate;
-    d["mscale"] = s.mscale;
-    d["mscale_all_dim"] = s.mscale_all_dim;
-  }
-  if (s.type == RopeScalingType::kYarn || s.type == RopeScalingType::kLongRope) {
-    d["attention_factor"] = s.attention_factor;
-  }
-  if (s.type == RopeScalingType::kLongRope) {
-    d["short_factor"] = s.short_factor;
-    d["long_factor"] = s.long_factor;
-  }
-  return d;
-}
+pb::object scaling_dict(const RopeScaling& s) { return from_json(rope_scaling_json(s)); }
 
 }  // namespace
 
@@ -470,11 +439,15 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
                                    "p2c"_a = p2c_name(c.deberta.p2c));
                              })
       .def_property_readonly("layers",
-                             [](const ModelConfig& c) {
-                               pb::list out;
-                               for (const ModelLayer& l : c.layers) out.append(layer_dict(l));
-                               return out;
+                             [](const ModelConfig& c) -> pb::object {
+                               const pb::dict d(from_json(describe_json(c)));
+                               return d.contains("layers") ? pb::object(d["layers"])
+                                                           : pb::object(pb::list());
                              })
+      .def(
+          "to_dict", [](const ModelConfig& c) { return from_json(describe_json(c)); },
+          "to_dict() -> dict\n\nThe model's positional encoding as `posenc describe --json` "
+          "prints it (model_type, scheme, dims, the scheme's settings, layers, defaults).")
       .def("effective_context", &ModelConfig::effective_context)
       .def("__repr__", [](const ModelConfig& c) {
         return "<posenc.ModelConfig model_type='" + c.model_type + "' scheme='" +

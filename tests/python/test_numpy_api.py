@@ -545,3 +545,22 @@ def test_scheme_registry_is_the_one_list():
             kw[k["keyword"]] = values[k["keyword"]]
             out = posenc.attention(q, q, q, s["name"], params=tables.get(s["name"]), **kw)
             assert out.shape == q.shape
+
+
+def test_model_config_dicts_come_from_the_one_serializer(configs_dir):
+    for name in ("llama-4-scout-17b-16e-instruct.json", "gemma-3-4b-it.json", "t5-base.json"):
+        path = os.path.join(configs_dir, name)
+        cfg = posenc.read_model_config(path)
+        d = cfg.to_dict()
+        assert d["model_type"] == cfg.model_type and d["scheme"] == cfg.scheme
+        assert d.get("layers", []) == cfg.layers
+        cli = os.environ.get("POSENC_CLI")
+        if cli:  # `posenc describe --json` prints the same object
+            out = subprocess.run([cli, "describe", "--json", path], check=True,
+                                 capture_output=True, text=True).stdout
+            assert json.loads(out) == d
+    llama = posenc.read_model_config(os.path.join(configs_dir, "llama-3.1-8b.json"))
+    assert llama.rope["scaling"] == llama.to_dict()["rope"]["scaling"]
+    assert llama.rope["scaling"]["type"] == "llama3"
+    assert set(llama.rope["scaling"]) == {"type", "factor", "original_max_position_embeddings",
+                                          "low_freq_factor", "high_freq_factor"}
