@@ -1,4 +1,4 @@
-// src/model_json.cc - a model config's positional encoding as JSON (posenc/config.h:
+// src/model/json.cc - a model config's positional encoding as JSON (posenc/config.h:
 // describe_json, rope_scaling_json): the one serializer behind `posenc describe --json` and the
 // Python ModelConfig's dicts.
 #include <nlohmann/json.hpp>
