@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "kernels/bf16_dot.h"
+#include "kernels/parallel.h"
 #include "kernels/simd.h"
 #include "posenc/alibi.h"
 #include "posenc/attention.h"
@@ -73,31 +74,12 @@ class Buffer {
   int64_t count_ = 0;
 };
 
-// f(t) for t in [0, n) on n threads (static: chunk t always on thread t, so the chunk a thread
-// first touched is the one it later reads).
-template <class F>
-void for_each_thread(int n, F&& f) {
-#ifdef _OPENMP
-  if (n > 1) {
-#pragma omp parallel for num_threads(n) schedule(static, 1)
-    for (int t = 0; t < n; ++t) f(t);
-    return;
-  }
-#endif
-  for (int t = 0; t < n; ++t) f(t);
-}
-
-// f(i) for i in [0, n) over `threads` threads, dynamically scheduled in chunks of `grain`.
+// Threads: kernels/parallel.h (for_each_thread for the bandwidth baselines, parallel_for with a
+// grain for row loops).
+using kernels::for_each_thread;
 template <class F>
 void parallel_rows(int64_t n, int threads, int64_t grain, F&& f) {
-#ifdef _OPENMP
-  if (threads > 1 && n > 1) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, grain)
-    for (int64_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-#endif
-  for (int64_t i = 0; i < n; ++i) f(i);
+  kernels::parallel_for(n, threads, std::forward<F>(f), grain);
 }
 
 // Uniform floats in [-1, 1) from splitmix64: cheap enough for gigabytes of inputs.
@@ -315,14 +297,7 @@ PairTiming measure_pair(const std::function<void()>& a, const std::function<void
   return p;
 }
 
-int resolve_threads(int requested) {
-  if (requested > 0) return requested;
-#ifdef _OPENMP
-  return std::max(1, omp_get_max_threads());
-#else
-  return 1;
-#endif
-}
+int resolve_threads(int requested) { return kernels::resolve_threads(requested); }
 
 std::string simd_target() { return kernels::simd_target_name(); }
 std::string simd_targets_available() { return kernels::simd_targets_available(); }

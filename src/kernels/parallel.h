@@ -1,9 +1,12 @@
 // src/kernels/parallel.h - the one threading primitive of posenc's kernels.
 //
 // parallel_for(n, threads, f) calls f(i) for i in [0, n), spreading the items over `threads`
-// OpenMP threads, handed out one at a time in index order (dynamic schedule). Each item is computed
-// by exactly one thread and never split, so results do not depend on the thread count. Runs
-// serially with one thread, one item, inside an enclosing parallel region, or without OpenMP.
+// OpenMP threads, handed out `grain` at a time in index order (dynamic schedule; grain 1 by
+// default). Each item is computed by exactly one thread and never split, so results do not
+// depend on the thread count. Runs serially with one thread, one item, inside an enclosing
+// parallel region, or without OpenMP. for_each_thread(n, f) runs f(t) on thread t of n (static:
+// the benchmarks' bandwidth baselines, where the thread that first touched a chunk reads it).
+// Also used by bench/ (the library defines POSENC_WITH_OPENMP; its users see _OPENMP).
 #pragma once
 
 #include <algorithm>
@@ -11,7 +14,8 @@
 
 #include "posenc/size.h"
 
-#ifdef POSENC_WITH_OPENMP
+#if defined(POSENC_WITH_OPENMP) || defined(_OPENMP)
+#define POSENC_PARALLEL_OPENMP 1
 #include <omp.h>
 #endif
 
@@ -21,7 +25,7 @@ namespace posenc::kernels {
 // than kMaxThreads (posenc/size.h), whatever OMP_NUM_THREADS says.
 inline int resolve_threads(int requested) {
   if (requested > 0) return std::min(requested, kMaxThreads);
-#ifdef POSENC_WITH_OPENMP
+#ifdef POSENC_PARALLEL_OPENMP
   return std::clamp(omp_get_max_threads(), 1, kMaxThreads);
 #else
   return 1;
@@ -29,12 +33,13 @@ inline int resolve_threads(int requested) {
 }
 
 template <class F>
-void parallel_for(int64_t n, int threads, F&& f) {
+void parallel_for(int64_t n, int threads, F&& f, int64_t grain = 1) {
   if (n <= 0) return;
   const int t = static_cast<int>(std::min<int64_t>(std::clamp(threads, 1, kMaxThreads), n));
-#ifdef POSENC_WITH_OPENMP
+#ifdef POSENC_PARALLEL_OPENMP
   if (t > 1 && !omp_in_parallel()) {
-#pragma omp parallel for num_threads(t) schedule(dynamic, 1)
+    const int64_t chunk = std::max<int64_t>(grain, 1);
+#pragma omp parallel for num_threads(t) schedule(dynamic, chunk)
     for (int64_t i = 0; i < n; ++i) f(i);
     return;
   }
@@ -42,9 +47,22 @@ void parallel_for(int64_t n, int threads, F&& f) {
   for (int64_t i = 0; i < n; ++i) f(i);
 }
 
+template <class F>
+void for_each_thread(int n, F&& f) {
+  const int t = std::clamp(n, 1, kMaxThreads);
+#ifdef POSENC_PARALLEL_OPENMP
+  if (t > 1 && !omp_in_parallel()) {
+#pragma omp parallel for num_threads(t) schedule(static, 1)
+    for (int i = 0; i < t; ++i) f(i);
+    return;
+  }
+#endif
+  for (int i = 0; i < n; ++i) f(i);
+}
+
 // Index of the calling thread inside parallel_for (0 when serial).
 inline int thread_index() {
-#ifdef POSENC_WITH_OPENMP
+#ifdef POSENC_PARALLEL_OPENMP
   return omp_get_thread_num();
 #else
   return 0;
