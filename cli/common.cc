@@ -391,7 +391,10 @@ std::vector<double> read_inv_freq(const std::string& path, int64_t rotary_dim,
 
 std::string full_precision(double v) {
   if (!std::isfinite(v)) return "null";
+  // The shortest text that reads back to the same double (0.1, not 0.10000000000000001).
   char buf[40];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  if (ec == std::errc()) return std::string(buf, end);
   std::snprintf(buf, sizeof buf, "%.17g", v);
   return buf;
 }
