@@ -28,12 +28,6 @@ void check_shapes(const AttentionArgs& a, const std::vector<int64_t>& q,
     throw ShapeError(a.v + ": v head_dim (" + std::to_string(v[3]) + ") exceeds the head_dim of " +
                      "q and k (" + std::to_string(k[3]) + "); it may be equal or smaller");
   }
-  if (v[3] != k[3] && a.scheme != "none" && a.scheme != "rope" && a.scheme != "alibi" &&
-      a.scheme != "t5") {
-    throw ShapeError(a.v + ": v head_dim (" + std::to_string(v[3]) + ") differs from k's (" +
-                     std::to_string(k[3]) + "): narrower value heads go with schemes none, rope, " +
-                     "alibi and t5 (multi-head latent attention), not " + a.scheme);
-  }
   if (k[0] != q[0]) {
     throw ShapeError(a.k + ": k batch (" + std::to_string(k[0]) + ") must equal q batch (" +
                      std::to_string(q[0]) + ")");
@@ -141,12 +135,6 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
   const FloatInput& v = in.v;
   check_shapes(a, q.shape, k.shape, v.shape);
   in.v_dim = v.shape[3];
-  if (in.v_dim != k.shape[3]) {
-    std::vector<int64_t> shape = v.shape;
-    shape[3] = k.shape[3];
-    in.v = FloatInput::owning(
-        FloatArray{shape, AttentionInputs::resize_heads(v.data(), v.size(), in.v_dim, k.shape[3])});
-  }
   const int64_t batch = q.shape[0], seq_q = q.shape[1], seq_k = k.shape[1];
 
   std::optional<Positions>& pos_q = in.pos_q;
@@ -208,43 +196,9 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
   opt.chunk = a.chunk;
   opt.allow_fully_masked = a.allow_fully_masked;
   opt.num_threads = a.threads;
-  // T5 configs: scale 1 unless --scale; --layer: the layer's scale, window, chunk unless given;
-  // sinks from --params.
+  // T5 configs: scale 1 unless --scale; --layer: the layer's scale, window, chunk, sinks (from
+  // --params) and the query temperature of Llama 4's NoPE layers, unless given.
   opt = in.holder.built.options(opt);
-
-  // Llama 4 NoPE layers: the queries scaled by the attention temperature at their positions.
-  if (const auto& t = in.holder.built.query_temperature) {
-    const Positions qp = pos_q ? *pos_q : Positions::offset(seq_k - seq_q);
-    in.query_factor.resize(static_cast<std::size_t>(batch * seq_q));
-    const std::size_t row = static_cast<std::size_t>(q.shape[2] * q.shape[3]);
-    FloatArray scaled = in.q.copy();  // the mapped input is read-only
-    for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t i = 0; i < seq_q; ++i) {
-        const auto r = static_cast<std::size_t>(b * seq_q + i);
-        in.query_factor[r] = attention_temperature(*t, qp.at(b, i));
-        const float f = static_cast<float>(in.query_factor[r]);
-        for (std::size_t c = 0; c < row; ++c) scaled.data[r * row + c] *= f;
-      }
-    }
-    in.q = FloatInput::owning(std::move(scaled));
-  }
-}
-
-std::vector<double> AttentionInputs::v64() const {
-  std::vector<double> x = v_file.to_f64(args.v);
-  if (v_dim == v.shape[3]) return x;
-  return resize_heads(x.data(), x.size(), v_dim, v.shape[3]);
-}
-
-std::vector<double> AttentionInputs::q64() const {
-  std::vector<double> x = q_file.to_f64(args.q);
-  if (!query_factor.empty()) {
-    const std::size_t row = x.size() / query_factor.size();
-    for (std::size_t r = 0; r < query_factor.size(); ++r) {
-      for (std::size_t c = 0; c < row; ++c) x[r * row + c] *= query_factor[r];
-    }
-  }
-  return x;
 }
 
 namespace {

@@ -89,42 +89,9 @@ struct AttentionInputs {
   std::optional<Positions> pos_q, pos_k;
   SchemeHolder holder;  // built for the float64 reference with --reference
   AttentionOptions options;
-  // Llama 4 NoPE layers (--layer): query row (b, i) is scaled by query_factor[b * seq_q + i]
-  // (attention_temperature), already applied to q; empty when none.
-  std::vector<double> query_factor;
-
-  // The head dim of v as given. Multi-head latent attention (DeepSeek) gives v narrower heads
-  // than q and k: v is zero-padded to q's head dim for the kernels (zero value dims only add
-  // zero output dims) and the output, dout and dv are cut to / padded from v_dim.
+  // The head dim of v, which multi-head latent attention (DeepSeek) makes narrower than q's:
+  // the output, dout and dv have it (the library pads and cuts, posenc/attention.h).
   int64_t v_dim = 0;
-
-  // q as float64 for the reference: q_file's values, scaled by query_factor.
-  std::vector<double> q64() const;
-  // v as float64 for the reference, padded like v.
-  std::vector<double> v64() const;
-  // The last dim of rows of width `from` resized to `to` (cut, or zero-padded).
-  template <class T>
-  static std::vector<T> resize_heads(const T* x, std::size_t n, int64_t from, int64_t to) {
-    const auto f = static_cast<std::size_t>(from), t = static_cast<std::size_t>(to);
-    const std::size_t rows = f == 0 ? 0 : n / f;
-    std::vector<T> out(rows * t, T(0));
-    const std::size_t w = std::min(f, t);
-    for (std::size_t r = 0; r < rows; ++r) {
-      for (std::size_t c = 0; c < w; ++c) out[r * t + c] = x[r * f + c];
-    }
-    return out;
-  }
-  // Chain rule through the query scaling: dq row (b, i) times query_factor[b * seq_q + i].
-  template <class T>
-  void scale_dq(std::vector<T>& dq) const {
-    if (query_factor.empty()) return;
-    const std::size_t row = dq.size() / query_factor.size();
-    for (std::size_t r = 0; r < query_factor.size(); ++r) {
-      for (std::size_t c = 0; c < row; ++c) {
-        dq[r * row + c] = static_cast<T>(static_cast<double>(dq[r * row + c]) * query_factor[r]);
-      }
-    }
-  }
 
   const PositionScheme& scheme() const { return holder.built.scheme; }
   const Positions* query_positions() const { return pos_q ? &*pos_q : nullptr; }

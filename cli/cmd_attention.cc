@@ -28,7 +28,6 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   // The output's head dim: v's (narrower than q's for multi-head latent attention).
   std::vector<int64_t> out_shape = q.shape;
   out_shape[3] = in.v_dim;
-  const bool cut = in.v_dim != q.shape[3];
   // q's half type unless --out-dtype says otherwise (bfloat16 goes to .safetensors).
   const DType dtype = output_dtype(a.out_dtype, in.q_file.dtype, a.out);
   const PositionScheme& scheme = in.scheme();
@@ -37,24 +36,25 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   const Positions* pk = in.key_positions();
 
   if (a.reference) {
-    const std::vector<double> q64 = in.q64(), k64 = tk.to_f64(a.k), v64 = in.v64();
-    std::vector<double> out(q64.size());
-    auto dims = q.dims<4>();
-    ref::attention(View<const double, 4>::contiguous(q64.data(), dims),
+    const std::vector<double> q64 = in.q_file.to_f64(a.q), k64 = tk.to_f64(a.k),
+                              v64 = in.v_file.to_f64(a.v);
+    std::vector<double> out(q64.size() / static_cast<std::size_t>(q.shape[3]) *
+                            static_cast<std::size_t>(in.v_dim));
+    ref::attention(View<const double, 4>::contiguous(q64.data(), q.dims<4>()),
                    View<const double, 4>::contiguous(k64.data(), k.dims<4>()),
                    View<const double, 4>::contiguous(v64.data(), v.dims<4>()), scheme, opt,
-                   in.holder.built.tables64, View<double, 4>::contiguous(out.data(), dims), pq, pk);
-    if (cut) out = AttentionInputs::resize_heads(out.data(), out.size(), q.shape[3], in.v_dim);
+                   in.holder.built.tables64,
+                   View<double, 4>::contiguous(
+                       out.data(), {out_shape[0], out_shape[1], out_shape[2], out_shape[3]}),
+                   pq, pk);
     write_output(a.out, dtype, out_shape, out);
     return 0;
   }
   FloatArray out;
-  out.shape = q.shape;
-  out.data.resize(q.size());
+  out.shape = out_shape;
+  out.data.resize(q.size() / static_cast<std::size_t>(q.shape[3]) *
+                  static_cast<std::size_t>(in.v_dim));
   attention(q.view<4>(), k.view<4>(), v.view<4>(), scheme, opt, out.mutable_view<4>(), pq, pk);
-  if (cut)
-    out.data =
-        AttentionInputs::resize_heads(out.data.data(), out.data.size(), q.shape[3], in.v_dim);
   write_output(a.out, dtype, out_shape, out.data);
   return 0;
 }

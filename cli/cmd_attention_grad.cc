@@ -9,6 +9,7 @@
 // that file; with --reference in float64 with respect to the file's values, float64 ones kept
 // exact) and, with --lse, lse [B, Hq, Lq].
 #include <CLI/CLI.hpp>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -50,16 +51,18 @@ struct Grads {
 };
 
 // Forward with lse, then backward, in T (float: the fused path; double: the oracle), from
-// contiguous q [B, Lq, Hq, D], k, v [B, Lk, Hkv, D] and dout (q's shape).
+// contiguous q [B, Lq, Hq, D], k [B, Lk, Hkv, D], v [B, Lk, Hkv, Dv] and dout [B, Lq, Hq, Dv].
 template <class T>
 Grads<T> compute_grads(const AttentionInputs& in, const T* q, const T* k, const T* v,
                        const T* dout) {
   const auto qd = in.q.dims<4>();
   const auto kd = in.k.dims<4>();
+  const auto vd = in.v.dims<4>();
+  const std::array<int64_t, 4> od{qd[0], qd[1], qd[2], vd[3]};
   const View<const T, 4> qv = View<const T, 4>::contiguous(q, qd);
   const View<const T, 4> kv = View<const T, 4>::contiguous(k, kd);
-  const View<const T, 4> vv = View<const T, 4>::contiguous(v, kd);
-  const View<const T, 4> dov = View<const T, 4>::contiguous(dout, qd);
+  const View<const T, 4> vv = View<const T, 4>::contiguous(v, vd);
+  const View<const T, 4> dov = View<const T, 4>::contiguous(dout, od);
   const PositionScheme& scheme = in.scheme();
   const std::vector<LearnedParam>& params = in.holder.built.learned;
   const AttentionOptions& opt = in.options;
@@ -67,9 +70,9 @@ Grads<T> compute_grads(const AttentionInputs& in, const T* q, const T* k, const 
   const Positions* pk = in.key_positions();
 
   Grads<T> r;
-  std::vector<T> out(in.q.size());
+  std::vector<T> out(element_count({od.begin(), od.end()}));
   r.lse.resize(static_cast<std::size_t>(qd[0] * qd[2] * qd[1]));
-  const View<T, 4> out_view = View<T, 4>::contiguous(out.data(), qd);
+  const View<T, 4> out_view = View<T, 4>::contiguous(out.data(), od);
   const View<T, 3> lse_view = View<T, 3>::contiguous(r.lse.data(), {qd[0], qd[2], qd[1]});
   if constexpr (std::is_same_v<T, double>) {
     ref::attention(qv, kv, vv, scheme, opt, in.holder.built.tables64, out_view, lse_view, pq, pk);
@@ -83,7 +86,7 @@ Grads<T> compute_grads(const AttentionInputs& in, const T* q, const T* k, const 
   AttentionGradsOf<T> g;
   g.dq = View<T, 4>::contiguous(r.dq.data(), qd);
   g.dk = View<T, 4>::contiguous(r.dk.data(), kd);
-  g.dv = View<T, 4>::contiguous(r.dv.data(), kd);
+  g.dv = View<T, 4>::contiguous(r.dv.data(), vd);
   std::vector<std::vector<T>> dparams(params.size());
   for (std::size_t i = 0; i < params.size(); ++i) {
     dparams[i].resize(element_count(params[i].grad_shape));
@@ -95,7 +98,6 @@ Grads<T> compute_grads(const AttentionInputs& in, const T* q, const T* k, const 
   } else {
     attention_backward(qv, kv, vv, out_view, lse_view, dov, scheme, opt, g, pq, pk);
   }
-  in.scale_dq(r.dq);  // Llama 4 NoPE layers: q was scaled by the attention temperature
   for (std::size_t i = 0; i < params.size(); ++i) {
     r.dparams.push_back(grad_to_given_shape(params[i], dparams[i]));
   }
@@ -129,13 +131,7 @@ void write_grads(const std::string& path, const AttentionInputs& in, const Grads
   std::map<std::string, TensorRef> tensors;
   tensors["dq"] = ref(in.q.shape, r.dq);
   tensors["dk"] = ref(in.k.shape, r.dk);
-  std::vector<int64_t> v_shape = in.v.shape;
-  v_shape[3] = in.v_dim;
-  std::vector<T> dv_cut;
-  if (in.v_dim != in.v.shape[3]) {
-    dv_cut = AttentionInputs::resize_heads(r.dv.data(), r.dv.size(), in.v.shape[3], in.v_dim);
-  }
-  tensors["dv"] = ref(v_shape, dv_cut.empty() ? r.dv : dv_cut);
+  tensors["dv"] = ref(in.v.shape, r.dv);
   for (std::size_t i = 0; i < params.size(); ++i) {
     tensors["d" + params[i].name] = ref(params[i].shape, r.dparams[i]);
   }
@@ -163,9 +159,6 @@ int run_attention_grad(const CLI::App& app, const AttentionGradArgs& args) {
              : " must have the shape of the output " + shape_string(out_shape) + " (" + a.q +
                    " with the head_dim of " + a.v + ")"));
   }
-  const int64_t dim = in.q.shape[3];
-  const bool pad = in.v_dim != dim;
-
   // Float64 with --reference, else float32, unless --out-dtype says otherwise (float64 needs
   // --reference).
   const DType dtype = a.out_dtype.empty() ? (a.reference ? DType::kF64 : DType::kF32)
@@ -173,17 +166,13 @@ int run_attention_grad(const CLI::App& app, const AttentionGradArgs& args) {
   if (a.reference) {
     std::vector<double> d64 = dout_file.to_f64(args.dout);
     check_finite(d64, dout_file.shape, args.dout);
-    if (pad) d64 = AttentionInputs::resize_heads(d64.data(), d64.size(), in.v_dim, dim);
-    const std::vector<double> q64 = in.q64(), k64 = in.k_file.to_f64(a.k), v64 = in.v64();
+    const std::vector<double> q64 = in.q_file.to_f64(a.q), k64 = in.k_file.to_f64(a.k),
+                              v64 = in.v_file.to_f64(a.v);
     const Grads<double> g =
         compute_grads<double>(in, q64.data(), k64.data(), v64.data(), d64.data());
     write_grads(a.out, in, g, args.lse, dtype);
   } else {
-    FloatInput dout = to_float_input(dout_file, args.dout, true);
-    if (pad) {
-      dout = FloatInput::owning(FloatArray{
-          in.q.shape, AttentionInputs::resize_heads(dout.data(), dout.size(), in.v_dim, dim)});
-    }
+    const FloatInput dout = to_float_input(dout_file, args.dout, true);
     const Grads<float> g =
         compute_grads<float>(in, in.q.data(), in.k.data(), in.v.data(), dout.data());
     write_grads(a.out, in, g, args.lse, dtype);

@@ -18,6 +18,7 @@
 #include <map>
 #include <unordered_map>
 
+#include "attention/model_inputs.h"
 #include "attention_half.h"
 #include "common.h"
 #include "hwy/aligned_allocator.h"
@@ -1316,6 +1317,13 @@ void attention_impl(View<const float, 4> q, View<const float, 4> k, View<const f
                     const PositionScheme& scheme, const AttentionOptions& options,
                     View<float, 4> out, const View<float, 3>* lse, const Positions* query_positions,
                     const Positions* key_positions) {
+  if (detail::forward_model_inputs(q, k, v, scheme, options, out, query_positions,
+                                   [&](auto qv, auto vv, const AttentionOptions& o, auto ov) {
+                                     attention_impl(qv, k, vv, scheme, o, ov, lse, query_positions,
+                                                    key_positions);
+                                   })) {
+    return;
+  }
   detail::require_data(out, "attention: out");
   // Inputs are not scanned for NaN/Inf up front (on a decode step that pass would read the whole
   // KV cache a second time); a non-finite output is traced back to its input below instead.
@@ -1459,6 +1467,14 @@ void attention_backward(View<const float, 4> q, View<const float, 4> k, View<con
                         View<const float, 4> dout, const PositionScheme& scheme,
                         const AttentionOptions& options, const AttentionGrads& grads,
                         const Positions* query_positions, const Positions* key_positions) {
+  if (detail::backward_model_inputs(
+          q, k, v, out, dout, scheme, options, grads, query_positions,
+          [&](auto qv, auto vv, auto ov, auto dov, const AttentionOptions& o, const auto& g) {
+            attention_backward(qv, k, vv, ov, lse, dov, scheme, o, g, query_positions,
+                               key_positions);
+          })) {
+    return;
+  }
   auto pr = make_problem<float>(q, k, v, q.shape, options, query_positions, key_positions);
   const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
                                 /*simple_path=*/false);
@@ -1476,6 +1492,14 @@ void attention_backward_naive(View<const float, 4> q, View<const float, 4> k,
                               const PositionScheme& scheme, const AttentionOptions& options,
                               const AttentionGrads& grads, const Positions* query_positions,
                               const Positions* key_positions) {
+  if (detail::backward_model_inputs(
+          q, k, v, out, dout, scheme, options, grads, query_positions,
+          [&](auto qv, auto vv, auto ov, auto dov, const AttentionOptions& o, const auto& g) {
+            attention_backward_naive(qv, k, vv, ov, lse, dov, scheme, o, g, query_positions,
+                                     key_positions);
+          })) {
+    return;
+  }
   backward_materialized<float>(q, k, v, out, lse, dout, scheme, options, grads, query_positions,
                                key_positions);
 }
@@ -1484,6 +1508,13 @@ void attention_naive(View<const float, 4> q, View<const float, 4> k, View<const 
                      const PositionScheme& scheme, const AttentionOptions& options,
                      View<float, 4> out, const Positions* query_positions,
                      const Positions* key_positions) {
+  if (detail::forward_model_inputs(q, k, v, scheme, options, out, query_positions,
+                                   [&](auto qv, auto vv, const AttentionOptions& o, auto ov) {
+                                     attention_naive(qv, k, vv, scheme, o, ov, query_positions,
+                                                     key_positions);
+                                   })) {
+    return;
+  }
   detail::require_data(out, "attention_naive: out");
   auto pr = make_problem<float>(q, k, v, out.shape, options, query_positions, key_positions);
   const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
@@ -1495,22 +1526,14 @@ namespace ref {
 void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
                const PositionScheme& scheme, const AttentionOptions& options, View<double, 4> out,
                const Positions* query_positions, const Positions* key_positions) {
-  detail::require_data(out, "ref::attention: out");
-  auto pr = make_problem<double>(q, k, v, out.shape, options, query_positions, key_positions);
-  const auto p = prepare<double>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
-  run<double>(pr, p, out);
+  attention(q, k, v, scheme, options, SchemeTables{}, out, query_positions, key_positions);
 }
 
 void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
                const PositionScheme& scheme, const AttentionOptions& options, View<double, 4> out,
                View<double, 3> lse, const Positions* query_positions,
                const Positions* key_positions) {
-  detail::require_data(out, "ref::attention: out");
-  auto pr = make_problem<double>(q, k, v, out.shape, options, query_positions, key_positions);
-  require_grad(lse, {pr.d.batch, pr.d.heads_q, pr.d.seq_q},
-               std::string("ref::attention: lse [batch, heads_q, seq_q]"));
-  const auto p = prepare<double>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
-  run<double>(pr, p, out, &lse);
+  attention(q, k, v, scheme, options, SchemeTables{}, out, lse, query_positions, key_positions);
 }
 
 void attention_backward(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
@@ -1518,14 +1541,22 @@ void attention_backward(View<const double, 4> q, View<const double, 4> k, View<c
                         View<const double, 4> dout, const PositionScheme& scheme,
                         const AttentionOptions& options, const AttentionGradsOf<double>& grads,
                         const Positions* query_positions, const Positions* key_positions) {
-  backward_materialized<double>(q, k, v, out, lse, dout, scheme, options, grads, query_positions,
-                                key_positions);
+  attention_backward(q, k, v, out, lse, dout, scheme, options, SchemeTables{}, grads,
+                     query_positions, key_positions);
 }
 
 void attention(View<const double, 4> q, View<const double, 4> k, View<const double, 4> v,
                const PositionScheme& scheme, const AttentionOptions& options,
                const SchemeTables& tables, View<double, 4> out, const Positions* query_positions,
                const Positions* key_positions) {
+  if (detail::forward_model_inputs(
+          q, k, v, scheme, options, out, query_positions,
+          [&](auto qv, auto vv, const AttentionOptions& o, auto ov) {
+            attention(qv, k, vv, scheme, o, tables, ov, query_positions, key_positions);
+          },
+          tables.rel_v.data != nullptr)) {
+    return;
+  }
   detail::require_data(out, "ref::attention: out");
   auto pr = make_problem<double>(q, k, v, out.shape, options, query_positions, key_positions);
   const auto p = prepare<double>(scheme, options, pr.d, q, k, pr.qp, pr.kp, true, &tables);
@@ -1536,6 +1567,14 @@ void attention(View<const double, 4> q, View<const double, 4> k, View<const doub
                const PositionScheme& scheme, const AttentionOptions& options,
                const SchemeTables& tables, View<double, 4> out, View<double, 3> lse,
                const Positions* query_positions, const Positions* key_positions) {
+  if (detail::forward_model_inputs(
+          q, k, v, scheme, options, out, query_positions,
+          [&](auto qv, auto vv, const AttentionOptions& o, auto ov) {
+            attention(qv, k, vv, scheme, o, tables, ov, lse, query_positions, key_positions);
+          },
+          tables.rel_v.data != nullptr)) {
+    return;
+  }
   detail::require_data(out, "ref::attention: out");
   auto pr = make_problem<double>(q, k, v, out.shape, options, query_positions, key_positions);
   require_grad(lse, {pr.d.batch, pr.d.heads_q, pr.d.seq_q},
@@ -1550,6 +1589,15 @@ void attention_backward(View<const double, 4> q, View<const double, 4> k, View<c
                         const AttentionOptions& options, const SchemeTables& tables,
                         const AttentionGradsOf<double>& grads, const Positions* query_positions,
                         const Positions* key_positions) {
+  if (detail::backward_model_inputs(
+          q, k, v, out, dout, scheme, options, grads, query_positions,
+          [&](auto qv, auto vv, auto ov, auto dov, const AttentionOptions& o, const auto& g) {
+            attention_backward(qv, k, vv, ov, lse, dov, scheme, o, tables, g, query_positions,
+                               key_positions);
+          },
+          tables.rel_v.data != nullptr)) {
+    return;
+  }
   backward_materialized<double>(q, k, v, out, lse, dout, scheme, options, grads, query_positions,
                                 key_positions, &tables);
 }
@@ -1568,6 +1616,15 @@ std::vector<double> attention_scores(View<const double, 4> q, View<const double,
                                      const SchemeTables& tables, int64_t batch_index, int64_t head,
                                      const Positions* query_positions,
                                      const Positions* key_positions) {
+  if (options.query_temperature) {
+    const auto qs = detail::scale_query_rows<double>(
+        q, detail::query_factors(*options.query_temperature, q.shape[0], q.shape[1], k.shape[1],
+                                 query_positions));
+    AttentionOptions plain = options;
+    plain.query_temperature.reset();
+    return attention_scores(qs.view(), k, scheme, plain, tables, batch_index, head, query_positions,
+                            key_positions);
+  }
   auto pr = make_problem<double>(q, k, k, q.shape, options, query_positions, key_positions);
   if (batch_index < 0 || batch_index >= pr.d.batch || head < 0 || head >= pr.d.heads_q) {
     fail("attention_scores: batch_index/head out of range");

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/model_inputs.h"
 #include "attention_half.h"
 #include "common.h"
 #include "posenc/attention.h"
@@ -108,6 +109,13 @@ template <class Q, class KV, class O>
 void attention_half(View<const Q, 4> q, View<const KV, 4> k, View<const KV, 4> v,
                     const PositionScheme& scheme, const AttentionOptions& options, View<O, 4> out,
                     const Positions* qp, const Positions* kp) {
+  // The query temperature (q scaled into float32) and narrower values, then this function.
+  if (detail::forward_model_inputs(q, k, v, scheme, options, out, qp,
+                                   [&](auto qv, auto vv, const AttentionOptions& o, auto ov) {
+                                     attention_half(qv, k, vv, scheme, o, ov, qp, kp);
+                                   })) {
+    return;
+  }
   detail::require_data(out, "attention: out");
   // The fused kernel on the storage itself; outside its domain (or to report a non-finite
   // result), the inputs widened into float32 buffers and the float32 function.

@@ -1,9 +1,12 @@
 // posenc/attention.h - scaled dot-product attention with any positional scheme
 // (docs/attention.md).
 //
-// Shapes: q [batch, seq_q, heads_q, head_dim], k and v [batch, seq_k, heads_kv, head_dim],
-// out [batch, seq_q, heads_q, head_dim]; heads_kv divides heads_q and query head h reads kv head
-// h / (heads_q / heads_kv) (MHA, GQA, MQA). Any strides.
+// Shapes: q [batch, seq_q, heads_q, head_dim], k [batch, seq_k, heads_kv, head_dim],
+// v [batch, seq_k, heads_kv, v_dim], out [batch, seq_q, heads_q, v_dim]; heads_kv divides heads_q
+// and query head h reads kv head h / (heads_q / heads_kv) (MHA, GQA, MQA). v_dim is head_dim or
+// narrower (DeepSeek's multi-head latent attention: 128-dim values under 192-dim queries); a
+// narrower v is computed as if zero-padded to head_dim, which adds only zero output dims. Any
+// strides.
 // Default positions: key j at j, query i at seq_k - seq_q + i (the new queries are the last seq_q
 // tokens: the KV-cache convention). rel(i, j) = pos_k(j) - pos_q(i); causal: key visible iff
 // rel <= 0 (and, with a window w, iff |rel| < w).
@@ -59,6 +62,15 @@ using PositionScheme = std::variant<NoPositions, Rope, Alibi, T5Bias, Shaw, Tran
 // Scheme name as the CLI spells it: none, rope, alibi, t5, shaw, xl, deberta.
 std::string scheme_name(const PositionScheme& scheme);
 
+// Llama 4's attention-temperature tuning on its NoPE layers: the query at position p is scaled by
+// log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1 before the scores.
+struct AttentionTemperature {
+  double floor_scale = 8192;
+  double attn_scale = 0.1;
+};
+// The factor for a query at position `pos`, evaluated as the reference code does (float32).
+double attention_temperature(const AttentionTemperature& t, int64_t pos);
+
 struct AttentionOptions {
   bool causal = false;
   std::optional<double> scale;      // default 1/sqrt(D) (DeBERTa 1/sqrt(3D))
@@ -72,6 +84,11 @@ struct AttentionOptions {
   // row's softmax denominator with no value vector, added unscaled and never masked. Empty: none.
   // With sinks a row with no visible key is well defined (out = 0, lse = sink) and not an error.
   View<const float, 1> sinks;
+  // Query temperature (Llama 4's NoPE layers): query row i is multiplied by
+  // attention_temperature(*query_temperature, pos_q(i)) before anything else (in float32 on the
+  // float32 and half-precision paths, the widened query times the factor rounded to float32; in
+  // float64 in the oracle). The backward's dq is with respect to the unscaled q.
+  std::optional<AttentionTemperature> query_temperature;
 };
 
 // Float32 attention, fused: a flash-attention kernel (Highway SIMD, OpenMP threads over

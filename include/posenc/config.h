@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "posenc/alibi.h"
+#include "posenc/attention.h"
 #include "posenc/deberta.h"
 #include "posenc/names.h"
 #include "posenc/rope.h"
@@ -23,15 +24,6 @@
 namespace posenc {
 
 enum class ModelScheme { kRope, kAlibi, kT5, kDeberta, kLearned };
-
-// Llama 4's attention-temperature tuning on its NoPE layers: the query at position p is scaled by
-// log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1 before the scores.
-struct AttentionTemperature {
-  double floor_scale = 8192;
-  double attn_scale = 0.1;
-};
-// The factor for a query at position `pos`, evaluated as the reference code does (float32).
-double attention_temperature(const AttentionTemperature& t, int64_t pos);
 
 // One decoder layer's position handling. Models whose layers differ (Gemma 2 / 3 and gpt-oss:
 // sliding-window and global layers; Gemma 3: a different theta and scaling on the local layers;

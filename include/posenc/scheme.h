@@ -126,16 +126,17 @@ struct BuiltScheme {
   View<const float, 1> sinks;
   // The model layer's masks (SchemeSettings::layer): sliding window and chunk.
   std::optional<int64_t> window, chunk;
-  // Llama 4 NoPE layers: the caller scales query row i by attention_temperature(*t, pos_q(i))
-  // before attention (and dq by the same factor after the backward).
+  // Llama 4 NoPE layers: the queries' attention temperature (AttentionOptions::query_temperature).
   std::optional<AttentionTemperature> query_temperature;
 
-  // `base` with the model's scale, window, chunk and sinks filled in where base leaves them unset.
+  // `base` with the model's scale, window, chunk, sinks and query temperature filled in where base
+  // leaves them unset.
   AttentionOptions options(AttentionOptions base) const {
     if (!base.scale) base.scale = scale;
     if (!base.window) base.window = window;
     if (!base.chunk) base.chunk = chunk;
     if (base.sinks.data == nullptr) base.sinks = sinks;
+    if (!base.query_temperature) base.query_temperature = query_temperature;
     return base;
   }
 

@@ -133,6 +133,7 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
   for (int d = 0; d < 4; ++d) {
     c.qshape[d] = c.q.shape(d);
     c.kshape[d] = c.k.shape(d);
+    c.vshape[d] = c.v.shape(d);
   }
   if (!scheme.is_none()) c.settings.scheme = scheme.cast<std::string>();
   pb::object params = pb::none();
@@ -230,51 +231,9 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
                                     .head_dim = c.qshape[3],
                                     .seq_len = seq_len},
                          c.f64 ? SchemePrecision::kFloat64 : SchemePrecision::kFloat32);
+  // The model layer's scale, window, chunk, sinks and query temperature (Llama 4's NoPE layers),
+  // where the keywords leave them unset.
   c.opt = c.built.options(c.opt);
-  if (c.built.query_temperature) {
-    // A NoPE layer of Llama 4 (layer=): its queries scaled by the attention temperature at their
-    // positions, in q's dtype (a copy; the caller's q is not modified).
-    const Positions qp = c.qp ? *c.qp : Positions::offset(c.kshape[1] - c.qshape[1]);
-    c.query_factor.resize(static_cast<std::size_t>(c.qshape[0] * c.qshape[1]));
-    for (int64_t b = 0; b < c.qshape[0]; ++b) {
-      for (int64_t i = 0; i < c.qshape[1]; ++i) {
-        c.query_factor[static_cast<std::size_t>(b * c.qshape[1] + i)] =
-            attention_temperature(*c.built.query_temperature, qp.at(b, i));
-      }
-    }
-    // A half q is widened exactly (to_float) and scaled into a float32 copy, as the float32 path
-    // scales the widened q: the mixed path then computes what the float32 path would.
-    auto scale_rows = [&](auto tag, auto src_tag) {
-      using T = decltype(tag);
-      using S = decltype(src_tag);
-      pb::array_t<T> scaled = new_array<T, 4>(c.qshape);
-      const auto src = view4<S>(c.q, "q", "");
-      const View<T, 4> dst = mutable_view<T, 4>(scaled);
-      for (int64_t b = 0; b < c.qshape[0]; ++b)
-        for (int64_t i = 0; i < c.qshape[1]; ++i) {
-          const T f = static_cast<T>(c.query_factor[static_cast<std::size_t>(b * c.qshape[1] + i)]);
-          for (int64_t h = 0; h < c.qshape[2]; ++h)
-            for (int64_t x = 0; x < c.qshape[3]; ++x) {
-              if constexpr (std::is_same_v<S, T>) {
-                dst(b, i, h, x) = src(b, i, h, x) * f;
-              } else {
-                dst(b, i, h, x) = to_float(src(b, i, h, x)) * f;
-              }
-            }
-        }
-      c.q = scaled;
-    };
-    if (c.f64) {
-      scale_rows(double{}, double{});
-    } else if (c.q_half && inputs == Inputs::kBf16) {
-      scale_rows(float{}, bf16{});
-    } else if (c.q_half) {
-      scale_rows(float{}, f16{});
-    } else {
-      scale_rows(float{}, float{});
-    }
-    c.q_half = false;
-  }
   return c;
 }
 
@@ -283,8 +242,8 @@ namespace {
 template <class T>
 pb::object forward(Call& c) {
   const std::array<int64_t, 3> lshape{c.qshape[0], c.qshape[2], c.qshape[1]};
-  pb::object out = c.out.is_none() ? pb::object(new_array<T, 4>(c.qshape)) : c.out;
-  const View<T, 4> ov = out_view<T, 4>(out, c.qshape, "out");
+  pb::object out = c.out.is_none() ? pb::object(new_array<T, 4>(c.oshape())) : c.out;
+  const View<T, 4> ov = out_view<T, 4>(out, c.oshape(), "out");
   pb::object lse = pb::none();
   View<T, 3> lv{};
   if (c.return_lse) {
@@ -324,9 +283,9 @@ pb::dict backward(Call& c, const pb::handle& dout_obj) {
     throw pb::type_error("attention_grad(): give both out= and lse= (the forward's) or neither");
   }
   if (c.out.is_none()) {
-    out = new_array<T, 4>(c.qshape);
+    out = new_array<T, 4>(c.oshape());
     lse = new_array<T, 3>(lshape);
-    const View<T, 4> ov = out_view<T, 4>(out, c.qshape, "out");
+    const View<T, 4> ov = out_view<T, 4>(out, c.oshape(), "out");
     const View<T, 3> lv = out_view<T, 3>(lse, lshape, "lse");
     pb::gil_scoped_release release;
     if constexpr (std::is_same_v<T, double>) {
@@ -341,7 +300,7 @@ pb::dict backward(Call& c, const pb::handle& dout_obj) {
   const auto ov = view4<T>(out, "out", "[batch, seq_q, heads_q, head_dim]");
   const auto lv = view_of<const T, 3>(lse, "lse", "[batch, heads_q, seq_q]");
   pb::array_t<T> dq = new_array<T, 4>(c.qshape), dk = new_array<T, 4>(c.kshape),
-                 dv = new_array<T, 4>(c.kshape);
+                 dv = new_array<T, 4>(c.vshape);
   AttentionGradsOf<T> g;
   g.dq = mutable_view<T, 4>(dq);
   g.dk = mutable_view<T, 4>(dk);
@@ -359,15 +318,6 @@ pb::dict backward(Call& c, const pb::handle& dout_obj) {
                               c.pq(), c.pk());
     } else {
       attention_backward(qv, kv, vv, ov, lv, dov, c.built.scheme, c.opt, g, c.pq(), c.pk());
-    }
-  }
-  if (!c.query_factor.empty()) {
-    T* x = dq.mutable_data();
-    const auto row = static_cast<std::size_t>(c.qshape[2] * c.qshape[3]);
-    for (std::size_t r = 0; r < c.query_factor.size(); ++r) {
-      for (std::size_t e = 0; e < row; ++e) {
-        x[r * row + e] = static_cast<T>(static_cast<double>(x[r * row + e]) * c.query_factor[r]);
-      }
     }
   }
   pb::dict result;
@@ -526,7 +476,7 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
       [fwd_extra](const pb::object& q, const pb::object& k, const pb::object& v,
                   const pb::object& scheme, int reps, const pb::kwargs& kw) {
         Call c = parse("attention", q, k, v, scheme, kw, Inputs::kAuto, fwd_extra);
-        pb::array_t<float> out = new_array<float, 4>(c.qshape);
+        pb::array_t<float> out = new_array<float, 4>(c.oshape());
         const View<float, 4> ov = mutable_view<float, 4>(out);
         const auto qv = view4<float>(c.q, "q", ""), kv = view4<float>(c.k, "k", ""),
                    vv = view4<float>(c.v, "v", "");

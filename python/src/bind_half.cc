@@ -76,7 +76,8 @@ pb::array_t<uint16_t> new_bits(const std::vector<pb::ssize_t>& shape) {
 template <class H>
 pb::object attention_half(Call& c) {
   const auto kv = view4<H>(c.k, "k", ""), vv = view4<H>(c.v, "v", "");
-  std::vector<pb::ssize_t> shape(c.qshape.begin(), c.qshape.end());
+  const std::array<int64_t, 4> oshape = c.oshape();
+  std::vector<pb::ssize_t> shape(oshape.begin(), oshape.end());
   if (c.q_half) {
     pb::array_t<uint16_t> out = new_bits(shape);
     const View<H, 4> ov = view_of<H, 4>(out, "out", "");
@@ -85,21 +86,13 @@ pb::object attention_half(Call& c) {
     attention(qv, kv, vv, c.built.scheme, c.opt, ov, c.pq(), c.pk());
     return std::move(out);
   }
-  // float32 q: the mixed path (float32 out); rounded once when q was half (a NoPE layer's
-  // scaled copy of q, calls.h).
-  pb::array_t<float> out = new_array<float, 4>(c.qshape);
+  // float32 q: the mixed path (float32 out).
+  pb::array_t<float> out = new_array<float, 4>(oshape);
   const View<float, 4> ov = mutable_view<float, 4>(out);
   const auto qv = view4<float>(c.q, "q", "");
-  {
-    pb::gil_scoped_release release;
-    attention(qv, kv, vv, c.built.scheme, c.opt, ov, c.pq(), c.pk());
-  }
-  if (!c.half_out) return std::move(out);
-  pb::array_t<uint16_t> bits = new_bits(shape);
-  const float* src = out.data();
-  uint16_t* dst = bits.mutable_data();
-  for (pb::ssize_t i = 0; i < out.size(); ++i) dst[i] = from_float<H>(src[i]).bits;
-  return std::move(bits);
+  pb::gil_scoped_release release;
+  attention(qv, kv, vv, c.built.scheme, c.opt, ov, c.pq(), c.pk());
+  return std::move(out);
 }
 
 template <class H>
@@ -138,7 +131,7 @@ void half_inputs(Call& c, Inputs inputs, const pb::handle& q, const pb::handle& 
                  const pb::handle& v) {
   const bool q_f32 = pb::isinstance<pb::array>(q) &&
                      pb::reinterpret_borrow<pb::array>(q).dtype().is(pb::dtype::of<float>());
-  c.q_half = c.half_out = !q_f32;
+  c.q_half = !q_f32;
   c.q = q_f32 ? as_array<float>(q, "q") : half_array(q, "q", inputs, true);
   c.k = half_array(k, "k", inputs);
   c.v = half_array(v, "v", inputs);

@@ -36,14 +36,13 @@ struct Call {
   bool return_lse = false;
   pb::object out = pb::none(), lse = pb::none();
   BuiltScheme built;
-  std::array<int64_t, 4> qshape{}, kshape{};
-  // Llama 4 NoPE layers (layer=): q row (b, i) scaled by query_factor[b * seq_q + i] (q holds the
-  // scaled copy); dq is scaled back by the chain rule.
-  std::vector<double> query_factor;
+  std::array<int64_t, 4> qshape{}, kshape{}, vshape{};
   // Half precision (Inputs::kBf16 / kF16): k and v hold the half bits; q holds them too when
-  // q_half, else q is float32 (given so, or the float32 copy a NoPE layer's scaling makes).
-  // half_out: the result is rounded to the half type (q was given in half precision).
-  bool q_half = false, half_out = false;
+  // q_half (the result is then half too), else q is float32 (the mixed path, float32 out).
+  bool q_half = false;
+
+  // The output's shape: q's with v's head dim (narrower under multi-head latent attention).
+  std::array<int64_t, 4> oshape() const { return {qshape[0], qshape[1], qshape[2], vshape[3]}; }
 
   const Positions* pq() const { return qp ? &*qp : nullptr; }
   const Positions* pk() const { return kp ? &*kp : nullptr; }
@@ -60,7 +59,7 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
            const pb::object& scheme, const pb::kwargs& kw, Inputs inputs,
            const std::set<std::string>& extra);
 
-// bind_half.cc: q, k, v of a half-precision call (c.q, c.k, c.v, c.q_half, c.half_out): 2-byte
+// bind_half.cc: q, k, v of a half-precision call (c.q, c.k, c.v, c.q_half): 2-byte
 // arrays viewed in place when their strides allow (else one contiguous copy), q float32 for the
 // mixed path; TypeError naming the argument and the dtype found otherwise.
 void half_inputs(Call& c, Inputs inputs, const pb::handle& q, const pb::handle& k,

@@ -1,5 +1,5 @@
 // src/model/layers.cc - a model's layers (posenc/config.h): model_layer, the per-layer RoPE
-// (layer_rope_frequencies, layer_rope), Llama 4's attention temperature, and apply_model_rope
+// (layer_rope_frequencies, layer_rope) and apply_model_rope
 // (DeepSeek's rotary offset and de-interleaved output).
 #include <algorithm>
 #include <cmath>
@@ -12,13 +12,6 @@
 #include "posenc/rope.h"
 
 namespace posenc {
-
-double attention_temperature(const AttentionTemperature& t, int64_t pos) {
-  // log(floor((p + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0 on float32 tensors.
-  const float p = static_cast<float>(pos) + 1.0f;
-  const float f = std::floor(p / static_cast<float>(t.floor_scale));
-  return static_cast<double>(std::log(f + 1.0f) * static_cast<float>(t.attn_scale) + 1.0f);
-}
 
 const ModelLayer& model_layer(const ModelConfig& cfg, int64_t layer) {
   if (cfg.layers.empty()) {
