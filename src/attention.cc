@@ -18,6 +18,7 @@
 #include <map>
 #include <unordered_map>
 
+#include "attention/mask.h"
 #include "attention/model_inputs.h"
 #include "attention_half.h"
 #include "common.h"
@@ -424,16 +425,8 @@ Problem<T> make_problem(View<const T, 4> q, View<const T, 4> k, View<const T, 4>
   return pr;
 }
 
-// floor(x / c) for c >= 1 (positions below 0 round toward -inf, as floor division).
-int64_t floor_div(int64_t x, int64_t c) { return x >= 0 ? x / c : -((-x + c - 1) / c); }
-
-template <class T>
-bool visible(const AttentionOptions& opt, int64_t pos_q, int64_t pos_k) {
-  const int64_t rel = pos_k - pos_q;
-  if (opt.causal && rel > 0) return false;
-  if (opt.window && (rel < 0 ? -rel : rel) >= *opt.window) return false;
-  if (opt.chunk && floor_div(pos_k, *opt.chunk) != floor_div(pos_q, *opt.chunk)) return false;
-  return true;
+detail::MaskRule mask_rule(const AttentionOptions& opt) {
+  return {.causal = opt.causal, .window = opt.window.value_or(0), .chunk = opt.chunk.value_or(0)};
 }
 
 // Scores of query i against every key (row of length seq_k), before masking.
@@ -514,6 +507,7 @@ template <class T>
 void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out,
          const View<T, 3>* lse = nullptr) {
   const Dims& d = pr.d;
+  const detail::MaskRule mask = mask_rule(pr.opt);
   std::vector<T> s(static_cast<std::size_t>(d.seq_k));
   std::vector<T> acc(static_cast<std::size_t>(d.head_dim));
   const auto& v = pr.v;
@@ -525,7 +519,7 @@ void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out,
         const int64_t pq = pr.qp.at(b, i);
         T mx = -std::numeric_limits<T>::infinity();
         for (int64_t j = 0; j < d.seq_k; ++j) {
-          if (!visible<T>(pr.opt, pq, pr.kp.at(b, j))) {
+          if (!mask.visible(pq, pr.kp.at(b, j))) {
             s[static_cast<std::size_t>(j)] = -std::numeric_limits<T>::infinity();
           } else {
             mx = std::max(mx, s[static_cast<std::size_t>(j)]);
@@ -663,6 +657,7 @@ void run_backward(const Problem<T>& pr, const Prepared<T>& p, const View<const T
                   const View<const T, 3>& lse, const View<const T, 4>& dout,
                   const AttentionGradsOf<T>& g, const PositionScheme& scheme) {
   const Dims& d = pr.d;
+  const detail::MaskRule mask = mask_rule(pr.opt);
   const int64_t dim = d.head_dim;
   const auto ud = [](int64_t x) { return static_cast<std::size_t>(x); };
   const T scale = static_cast<T>(p.scale);
@@ -700,7 +695,7 @@ void run_backward(const Problem<T>& pr, const Prepared<T>& p, const View<const T
         std::fill(dq_acc.begin(), dq_acc.end(), T(0));
         for (int64_t j = 0; j < d.seq_k; ++j) {
           const int64_t pk = pr.kp.at(b, j);
-          if (!visible<T>(pr.opt, pq, pk)) continue;
+          if (!mask.visible(pq, pk)) continue;
           const T pj = std::exp(s[ud(j)] - l);
           if (pj == T(0)) continue;
           const int64_t rel = pk - pq;
@@ -847,26 +842,14 @@ void check_fully_masked(const Problem<float>& pr) {
   const Dims& d = pr.d;
   // With sinks a row without visible keys is well defined (all weight on the sink).
   if (pr.opt.allow_fully_masked || d.seq_q == 0 || pr.opt.sinks.data != nullptr) return;
-  const AttentionOptions& opt = pr.opt;
+  const detail::MaskRule mask = mask_rule(pr.opt);
   for (int64_t b = 0; b < d.batch; ++b) {
     std::vector<int64_t> ks(static_cast<std::size_t>(d.seq_k));
     for (int64_t j = 0; j < d.seq_k; ++j) ks[static_cast<std::size_t>(j)] = pr.kp.at(b, j);
     std::sort(ks.begin(), ks.end());
     for (int64_t i = 0; i < d.seq_q; ++i) {
       const int64_t pq = pr.qp.at(b, i);
-      // Visible keys lie in [lo, hi].
-      int64_t lo = std::numeric_limits<int64_t>::min(), hi = std::numeric_limits<int64_t>::max();
-      if (opt.causal) hi = pq;
-      if (opt.window) {
-        lo = pq - *opt.window + 1;
-        if (!opt.causal) hi = pq + *opt.window - 1;
-      }
-      if (opt.chunk) {  // the query's chunk [c0, c0 + chunk)
-        const int64_t c = *opt.chunk;
-        const int64_t c0 = (pq >= 0 ? pq / c : -((-pq + c - 1) / c)) * c;
-        lo = std::max(lo, c0);
-        hi = std::min(hi, c0 + c - 1);
-      }
+      const auto [lo, hi] = mask.key_range(pq);  // the visible key positions
       const auto it = std::lower_bound(ks.begin(), ks.end(), lo);
       if (it == ks.end() || *it > hi) {
         fail("attention: query " + std::to_string(i) + " (batch " + std::to_string(b) +
@@ -923,8 +906,7 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
     int64_t base = std::min(qlo, klo);
     if (pr.opt.chunk) {
       // Chunk boundaries are absolute: the base is a multiple of the chunk (floor division).
-      const int64_t c = *pr.opt.chunk;
-      base = (base >= 0 ? base / c : -((-base + c - 1) / c)) * c;
+      base = mask_rule(pr.opt).chunk_start(base);
     }
     bases[static_cast<std::size_t>(b)] = base;
     plo = std::min({plo, qlo, klo});
@@ -994,9 +976,7 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   fp.heads_kv = d.heads_kv;
   fp.head_dim = d.head_dim;
   fp.scale = static_cast<float>(p.scale);
-  fp.causal = pr.opt.causal;
-  fp.window = pr.opt.window.value_or(0);
-  fp.chunk = pr.opt.chunk.value_or(0);
+  fp.mask = mask_rule(pr.opt);
   if (pr.opt.sinks.data != nullptr) {
     tab.sinks.resize(static_cast<std::size_t>(d.heads_q));
     for (int64_t h = 0; h < d.heads_q; ++h) {
@@ -1096,11 +1076,7 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   auto& xl_position_bias = tab.xl_position_bias;
   if (p.kind == 5) {
     int64_t dlo = gdmin, dhi = gdmax;
-    if (pr.opt.causal) dlo = std::max<int64_t>(dlo, 0);
-    if (pr.opt.window) {
-      dlo = std::max<int64_t>(dlo, 1 - *pr.opt.window);
-      dhi = std::min<int64_t>(dhi, *pr.opt.window - 1);
-    }
+    mask_rule(pr.opt).clip_distances(dlo, dhi);
     dhi = std::max(dhi, dlo);
     const int64_t len = dhi - dlo + 1;
     const int64_t dm = p.xl_rnet.shape[1];

@@ -40,6 +40,7 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "kernels/attention-inl.h"
+#include "kernels/mask-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
@@ -704,8 +705,6 @@ class BackwardKernel {
     auto kpt_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
     int32_t* kpt = kpt_buf.get();
     std::fill(kpt, kpt + kTileK, 0);
-    const DI di_w;
-    const auto vwin = hn::Set(di_w, static_cast<int32_t>(std::min<int64_t>(p_.window, 1 << 30)));
 
     const float scale = p_.scale;
     const int32_t* kposb = p_.kpos + bb * p_.seq_k;
@@ -736,25 +735,13 @@ class BackwardKernel {
     auto visits = [&](int32_t qmin, int32_t qmax, int64_t t) {
       const int32_t tmin = tile_min_[static_cast<size_t>(bb * ntiles_ + t)];
       const int32_t tmax = tile_max_[static_cast<size_t>(bb * ntiles_ + t)];
-      if (p_.causal && tmin > qmax) return false;
-      if (p_.chunk > 0 &&
-          (tmin / p_.chunk > qmax / p_.chunk || tmax / p_.chunk < qmin / p_.chunk)) {
-        return false;
-      }
-      return !(p_.window > 0 &&
-               (int64_t{tmin} - qmax >= p_.window || int64_t{qmin} - tmax >= p_.window));
+      return !p_.mask.hides_block(qmin, qmax, tmin, tmax);
     };
     // Rows [lo, hi] of a bucket table indexed at dmax - delta, for delta in [dlo, dhi].
     // Distances [dlo, dhi] narrowed to those a mask can leave visible (causal: delta >= 0;
     // window w: |delta| < w). Masked cells still read their table rows, which then hold finite
     // values from earlier blocks or zeros, and add their dS = 0 to them.
-    auto visible = [&](int64_t& dlo, int64_t& dhi) {
-      if (p_.causal) dlo = std::max<int64_t>(dlo, 0);
-      if (p_.window > 0) {
-        dlo = std::max<int64_t>(dlo, 1 - int64_t{p_.window});
-        dhi = std::min<int64_t>(dhi, int64_t{p_.window} - 1);
-      }
-    };
+    auto visible = [&](int64_t& dlo, int64_t& dhi) { p_.mask.clip_distances(dlo, dhi); };
     auto used_rows = [&](const int32_t* table, int64_t dmax, int64_t dlo, int64_t dhi) {
       int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
       for (int64_t at = dmax - dhi; at <= dmax - dlo; ++at) {
@@ -973,24 +960,12 @@ class BackwardKernel {
           // Scale and mask, vectorized over the tile's keys (kpt: their positions).
           {
             const DI di;
-            const auto vpq = hn::Set(di, pq);
             const auto vs = hn::Set(d, scale), vninf = hn::Set(d, kNegInf);
-            const int64_t c0 = p_.chunk > 0 ? int64_t{pq} / p_.chunk * p_.chunk : 0;
-            const auto vc0 = hn::Set(di, static_cast<int32_t>(c0));
-            const auto vc1 =
-                hn::Set(di, static_cast<int32_t>(std::min<int64_t>(c0 + p_.chunk, INT32_MAX)));
+            const RowMask row_mask(p_.mask, pq);
             for (int64_t c = 0; c < kt; c += lanes_) {
-              const auto kpv = hn::Load(di, kpt + c);
-              auto vis = hn::Not(hn::Gt(kpv, vpq));  // causal: pos_k <= pos_q
-              if (!p_.causal) vis = hn::Eq(kpv, kpv);
-              if (p_.window > 0) {
-                vis = hn::And(vis, hn::Lt(hn::Abs(hn::Sub(vpq, kpv)), vwin));
-              }
-              if (p_.chunk > 0) {  // the query's chunk [c0, c0 + chunk)
-                vis = hn::And(vis, hn::And(hn::Not(hn::Lt(kpv, vc0)), hn::Lt(kpv, vc1)));
-              }
+              const auto vis = row_mask.Visible(d, hn::Load(di, kpt + c));
               const auto x = hn::Mul(hn::Load(d, srow + c), vs);
-              hn::Store(hn::IfThenElse(hn::RebindMask(d, vis), x, vninf), d, srow + c);
+              hn::Store(hn::IfThenElse(vis, x, vninf), d, srow + c);
             }
             for (int64_t c = nk; c < kt; ++c) srow[c] = kNegInf;
           }

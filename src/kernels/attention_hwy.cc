@@ -44,6 +44,7 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "kernels/attention-inl.h"
+#include "kernels/mask-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
@@ -1073,11 +1074,7 @@ class ForwardKernel {
       khi = std::max(khi, tile_max_[static_cast<size_t>(it.b * ntiles_ + t)]);
     }
     int64_t dlo = int64_t{qlo} - khi, dhi = int64_t{qhi} - klo;
-    if (p_.causal) dlo = std::max<int64_t>(dlo, 0);
-    if (p_.window > 0) {
-      dlo = std::max<int64_t>(dlo, 1 - p_.window);
-      dhi = std::min<int64_t>(dhi, p_.window - 1);
-    }
+    p_.mask.clip_distances(dlo, dhi);
     return {dlo, std::max(dhi, dlo)};
   }
 
@@ -1223,16 +1220,7 @@ class ForwardKernel {
       const size_t ta = static_cast<size_t>(it.b * ntiles_ + t);
       const int32_t klo = tile_min_[ta], khi = tile_max_[ta];
       // Skip tiles the mask hides for every row of the block.
-      if (p_.causal && klo > qhi) continue;
-      if (p_.window > 0) {
-        const int64_t nearest =
-            klo > qhi ? int64_t{klo} - qhi : (khi < qlo ? int64_t{qlo} - khi : 0);
-        if (nearest >= p_.window) continue;
-      }
-      // Chunks: the tile is hidden from every row when no key shares a chunk with a query.
-      if (p_.chunk > 0 && (klo / p_.chunk > qhi / p_.chunk || khi / p_.chunk < qlo / p_.chunk)) {
-        continue;
-      }
+      if (p_.mask.hides_block(qlo, qhi, klo, khi)) continue;
       const int64_t nk = std::min(kTileK, j_end - j0);
       if (vt_all != nullptr && j0 + kTileK < j_end) {
         // The group's next key and value tiles toward L2 while this one is computed (measured
@@ -1240,16 +1228,8 @@ class ForwardKernel {
         prefetch_l2(kt_all + (t + 1) * dim_ * kTileK, dim_ * kTileK * sizeof(float));
         prefetch_l2(vt_all + (t + 1) * kTileK * dpad_, kTileK * dpad_ * sizeof(float));
       }
-      bool full = nk == kTileK;
-      if (p_.causal && khi > qlo) full = false;
-      if (p_.chunk > 0 && (klo / p_.chunk != khi / p_.chunk || qlo / p_.chunk != qhi / p_.chunk ||
-                           klo / p_.chunk != qlo / p_.chunk)) {
-        full = false;
-      }
-      if (p_.window > 0) {
-        const int64_t far = std::max<int64_t>(int64_t{qhi} - klo, int64_t{khi} - qlo);
-        if (far >= p_.window) full = false;
-      }
+      // A full tile: every cell visible, no mask to apply.
+      const bool full = nk == kTileK && p_.mask.shows_block(qlo, qhi, klo, khi);
       // Few rows (decoding): dot products against the key rows beat transposing the tile.
       const bool dot = use_dot_;
       const float* kt = kt_all != nullptr ? kt_all + t * dim_ * kTileK : sc.kt.get();
@@ -1491,7 +1471,7 @@ class ForwardKernel {
     }
     auto vmax = hn::Set(d, kNegInf);
     auto nan = hn::Zero(d);
-    const auto vq = hn::Set(di, qp);
+    const RowMask row_mask(p_.mask, qp);
     // Lane offsets 0..n-1, built once per row (Iota may go through memory).
     const auto lane_iota = hn::Iota(di, 0);
     for (int64_t c = 0; c < kTileK; c += n) {
@@ -1550,22 +1530,8 @@ class ForwardKernel {
       // silent 0 (exp of NaN is 0 here) instead of an error.
       auto bad = hn::Not(hn::IsFinite(sv));
       if (!full) {
-        auto vis = hn::FirstN(d, static_cast<size_t>(std::max<int64_t>(0, nk - c)));
-        const auto rel = hn::Sub(hn::Load(di, kp + c), vq);
-        if (p_.causal) vis = hn::AndNot(hn::RebindMask(d, hn::Gt(rel, hn::Zero(di))), vis);
-        if (p_.window > 0) {
-          const auto w = hn::Set(di, static_cast<int32_t>(std::min<int64_t>(p_.window, INT32_MAX)));
-          vis = hn::And(vis, hn::RebindMask(d, hn::Gt(w, hn::Abs(rel))));
-        }
-        if (p_.chunk > 0) {
-          // The query's chunk [c0, c0 + chunk): positions are relative to a multiple of chunk.
-          const int64_t c0 = int64_t{qp} / p_.chunk * p_.chunk;
-          const auto kpv = hn::Load(di, kp + c);
-          const auto in = hn::And(hn::Not(hn::Lt(kpv, hn::Set(di, static_cast<int32_t>(c0)))),
-                                  hn::Lt(kpv, hn::Set(di, static_cast<int32_t>(std::min<int64_t>(
-                                                              c0 + p_.chunk, INT32_MAX)))));
-          vis = hn::And(vis, hn::RebindMask(d, in));
-        }
+        const auto vis = hn::And(hn::FirstN(d, static_cast<size_t>(std::max<int64_t>(0, nk - c))),
+                                 row_mask.Visible(d, hn::Load(di, kp + c)));
         bad = hn::And(bad, vis);
         sv = hn::IfThenElse(vis, sv, hn::Set(d, kNegInf));
       }

@@ -10,6 +10,7 @@
 #include <array>
 #include <cstdint>
 
+#include "attention/mask.h"
 #include "kernels/rope_kernels.h"
 #include "posenc/dtype.h"
 
@@ -40,11 +41,9 @@ struct FusedAttentionParams {
   uint16_t* out16 = nullptr;
 
   float scale = 1.0f;
-  bool causal = false;
-  int64_t window = 0;  // 0 = no window; else visible iff |pos_q - pos_k| < window
-  // 0 = no chunks; else visible iff pos_q / chunk == pos_k / chunk (the positions below are
-  // then relative to a multiple of chunk, and non-negative).
-  int64_t chunk = 0;
+  // Causal, window, chunk (attention/mask.h). With chunks the positions below are relative to a
+  // multiple of the chunk, and non-negative.
+  detail::MaskRule mask;
   // Attention sinks [heads_q] (dense; nullptr = none): an extra logit in each row's softmax
   // denominator, with no value.
   const float* sinks = nullptr;
