@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "posenc/attention.h"
 #include "posenc/error.h"
 
 namespace posenc {
@@ -129,6 +130,10 @@ const SchemeInfo& scheme_info(const std::string& name) {
 
 const SchemeInfo& scheme_info(SchemeKind kind) {
   return attention_schemes().at(static_cast<std::size_t>(kind));
+}
+
+std::string scheme_name(const PositionScheme& scheme) {
+  return scheme_info(static_cast<SchemeKind>(scheme.index())).name;
 }
 
 std::vector<std::string> scheme_names() {
