@@ -647,10 +647,69 @@ class BackwardKernel {
       std::memcpy(b_.xl_drnet + o * dm, out.get() + o * dmp, static_cast<size_t>(dm) * 4);
   }
 
-  // One (batch row, kv head): every query block against every key tile it can see.
-  void RunItem(int64_t w, Scratch& sc, float* part) {
-    const DF d;
+  // One work item (batch row, kv head) of RunItem: its scratch layout, per-item buffers, the
+  // query position range of each block, and (when they fit the budget) its key tiles formed once.
+  struct ItemState {
+    int64_t bb, hk, rpm, dp, kt, dimr, cs, nblocks, n_all, n_p2c, nb, n_diag, n_cache;
+    size_t n_rows, n_tile, n_ktile, n_rel, n_rel2;
+    float *base, *qb, *qx, *dob, *dqb, *dqr, *s, *dps, *qtr, *dotr, *qxtr, *kp_s, *dkt_s, *dvt_s,
+        *dkx, *ktr_s, *vtr_s, *rel1, *rel2, *w1, *w2, *dsum, *lse, *kp_all, *kt_all, *vt_all,
+        *dk_all, *dv_all, *kpq_all, *wpq_all, *gd_all, *wgd_all, *part;
+    hwy::AlignedFreeUniquePtr<int32_t[]> addr_buf;
+    hwy::AlignedFreeUniquePtr<int32_t[]> addr2_buf;
+    hwy::AlignedFreeUniquePtr<int32_t[]> kpt_buf;
+    int32_t *addr, *addr2, *kpt;
+    std::vector<int32_t> qpos;
+    std::vector<int32_t> p2c_u;
+    std::vector<int32_t> p2c_run;
+    std::vector<int32_t> bq_min;
+    std::vector<int32_t> bq_max;
+    std::vector<int64_t> head;
+    std::vector<PqCell> pq_cells;
+    std::vector<float> p2c_val;
+    float scale;
+    const int32_t* kposb;
+    const float *kbase, *vbase;
+    std::vector<std::pair<int64_t, int64_t>> p2c_rows;
+    bool cached, p2c_tiles, cell_terms, cell_grads;
+  };
+  // A query block of an item: rows [i0, i0 + nq) of each of the group's heads.
+  struct Block {
+    int64_t i0, nq, rows, rp;
+    int32_t qmin, qmax;
+    BlockRows br;
+  };
+  // A key tile of an item: keys [j0, j0 + nk), their operands and dK^T, dV^T tiles.
+  struct Tile {
+    int64_t t, j0, nk;
+    bool consec, bias_run;
+    float *kp, *ktr, *vtr, *dkt, *dvt;
+  };
+
+  // Whether a query block with positions [qmin, qmax] sees any key of tile t.
+  bool Visits(const ItemState& st, int32_t qmin, int32_t qmax, int64_t t) const {
+    const int32_t tmin = tile_min_[static_cast<size_t>(st.bb * ntiles_ + t)];
+    const int32_t tmax = tile_max_[static_cast<size_t>(st.bb * ntiles_ + t)];
+    return !p_.mask.hides_block(qmin, qmax, tmin, tmax);
+  }
+  // Rows [lo, hi] of a bucket table indexed at dmax - delta, for delta in [dlo, dhi] (narrowed
+  // by the caller to the distances a mask can leave visible: masked cells still read their table
+  // rows, which then hold finite values from earlier blocks or zeros, and add their dS = 0).
+  static std::pair<int64_t, int64_t> UsedRows(const int32_t* table, int64_t dmax, int64_t dlo,
+                                              int64_t dhi) {
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+    for (int64_t at = dmax - dhi; at <= dmax - dlo; ++at) {
+      lo = std::min<int64_t>(lo, table[at]);
+      hi = std::max<int64_t>(hi, table[at]);
+    }
+    return {lo, hi};
+  }
+
+  // The item's scratch layout (one zeroed buffer per thread) and per-item buffers.
+  void InitItem(ItemState& st, int64_t w, Scratch& sc, float* part) {
+    st.part = part;
     const int64_t bb = w / p_.heads_kv, hk = w % p_.heads_kv;
+    st.bb = bb, st.hk = hk;
     const int64_t rpm = rp_max_, dp = dpad_, kt = kTileK, dimr = RoundUp(dim_, 4);
     // Scratch layout (floats).
     const size_t n_rows = static_cast<size_t>(rpm * dp);
@@ -722,6 +781,68 @@ class BackwardKernel {
     // Query position range of every block, which key tiles it visits, and the table rows a set
     // of distances [dlo, dhi] can reach (the bucket tables are monotone in the distance, but
     // scanned anyway: the range is at most the sequence).
+    st.rpm = rpm;
+    st.dp = dp;
+    st.kt = kt;
+    st.dimr = dimr;
+    st.cs = cs;
+    st.n_rows = n_rows;
+    st.n_tile = n_tile;
+    st.n_ktile = n_ktile;
+    st.n_rel = n_rel;
+    st.n_rel2 = n_rel2;
+    st.base = base;
+    st.qb = qb;
+    st.qx = qx;
+    st.dob = dob;
+    st.dqb = dqb;
+    st.dqr = dqr;
+    st.s = s;
+    st.dps = dps;
+    st.qtr = qtr;
+    st.dotr = dotr;
+    st.qxtr = qxtr;
+    st.kp_s = kp_s;
+    st.dkt_s = dkt_s;
+    st.dvt_s = dvt_s;
+    st.dkx = dkx;
+    st.ktr_s = ktr_s;
+    st.vtr_s = vtr_s;
+    st.rel1 = rel1;
+    st.rel2 = rel2;
+    st.w1 = w1;
+    st.w2 = w2;
+    st.dsum = dsum;
+    st.lse = lse;
+    st.addr_buf = std::move(addr_buf);
+    st.addr2_buf = std::move(addr2_buf);
+    st.kpt_buf = std::move(kpt_buf);
+    st.addr = addr;
+    st.addr2 = addr2;
+    st.kpt = kpt;
+    st.qpos = std::move(qpos);
+    st.p2c_u = std::move(p2c_u);
+    st.p2c_run = std::move(p2c_run);
+    st.head = std::move(head);
+    st.p2c_val = std::move(p2c_val);
+    st.scale = scale;
+    st.kposb = kposb;
+    st.kbase = kbase;
+    st.vbase = vbase;
+    st.pq_cells = std::move(pq_cells);
+  }
+
+  // The item's plan: the query position range of each block, the table rows of DeBERTa's p2c per
+  // key tile, and its key tiles formed once when they fit the budget.
+  void PlanItem(ItemState& st) {
+    const DF d;
+    [[maybe_unused]] auto& dp = st.dp;
+    [[maybe_unused]] auto& kt = st.kt;
+    [[maybe_unused]] auto& scale = st.scale;
+    [[maybe_unused]] auto& kbase = st.kbase;
+    [[maybe_unused]] auto& vbase = st.vbase;
+    [[maybe_unused]] auto& bb = st.bb;
+    [[maybe_unused]] auto& hk = st.hk;
     const int64_t nblocks = (p_.seq_q + nq_ - 1) / nq_;
     std::vector<int32_t> bq_min(static_cast<size_t>(nblocks)), bq_max(bq_min.size());
     for (int64_t bi = 0; bi < nblocks; ++bi) {
@@ -732,24 +853,6 @@ class BackwardKernel {
       }
       bq_min[static_cast<size_t>(bi)] = lo, bq_max[static_cast<size_t>(bi)] = hi;
     }
-    auto visits = [&](int32_t qmin, int32_t qmax, int64_t t) {
-      const int32_t tmin = tile_min_[static_cast<size_t>(bb * ntiles_ + t)];
-      const int32_t tmax = tile_max_[static_cast<size_t>(bb * ntiles_ + t)];
-      return !p_.mask.hides_block(qmin, qmax, tmin, tmax);
-    };
-    // Rows [lo, hi] of a bucket table indexed at dmax - delta, for delta in [dlo, dhi].
-    // Distances [dlo, dhi] narrowed to those a mask can leave visible (causal: delta >= 0;
-    // window w: |delta| < w). Masked cells still read their table rows, which then hold finite
-    // values from earlier blocks or zeros, and add their dS = 0 to them.
-    auto visible = [&](int64_t& dlo, int64_t& dhi) { p_.mask.clip_distances(dlo, dhi); };
-    auto used_rows = [&](const int32_t* table, int64_t dmax, int64_t dlo, int64_t dhi) {
-      int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
-      for (int64_t at = dmax - dhi; at <= dmax - dlo; ++at) {
-        lo = std::min<int64_t>(lo, table[at]);
-        hi = std::max<int64_t>(hi, table[at]);
-      }
-      return std::pair<int64_t, int64_t>{lo, hi};
-    };
     // DeBERTa p2c: the table rows each key tile's cells can use (hi < lo: no block visits it).
     std::vector<std::pair<int64_t, int64_t>> p2c_rows(static_cast<size_t>(deberta_ ? ntiles_ : 0));
     for (int64_t t = 0; deberta_ && t < ntiles_; ++t) {
@@ -757,16 +860,16 @@ class BackwardKernel {
       for (int64_t bi = 0; bi < nblocks; ++bi) {
         const int32_t qmin = bq_min[static_cast<size_t>(bi)],
                       qmax = bq_max[static_cast<size_t>(bi)];
-        if (!visits(qmin, qmax, t)) continue;
+        if (!Visits(st, qmin, qmax, t)) continue;
         dlo = std::min<int64_t>(dlo,
                                 int64_t{qmin} - tile_max_[static_cast<size_t>(bb * ntiles_ + t)]);
         dhi = std::max<int64_t>(dhi,
                                 int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
       }
-      visible(dlo, dhi);
+      p_.mask.clip_distances(dlo, dhi);
       p2c_rows[static_cast<size_t>(t)] =
           dlo > dhi ? std::pair<int64_t, int64_t>{0, -1}
-                    : used_rows(p_.deberta_p2c, p_.deberta_dmax[bb], dlo, dhi);
+                    : UsedRows(p_.deberta_p2c, p_.deberta_dmax[bb], dlo, dhi);
     }
     const int64_t n_all = ntiles_ * kt * dp;
     const int64_t n_p2c = deberta_ ? group_ * ntiles_ * span2s_ * kt : 0;
@@ -834,389 +937,617 @@ class BackwardKernel {
                 b_.dv + bb * b_.dv_stride[0] + j * b_.dv_stride[1] + hk * b_.dv_stride[2] + dim_,
                 0.0f);
     }
-    for (int64_t i0 = 0; i0 < p_.seq_q; i0 += nq_) {
-      const int64_t nq = std::min(nq_, p_.seq_q - i0);
-      const int64_t rows = group_ * nq, rp = RoundUp(rows, 4);
-      int32_t qmin = std::numeric_limits<int32_t>::max(),
-              qmax = std::numeric_limits<int32_t>::min();
-      std::fill(base, base + 5 * n_rows, 0.0f);
-      for (int64_t r = 0; r < rp; ++r) {
-        lse[r] = -std::numeric_limits<float>::infinity();
-        dsum[r] = 0.0f;
-        if (r >= rows) continue;
-        const int64_t g = r / nq, i = i0 + r % nq, h = hk * group_ + g;
-        head[static_cast<size_t>(r)] = h;
-        qpos[static_cast<size_t>(r)] = p_.qpos[bb * p_.seq_q + i];
-        qmin = std::min(qmin, qpos[static_cast<size_t>(r)]);
-        qmax = std::max(qmax, qpos[static_cast<size_t>(r)]);
-        const float* qr = p_.q + bb * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
-        const float* orow =
-            p_.out + bb * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
-        const float* dor =
-            b_.dout + bb * b_.dout_stride[0] + i * b_.dout_stride[1] + h * b_.dout_stride[2];
-        if (p_.rope.cs != nullptr) {
-          rope_rotate_rows(p_.rope, p_.qpos + bb * p_.seq_q + i, p_.rope_base[bb], 1, qr, 0,
-                           qb + r * dp, 0);
-        } else {
-          std::memcpy(qb + r * dp, qr, static_cast<size_t>(dim_) * sizeof(float));
-        }
-        std::memcpy(dob + r * dp, dor, static_cast<size_t>(dim_) * sizeof(float));
-        if (xl_) {
-          for (int64_t x = 0; x < dim_; ++x) {
-            qb[r * dp + x] = qr[x] + p_.xl_content_bias[h * dim_ + x];
-            qx[r * dp + x] = qr[x] + p_.xl_position_bias[h * dim_ + x];
-          }
-        }
-        dsum[r] = Dot(dor, orow, dim_);
-        lse[r] = p_.lse[bb * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]];
-        if (b_.dsinks != nullptr && lse[r] != kNegInf) {
-          // The sink's probability exp(sink - lse) times dP - D with dP = 0 (it has no value).
-          part[part_sink_ + (h - hk * group_)] -= std::exp(p_.sinks[h] - lse[r]) * dsum[r];
-        }
+    st.nblocks = nblocks;
+    st.n_all = n_all;
+    st.n_p2c = n_p2c;
+    st.nb = nb;
+    st.n_diag = n_diag;
+    st.n_cache = n_cache;
+    st.kp_all = kp_all;
+    st.kt_all = kt_all;
+    st.vt_all = vt_all;
+    st.dk_all = dk_all;
+    st.dv_all = dv_all;
+    st.kpq_all = kpq_all;
+    st.wpq_all = wpq_all;
+    st.gd_all = gd_all;
+    st.wgd_all = wgd_all;
+    st.bq_min = std::move(bq_min);
+    st.bq_max = std::move(bq_max);
+    st.p2c_rows = std::move(p2c_rows);
+    st.cached = cached;
+    st.p2c_tiles = p2c_tiles;
+    st.cell_terms = cell_terms;
+    st.cell_grads = cell_grads;
+  }
+
+  // A query block's rows: q (rotated for RoPE; XL: q + u and q + v), dout, D = dout . out, lse,
+  // their transposes, and the per-row table projections of the rows its cells can reach.
+  Block LoadBlock(ItemState& st, int64_t i0) {
+    [[maybe_unused]] auto& bb = st.bb;
+    [[maybe_unused]] auto& hk = st.hk;
+    [[maybe_unused]] auto& dp = st.dp;
+    [[maybe_unused]] auto& kt = st.kt;
+    [[maybe_unused]] auto& cs = st.cs;
+    [[maybe_unused]] auto& n_rows = st.n_rows;
+    [[maybe_unused]] auto& base = st.base;
+    [[maybe_unused]] auto& qb = st.qb;
+    [[maybe_unused]] auto& qx = st.qx;
+    [[maybe_unused]] auto& dob = st.dob;
+    [[maybe_unused]] auto& qtr = st.qtr;
+    [[maybe_unused]] auto& dotr = st.dotr;
+    [[maybe_unused]] auto& qxtr = st.qxtr;
+    [[maybe_unused]] auto& rel1 = st.rel1;
+    [[maybe_unused]] auto& rel2 = st.rel2;
+    [[maybe_unused]] auto& w1 = st.w1;
+    [[maybe_unused]] auto& w2 = st.w2;
+    [[maybe_unused]] auto& dsum = st.dsum;
+    [[maybe_unused]] auto& lse = st.lse;
+    [[maybe_unused]] auto& part = st.part;
+    [[maybe_unused]] auto& qpos = st.qpos;
+    [[maybe_unused]] auto& head = st.head;
+    const int64_t nq = std::min(nq_, p_.seq_q - i0);
+    const int64_t rows = group_ * nq, rp = RoundUp(rows, 4);
+    int32_t qmin = std::numeric_limits<int32_t>::max(), qmax = std::numeric_limits<int32_t>::min();
+    std::fill(base, base + 5 * n_rows, 0.0f);
+    for (int64_t r = 0; r < rp; ++r) {
+      lse[r] = -std::numeric_limits<float>::infinity();
+      dsum[r] = 0.0f;
+      if (r >= rows) continue;
+      const int64_t g = r / nq, i = i0 + r % nq, h = hk * group_ + g;
+      head[static_cast<size_t>(r)] = h;
+      qpos[static_cast<size_t>(r)] = p_.qpos[bb * p_.seq_q + i];
+      qmin = std::min(qmin, qpos[static_cast<size_t>(r)]);
+      qmax = std::max(qmax, qpos[static_cast<size_t>(r)]);
+      const float* qr = p_.q + bb * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
+      const float* orow =
+          p_.out + bb * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
+      const float* dor =
+          b_.dout + bb * b_.dout_stride[0] + i * b_.dout_stride[1] + h * b_.dout_stride[2];
+      if (p_.rope.cs != nullptr) {
+        rope_rotate_rows(p_.rope, p_.qpos + bb * p_.seq_q + i, p_.rope_base[bb], 1, qr, 0,
+                         qb + r * dp, 0);
+      } else {
+        std::memcpy(qb + r * dp, qr, static_cast<size_t>(dim_) * sizeof(float));
       }
-      for (int64_t r = 0; r < rp; ++r)
+      std::memcpy(dob + r * dp, dor, static_cast<size_t>(dim_) * sizeof(float));
+      if (xl_) {
         for (int64_t x = 0; x < dim_; ++x) {
-          qtr[x * rp + r] = qb[r * dp + x];
-          dotr[x * rp + r] = dob[r * dp + x];
-          if (xl_) qxtr[x * rp + r] = qx[r * dp + x];
+          qb[r * dp + x] = qr[x] + p_.xl_content_bias[h * dim_ + x];
+          qx[r * dp + x] = qr[x] + p_.xl_position_bias[h * dim_ + x];
         }
-      // Per-row tables and bucket sums.
-      BlockRows br{rows, rp, nq, hk, cs, 0, nch_};
-      if (shaw_ || deberta_ || xl_) {
-        // Only the chunks of table rows this block's cells can reach.
-        int64_t dlo = std::numeric_limits<int64_t>::max(),
-                dhi = std::numeric_limits<int64_t>::min();
-        for (int64_t t = 0; t < ntiles_; ++t) {
-          if (!visits(qmin, qmax, t)) continue;
-          dlo = std::min<int64_t>(dlo,
-                                  int64_t{qmin} - tile_max_[static_cast<size_t>(bb * ntiles_ + t)]);
-          dhi = std::max<int64_t>(dhi,
-                                  int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
-        }
-        visible(dlo, dhi);
-        if (dlo > dhi) {
-          br.c1 = 0;
-        } else if (shaw_) {
-          // u = clamp(-delta, -K, K) + K
-          const int64_t k = p_.shaw_k;
-          br.c0 = (std::clamp<int64_t>(-dhi, -k, k) + k) / kt;
-          br.c1 = (std::clamp<int64_t>(-dlo, -k, k) + k) / kt + 1;
-        } else if (xl_) {
-          br.c0 = std::clamp<int64_t>(p_.xl_dmax - dhi, 0, p_.xl_len - 1) / kt;
-          br.c1 = std::clamp<int64_t>(p_.xl_dmax - dlo, 0, p_.xl_len - 1) / kt + 1;
-        } else {
-          const auto [ulo, uhi] = used_rows(p_.deberta_c2p, p_.deberta_dmax[bb], dlo, dhi);
-          br.c0 = ulo / kt, br.c1 = uhi / kt + 1;
-        }
-        std::fill(w1 + br.c0 * cs, w1 + br.c1 * cs, 0.0f);
-        if (w2 != nullptr) std::fill(w2 + br.c0 * cs, w2 + br.c1 * cs, 0.0f);
-        Project(relk_, xl_ ? qx : qb, rel1, br);
-        if (shaw_ && p_.shaw_rel_v != nullptr) Project(relv_, dob, rel2, br);
       }
-      for (int64_t t = 0; t < ntiles_; ++t) {
-        const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
-        if (!visits(qmin, qmax, t)) continue;
-        bool consec = true;
-        for (int64_t c = 0; c < nk; ++c) {
-          kpt[c] = kposb[j0 + c];
-          consec = consec && kpt[c] == kpt[0] + c;
-        }
-        // Keys past the tile's end: a position of the tile (masked, but table indices stay valid).
-        for (int64_t c = nk; c < kt; ++c) kpt[c] = kpt[0];
-        // ALiBi / T5 over consecutive key positions: the tile's biases (and their gradients) are
-        // a contiguous run of the per-distance row, index dmax - pos_q + pos_k (the table has a
-        // tile of padding past its last distance).
-        const bool bias_run = p_.bias != nullptr && consec;
-        float *kp = kp_s, *ktr = ktr_s, *vtr = vtr_s, *dkt = dkt_s, *dvt = dvt_s;
-        if (cached) {
-          kp = kp_all + j0 * dp;
-          ktr = kt_all + t * dim_ * kt;
-          vtr = vt_all + t * dim_ * kt;
-          dkt = dk_all + t * dp * kt;
-          dvt = dv_all + t * dp * kt;
-        } else {
-          std::fill(kp, kp + n_ktile, 0.0f);
-          TileOperands(bb, kbase, vbase, j0, nk, kp, ktr, vtr);
-          std::fill(dkt, dkt + n_ktile, 0.0f);
-          std::fill(dvt, dvt + n_ktile, 0.0f);
-        }
-        ScoresTile(qb, dim_, ktr, rp, s, kt, dp);
-        ScoresTile(dob, dim_, vtr, rp, dps, kt, dp);
-        if (deberta_) {
-          std::fill(p2c_u.begin(), p2c_u.end(), -1);
-          std::fill(p2c_run.begin(), p2c_run.end(), -1);
-        }
-        // Scores with the scheme's terms, masks, P and dS.
-        for (int64_t r = 0; r < rp; ++r) {
-          float* srow = s + r * kt;
-          float* drow = dps + r * kt;
-          if (lse[r] == -std::numeric_limits<float>::infinity()) {
-            std::fill(srow, srow + kt, 0.0f);
-            std::fill(drow, drow + kt, 0.0f);
-            continue;
-          }
-          const int64_t h = head[static_cast<size_t>(r)];
-          const int32_t pq = qpos[static_cast<size_t>(r)];
-          // Scale and mask, vectorized over the tile's keys (kpt: their positions).
-          {
-            const DI di;
-            const auto vs = hn::Set(d, scale), vninf = hn::Set(d, kNegInf);
-            const RowMask row_mask(p_.mask, pq);
-            for (int64_t c = 0; c < kt; c += lanes_) {
-              const auto vis = row_mask.Visible(d, hn::Load(di, kpt + c));
-              const auto x = hn::Mul(hn::Load(d, srow + c), vs);
-              hn::Store(hn::IfThenElse(vis, x, vninf), d, srow + c);
-            }
-            for (int64_t c = nk; c < kt; ++c) srow[c] = kNegInf;
-          }
-          // XL over consecutive keys whose distances all lie in the table (no clamping): the
-          // row's table rows are u0 + c, so each vector's addresses are known without index
-          // vectors: one run, or two across a row-chunk boundary.
-          const int64_t xl_u0 = xl_ ? int64_t{p_.xl_dmax} - pq + kpt[0] : 0;
-          const bool xl_fast = xl_ && consec && xl_u0 >= 0 && xl_u0 + kt <= p_.xl_len;
-          // DeBERTa over consecutive keys whose distances share one c2p row and one p2c row (far
-          // keys: saturated buckets, most cells of a long causal sequence): one broadcast c2p
-          // value, one contiguous run of the tile's p2c products, no index vectors. The same
-          // arithmetic as the general path below.
-          const int64_t deb_at0 = deberta_ ? int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] : 0;
-          const bool deb_one = p2c_tiles && consec && deb_at0 >= 0 &&
-                               deb_at0 + kt <= p_.deberta_len &&
-                               deb_run_end_[static_cast<size_t>(deb_at0)] >= deb_at0 + kt;
-          // DeBERTa over consecutive keys whose p2c rows all lie on the linear stretch: the p2c
-          // products from the tile's diagonal copy (one run), W's from its gradient.
-          const bool deb_diag = p2c_tiles && consec && !deb_one && nb > 0 && deb_at0 >= 0 &&
-                                deb_at0 + kt <= p_.deberta_len &&
-                                deb_lin_[static_cast<size_t>(deb_at0)] != 0;
-          const int64_t deb_g = deb_diag ? ((h - hk * group_) * ntiles_ + t) * nb * kt +
-                                               (p_.deberta_p2c[deb_at0] - deb_b_lo_) * kt
-                                         : 0;
-          int64_t deb_a = 0;              // the c2p row's address in rel1 / w1
-          const float* deb_pq = nullptr;  // the p2c row of the tile's kpq
-          float* deb_w = nullptr;         // and of its W
-          if (deb_one) {
-            const int64_t u = p_.deberta_c2p[deb_at0], u2 = p_.deberta_p2c[deb_at0];
-            deb_a = (u / kt) * cs + r * kt + u % kt;
-            const int64_t at = ((h - hk * group_) * ntiles_ + t) * span2s_ * kt + u2 * kt;
-            deb_pq = kpq_all + at;
-            deb_w = wpq_all + at;
-            const auto vc = hn::Set(d, rel1[deb_a]);
-            for (int64_t c = 0; c < kt; c += lanes_) {
-              const auto x = hn::Add(hn::Load(d, srow + c), hn::LoadU(d, deb_pq + c));
-              hn::Store(hn::Add(x, vc), d, srow + c);
-            }
-          }
-          if (xl_fast) {
-            for (int64_t c = 0; c < kt; c += lanes_) {
-              const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
-              auto v = hn::LoadU(d, rel1 + a0);
-              if (k < lanes_) {
-                v = hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(k)), v,
-                                   hn::LoadU(d, rel1 + a1 - k));
-              }
-              hn::Store(hn::Add(hn::Load(d, srow + c), v), d, srow + c);
-            }
-          }
-          // Shaw's and DeBERTa's c2p term: the row's projection at each key's table row.
-          if (shaw_ || (deberta_ && !deb_one) || (xl_ && !xl_fast)) {
-            const DI di;
-            const auto vpq = hn::Set(di, pq);
-            const float* kpq =
-                p2c_tiles ? kpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt : nullptr;
-            const auto vrow = hn::Set(di, static_cast<int32_t>(r * kt));
-            const auto vcs = hn::Set(di, static_cast<int32_t>(cs));
-            const auto v63 = hn::Set(di, static_cast<int32_t>(kt - 1));
-            for (int64_t c = 0; c < kt; c += lanes_) {
-              const auto kpv = hn::Load(di, kpt + c);
-              hn::Vec<DI> u;
-              if (shaw_) {
-                const auto k = hn::Set(di, static_cast<int32_t>(p_.shaw_k));
-                u = hn::Min(hn::Max(hn::Add(hn::Sub(kpv, vpq), k), hn::Zero(di)), hn::Add(k, k));
-              } else if (xl_) {
-                // r(t) covers the distances a mask leaves visible: masked cells (P = 0, dS = 0)
-                // read and add to a clamped row.
-                u = hn::Min(
-                    hn::Max(hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.xl_dmax - pq))),
-                            hn::Zero(di)),
-                    hn::Set(di, static_cast<int32_t>(p_.xl_len - 1)));
-              } else {
-                const auto at =
-                    hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[bb] - pq)));
-                // Consecutive key positions read the index tables contiguously (past the tile's
-                // last key too: the tables have a tile of padding, and those keys are masked).
-                const int64_t at0 = int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] + c;
-                u = consec ? hn::LoadU(di, p_.deberta_c2p + at0)
-                           : hn::GatherIndex(di, p_.deberta_c2p, at);
-                if (deb_diag) {
-                  hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, gd_all + deb_g + c)), d,
-                            srow + c);
-                } else if (p2c_tiles) {
-                  // p2c: kpq[u2][c], address u2 * kTileK + c.
-                  const auto u2 = consec ? hn::LoadU(di, p_.deberta_p2c + at0)
-                                         : hn::GatherIndex(di, p_.deberta_p2c, at);
-                  const auto a2 =
-                      hn::Add(hn::ShiftLeft<6>(u2), hn::Iota(di, static_cast<int32_t>(c)));
-                  hn::Store(a2, di, addr2 + c);
-                  hn::Store(hn::Add(hn::Load(d, srow + c), GatherTileRows(kpq, addr2 + c)), d,
-                            srow + c);
-                }
-              }
-              static_assert(kTileK == 64, "row-chunk addresses: u >> 6, u & 63");
-              const auto a =
-                  hn::Add(hn::Add(hn::Mul(hn::ShiftRight<6>(u), vcs), vrow), hn::And(u, v63));
-              hn::Store(a, di, addr + c);
-              hn::Store(hn::Add(hn::Load(d, srow + c), GatherRows(rel1, addr + c, !deberta_)), d,
-                        srow + c);
-              if (shaw_ && p_.shaw_rel_v != nullptr) {
-                hn::Store(hn::Add(hn::Load(d, drow + c), GatherRows(rel2, addr + c)), d, drow + c);
-              }
-            }
-          }
-          const int64_t bias_at =
-              bb * p_.bias_batch_stride + h * p_.bias_len +
-              ((p_.bias_dmax != nullptr ? int64_t{p_.bias_dmax[bb]} : 0) - pq + kpt[0]);
-          if (bias_run) {
-            const float* brow = p_.bias + bias_at;
-            for (int64_t c = 0; c < kt; c += lanes_) {
-              hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, brow + c)), d, srow + c);
-            }
-          }
-          for (int64_t c = 0; cell_terms && !bias_run && c < nk; ++c) {
-            if (srow[c] == kNegInf) continue;
-            const int32_t pk = kposb[j0 + c];
-            const int64_t delta = int64_t{pq} - pk;
-            float x = srow[c];
-            if (p_.bias != nullptr) {
-              x +=
-                  p_.bias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)];
-            } else if (deberta_) {
-              const int64_t at = p_.deberta_dmax[bb] - delta;
-              // k_c . pos_query[u, h]: consecutive rows of a column often share u (clipped or
-              // log-bucketed distances), so the last product per (key, head) is kept.
-              const int32_t u = p_.deberta_p2c[at];
-              const size_t key = static_cast<size_t>(c * group_ + (h - hk * group_));
-              if (p2c_u[key] != u) {
-                p2c_u[key] = u;
-                p2c_val[key] =
-                    scale *
-                    Dot(kp + c * dp, p_.deberta_pos_query + (u * p_.heads_q + h) * dim_, dim_);
-              }
-              x += p2c_val[key];
-            }
-            srow[c] = x;
-          }
-          const auto vl = hn::Set(d, lse[r]), vd = hn::Set(d, dsum[r]);
-          for (int64_t c = 0; c < kt; c += lanes_) {
-            const auto pv = hn::Exp(d, hn::Sub(hn::Load(d, srow + c), vl));  // exp(-inf) = 0
-            hn::Store(pv, d, srow + c);
-            hn::Store(hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd)), d, drow + c);
-          }
-          // Per-cell gradients of the scheme's terms (dS unscaled for biases, scaled below).
-          if (bias_run && b_.dbias != nullptr) {
-            float* dbrow = b_.dbias + bias_at;
-            for (int64_t c = 0; c < kt; c += lanes_) {
-              hn::StoreU(hn::Add(hn::LoadU(d, dbrow + c), hn::Load(d, drow + c)), d, dbrow + c);
-            }
-          }
-          for (int64_t c = 0; cell_grads && !bias_run && c < nk; ++c) {
-            const float ds = drow[c];
-            const float pr = srow[c];
-            if (ds == 0.0f && pr == 0.0f) continue;
-            const int32_t pk = kposb[j0 + c];
-            const int64_t delta = int64_t{pq} - pk;
-            const float sds = scale * ds;
-            if (b_.dbias != nullptr) {
-              b_.dbias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)] +=
-                  ds;
-            } else if (deberta_) {
-              const int64_t at = p_.deberta_dmax[bb] - delta;
-              // dK_j += scale dS pos_query[p2c] and dpos_query[p2c] += scale dS k_j: summed
-              // over runs of equal u per (key, head) first, applied after the tile's products.
-              const int64_t u = p_.deberta_p2c[at];
-              const size_t key = static_cast<size_t>(c * group_ + (h - hk * group_));
-              int32_t& run = p2c_run[key];
-              if (run >= 0 && pq_cells[static_cast<size_t>(run)].u == u) {
-                pq_cells[static_cast<size_t>(run)].sds += sds;
-              } else {
-                run = static_cast<int32_t>(pq_cells.size());
-                pq_cells.push_back({c, u, h, sds});
-              }
-            }
-          }
-          // scale * dS from here on; Shaw's and DeBERTa's c2p bucket sums.
-          const auto vs = hn::Set(d, scale);
-          for (int64_t c = 0; c < kt; c += lanes_) {
-            const auto sds = hn::Mul(hn::Load(d, drow + c), vs);
-            hn::Store(sds, d, drow + c);
-            if (xl_fast) {
-              const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
-              if (k >= lanes_) {
-                hn::StoreU(hn::Add(hn::LoadU(d, w1 + a0), sds), d, w1 + a0);
-              } else {  // each element gets the same single addition
-                const auto m = hn::FirstN(d, static_cast<size_t>(k));
-                hn::BlendedStore(hn::Add(hn::LoadU(d, w1 + a0), sds), m, d, w1 + a0);
-                float* t2 = w1 + a1 - k;
-                hn::BlendedStore(hn::Add(hn::LoadU(d, t2), sds), hn::Not(m), d, t2);
-              }
-            } else if (deb_one) {  // ScatterAdd's single-address case
-              w1[deb_a] += hn::GetLane(hn::SumOfLanes(d, sds));
-              hn::StoreU(hn::Add(hn::LoadU(d, deb_w + c), sds), d, deb_w + c);
-            } else if (shaw_ || deberta_ || xl_) {
-              ScatterAdd(w1, addr + c, sds, xl_, /*rising=*/!deberta_);
-            }
-            if (shaw_ && b_.shaw_drel_v != nullptr)
-              ScatterAdd(w2, addr + c, hn::Load(d, srow + c), true);
-            if (deb_diag) {
-              float* at = wgd_all + deb_g + c;
-              hn::StoreU(hn::Add(hn::LoadU(d, at), sds), d, at);
-            } else if (p2c_tiles && !deb_one) {
-              // The tile's keys are distinct lanes: no two lanes share an address.
-              float* wpq = wpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt;
-              ScatterAddTileRows(wpq, addr2 + c, sds);
-            }
-          }
-        }
-        ScoresTile(dotr, rp, s, dimr, dvt, kt, rp, true);   // dV^T += dO^T P
-        ScoresTile(qtr, rp, dps, dimr, dkt, kt, rp, true);  // dK^T += Q^T (scale dS)
-        AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);       // dQ += scale dS K
-        for (const auto& cell : pq_cells) {                 // DeBERTa p2c
-          const int64_t g = cell.h - hk * group_;
-          Axpy(cell.sds, p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_,
-               dkx + cell.c * dp, dim_);
-          Axpy(cell.sds, kp + cell.c * dp, part + part_pq_ + (g * span2s_ + cell.u) * dp, dim_);
-        }
-        pq_cells.clear();
-        for (int64_t c = 0; !cached && c < nk; ++c) {
-          AddColumn(dkt, c, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk));
-          AddColumn(dvt, c, OutRow(b_.dv, b_.dv_stride, bb, j0 + c, hk));
-          if (deberta_) AddRow(dkx + c * dp, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk), dim_);
-        }
-        if (deberta_ && !cached) std::fill(dkx, dkx + n_ktile, 0.0f);
-      }
-      // Per-row terms, once per block.
-      if (shaw_) {
-        BackQ(relk_, w1, dqb, br);
-        BackTable(w1, qtr, part + part_relk_, shaw_k_heads_, br);
-        if (b_.shaw_drel_v != nullptr) BackTable(w2, dotr, part + part_relv_, shaw_v_heads_, br);
-      } else if (deberta_) {
-        BackQ(relk_, w1, dqb, br);
-        BackTable(w1, qtr, part, group_, br);
-      } else if (xl_) {
-        BackQ(relk_, w1, dqr, br);  // dQ's r(delta) part
-        BackTable(w1, qxtr, part + 2 * group_ * dim_, group_, br);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t h = head[static_cast<size_t>(r)], g = h - hk * group_;
-        float* dq_r = dqb + r * dp;
-        if (xl_) {
-          Axpy(1.0f, dq_r, part + g * dim_, dim_);                          // du: the k part
-          Axpy(1.0f, dqr + r * dp, part + group_ * dim_ + g * dim_, dim_);  // dv: the r part
-          Axpy(1.0f, dqr + r * dp, dq_r, dim_);
-        }
-        const int64_t i = i0 + r % nq;
-        std::memcpy(b_.dq + bb * b_.dq_stride[0] + i * b_.dq_stride[1] + h * b_.dq_stride[2], dq_r,
-                    static_cast<size_t>(dim_) * sizeof(float));
+      dsum[r] = Dot(dor, orow, dim_);
+      lse[r] = p_.lse[bb * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]];
+      if (b_.dsinks != nullptr && lse[r] != kNegInf) {
+        // The sink's probability exp(sink - lse) times dP - D with dP = 0 (it has no value).
+        part[part_sink_ + (h - hk * group_)] -= std::exp(p_.sinks[h] - lse[r]) * dsum[r];
       }
     }
+    for (int64_t r = 0; r < rp; ++r)
+      for (int64_t x = 0; x < dim_; ++x) {
+        qtr[x * rp + r] = qb[r * dp + x];
+        dotr[x * rp + r] = dob[r * dp + x];
+        if (xl_) qxtr[x * rp + r] = qx[r * dp + x];
+      }
+    // Per-row tables and bucket sums.
+    BlockRows br{rows, rp, nq, hk, cs, 0, nch_};
+    if (shaw_ || deberta_ || xl_) {
+      // Only the chunks of table rows this block's cells can reach.
+      int64_t dlo = std::numeric_limits<int64_t>::max(), dhi = std::numeric_limits<int64_t>::min();
+      for (int64_t t = 0; t < ntiles_; ++t) {
+        if (!Visits(st, qmin, qmax, t)) continue;
+        dlo = std::min<int64_t>(dlo,
+                                int64_t{qmin} - tile_max_[static_cast<size_t>(bb * ntiles_ + t)]);
+        dhi = std::max<int64_t>(dhi,
+                                int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
+      }
+      p_.mask.clip_distances(dlo, dhi);
+      if (dlo > dhi) {
+        br.c1 = 0;
+      } else if (shaw_) {
+        // u = clamp(-delta, -K, K) + K
+        const int64_t k = p_.shaw_k;
+        br.c0 = (std::clamp<int64_t>(-dhi, -k, k) + k) / kt;
+        br.c1 = (std::clamp<int64_t>(-dlo, -k, k) + k) / kt + 1;
+      } else if (xl_) {
+        br.c0 = std::clamp<int64_t>(p_.xl_dmax - dhi, 0, p_.xl_len - 1) / kt;
+        br.c1 = std::clamp<int64_t>(p_.xl_dmax - dlo, 0, p_.xl_len - 1) / kt + 1;
+      } else {
+        const auto [ulo, uhi] = UsedRows(p_.deberta_c2p, p_.deberta_dmax[bb], dlo, dhi);
+        br.c0 = ulo / kt, br.c1 = uhi / kt + 1;
+      }
+      std::fill(w1 + br.c0 * cs, w1 + br.c1 * cs, 0.0f);
+      if (w2 != nullptr) std::fill(w2 + br.c0 * cs, w2 + br.c1 * cs, 0.0f);
+      Project(relk_, xl_ ? qx : qb, rel1, br);
+      if (shaw_ && p_.shaw_rel_v != nullptr) Project(relv_, dob, rel2, br);
+    }
+    return Block{i0, nq, rows, rp, qmin, qmax, br};
+  }
+
+  // Tile t's key positions and operands (formed here unless the item holds them), and the
+  // block's scores S = Q K^T and dP = dO V^T on it.
+  Tile LoadTile(ItemState& st, const Block& blk, int64_t t) {
+    [[maybe_unused]] auto& bb = st.bb;
+    [[maybe_unused]] auto& dp = st.dp;
+    [[maybe_unused]] auto& kt = st.kt;
+    [[maybe_unused]] auto& n_ktile = st.n_ktile;
+    [[maybe_unused]] auto& qb = st.qb;
+    [[maybe_unused]] auto& dob = st.dob;
+    [[maybe_unused]] auto& s = st.s;
+    [[maybe_unused]] auto& dps = st.dps;
+    [[maybe_unused]] auto& kp_s = st.kp_s;
+    [[maybe_unused]] auto& dkt_s = st.dkt_s;
+    [[maybe_unused]] auto& dvt_s = st.dvt_s;
+    [[maybe_unused]] auto& ktr_s = st.ktr_s;
+    [[maybe_unused]] auto& vtr_s = st.vtr_s;
+    [[maybe_unused]] auto& kp_all = st.kp_all;
+    [[maybe_unused]] auto& kt_all = st.kt_all;
+    [[maybe_unused]] auto& vt_all = st.vt_all;
+    [[maybe_unused]] auto& dk_all = st.dk_all;
+    [[maybe_unused]] auto& dv_all = st.dv_all;
+    [[maybe_unused]] auto& kpt = st.kpt;
+    [[maybe_unused]] auto& p2c_u = st.p2c_u;
+    [[maybe_unused]] auto& p2c_run = st.p2c_run;
+    [[maybe_unused]] auto& kposb = st.kposb;
+    [[maybe_unused]] auto& kbase = st.kbase;
+    [[maybe_unused]] auto& vbase = st.vbase;
+    [[maybe_unused]] auto& cached = st.cached;
+    const int64_t rp = blk.rp;
+    const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
+    bool consec = true;
+    for (int64_t c = 0; c < nk; ++c) {
+      kpt[c] = kposb[j0 + c];
+      consec = consec && kpt[c] == kpt[0] + c;
+    }
+    // Keys past the tile's end: a position of the tile (masked, but table indices stay valid).
+    for (int64_t c = nk; c < kt; ++c) kpt[c] = kpt[0];
+    // ALiBi / T5 over consecutive key positions: the tile's biases (and their gradients) are
+    // a contiguous run of the per-distance row, index dmax - pos_q + pos_k (the table has a
+    // tile of padding past its last distance).
+    const bool bias_run = p_.bias != nullptr && consec;
+    float *kp = kp_s, *ktr = ktr_s, *vtr = vtr_s, *dkt = dkt_s, *dvt = dvt_s;
+    if (cached) {
+      kp = kp_all + j0 * dp;
+      ktr = kt_all + t * dim_ * kt;
+      vtr = vt_all + t * dim_ * kt;
+      dkt = dk_all + t * dp * kt;
+      dvt = dv_all + t * dp * kt;
+    } else {
+      std::fill(kp, kp + n_ktile, 0.0f);
+      TileOperands(bb, kbase, vbase, j0, nk, kp, ktr, vtr);
+      std::fill(dkt, dkt + n_ktile, 0.0f);
+      std::fill(dvt, dvt + n_ktile, 0.0f);
+    }
+    ScoresTile(qb, dim_, ktr, rp, s, kt, dp);
+    ScoresTile(dob, dim_, vtr, rp, dps, kt, dp);
+    if (deberta_) {
+      std::fill(p2c_u.begin(), p2c_u.end(), -1);
+      std::fill(p2c_run.begin(), p2c_run.end(), -1);
+    }
+    return Tile{t, j0, nk, consec, bias_run, kp, ktr, vtr, dkt, dvt};
+  }
+
+  // What TileRowScores leaves for TileRowGrads: the row's score and dP rows and where its terms
+  // were read.
+  struct RowAt {
+    float* srow;
+    float* drow;
+    int64_t h;
+    int32_t pq;
+    int64_t xl_u0;
+    bool xl_fast;
+    bool deb_one;
+    bool deb_diag;
+    int64_t deb_g;
+    int64_t deb_a;
+    float* deb_w;
+    int64_t bias_at;
+  };
+
+  // Row r of the block on a tile: the scheme's terms added to its scores, and the mask. Returns
+  // false for a row that sees no key (its P and dS rows zeroed).
+  bool TileRowScores(ItemState& st, const Tile& tile, int64_t r, RowAt& at) {
+    const DF d;
+    [[maybe_unused]] auto& bb = st.bb;
+    [[maybe_unused]] auto& hk = st.hk;
+    [[maybe_unused]] auto& dp = st.dp;
+    [[maybe_unused]] auto& kt = st.kt;
+    [[maybe_unused]] auto& cs = st.cs;
+    [[maybe_unused]] auto& nb = st.nb;
+    [[maybe_unused]] auto& s = st.s;
+    [[maybe_unused]] auto& dps = st.dps;
+    [[maybe_unused]] auto& rel1 = st.rel1;
+    [[maybe_unused]] auto& rel2 = st.rel2;
+    [[maybe_unused]] auto& lse = st.lse;
+    [[maybe_unused]] auto& kpq_all = st.kpq_all;
+    [[maybe_unused]] auto& wpq_all = st.wpq_all;
+    [[maybe_unused]] auto& gd_all = st.gd_all;
+    [[maybe_unused]] auto& addr = st.addr;
+    [[maybe_unused]] auto& addr2 = st.addr2;
+    [[maybe_unused]] auto& kpt = st.kpt;
+    [[maybe_unused]] auto& qpos = st.qpos;
+    [[maybe_unused]] auto& p2c_u = st.p2c_u;
+    [[maybe_unused]] auto& head = st.head;
+    [[maybe_unused]] auto& p2c_val = st.p2c_val;
+    [[maybe_unused]] auto& scale = st.scale;
+    [[maybe_unused]] auto& kposb = st.kposb;
+    [[maybe_unused]] auto& p2c_tiles = st.p2c_tiles;
+    [[maybe_unused]] auto& cell_terms = st.cell_terms;
+    [[maybe_unused]] const auto t = tile.t;
+    [[maybe_unused]] const auto j0 = tile.j0;
+    [[maybe_unused]] const auto nk = tile.nk;
+    [[maybe_unused]] const auto consec = tile.consec;
+    [[maybe_unused]] const auto bias_run = tile.bias_run;
+    [[maybe_unused]] const auto kp = tile.kp;
+    float* srow = s + r * kt;
+    float* drow = dps + r * kt;
+    if (lse[r] == -std::numeric_limits<float>::infinity()) {
+      std::fill(srow, srow + kt, 0.0f);
+      std::fill(drow, drow + kt, 0.0f);
+      return false;
+    }
+    const int64_t h = head[static_cast<size_t>(r)];
+    const int32_t pq = qpos[static_cast<size_t>(r)];
+    // Scale and mask, vectorized over the tile's keys (kpt: their positions).
+    {
+      const DI di;
+      const auto vs = hn::Set(d, scale), vninf = hn::Set(d, kNegInf);
+      const RowMask row_mask(p_.mask, pq);
+      for (int64_t c = 0; c < kt; c += lanes_) {
+        const auto vis = row_mask.Visible(d, hn::Load(di, kpt + c));
+        const auto x = hn::Mul(hn::Load(d, srow + c), vs);
+        hn::Store(hn::IfThenElse(vis, x, vninf), d, srow + c);
+      }
+      for (int64_t c = nk; c < kt; ++c) srow[c] = kNegInf;
+    }
+    // XL over consecutive keys whose distances all lie in the table (no clamping): the
+    // row's table rows are u0 + c, so each vector's addresses are known without index
+    // vectors: one run, or two across a row-chunk boundary.
+    const int64_t xl_u0 = xl_ ? int64_t{p_.xl_dmax} - pq + kpt[0] : 0;
+    const bool xl_fast = xl_ && consec && xl_u0 >= 0 && xl_u0 + kt <= p_.xl_len;
+    // DeBERTa over consecutive keys whose distances share one c2p row and one p2c row (far
+    // keys: saturated buckets, most cells of a long causal sequence): one broadcast c2p
+    // value, one contiguous run of the tile's p2c products, no index vectors. The same
+    // arithmetic as the general path below.
+    const int64_t deb_at0 = deberta_ ? int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] : 0;
+    const bool deb_one = p2c_tiles && consec && deb_at0 >= 0 && deb_at0 + kt <= p_.deberta_len &&
+                         deb_run_end_[static_cast<size_t>(deb_at0)] >= deb_at0 + kt;
+    // DeBERTa over consecutive keys whose p2c rows all lie on the linear stretch: the p2c
+    // products from the tile's diagonal copy (one run), W's from its gradient.
+    const bool deb_diag = p2c_tiles && consec && !deb_one && nb > 0 && deb_at0 >= 0 &&
+                          deb_at0 + kt <= p_.deberta_len &&
+                          deb_lin_[static_cast<size_t>(deb_at0)] != 0;
+    const int64_t deb_g = deb_diag ? ((h - hk * group_) * ntiles_ + t) * nb * kt +
+                                         (p_.deberta_p2c[deb_at0] - deb_b_lo_) * kt
+                                   : 0;
+    int64_t deb_a = 0;              // the c2p row's address in rel1 / w1
+    const float* deb_pq = nullptr;  // the p2c row of the tile's kpq
+    float* deb_w = nullptr;         // and of its W
+    if (deb_one) {
+      const int64_t u = p_.deberta_c2p[deb_at0], u2 = p_.deberta_p2c[deb_at0];
+      deb_a = (u / kt) * cs + r * kt + u % kt;
+      const int64_t at = ((h - hk * group_) * ntiles_ + t) * span2s_ * kt + u2 * kt;
+      deb_pq = kpq_all + at;
+      deb_w = wpq_all + at;
+      const auto vc = hn::Set(d, rel1[deb_a]);
+      for (int64_t c = 0; c < kt; c += lanes_) {
+        const auto x = hn::Add(hn::Load(d, srow + c), hn::LoadU(d, deb_pq + c));
+        hn::Store(hn::Add(x, vc), d, srow + c);
+      }
+    }
+    if (xl_fast) {
+      for (int64_t c = 0; c < kt; c += lanes_) {
+        const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
+        auto v = hn::LoadU(d, rel1 + a0);
+        if (k < lanes_) {
+          v = hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(k)), v, hn::LoadU(d, rel1 + a1 - k));
+        }
+        hn::Store(hn::Add(hn::Load(d, srow + c), v), d, srow + c);
+      }
+    }
+    // Shaw's and DeBERTa's c2p term: the row's projection at each key's table row.
+    if (shaw_ || (deberta_ && !deb_one) || (xl_ && !xl_fast)) {
+      const DI di;
+      const auto vpq = hn::Set(di, pq);
+      const float* kpq =
+          p2c_tiles ? kpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt : nullptr;
+      const auto vrow = hn::Set(di, static_cast<int32_t>(r * kt));
+      const auto vcs = hn::Set(di, static_cast<int32_t>(cs));
+      const auto v63 = hn::Set(di, static_cast<int32_t>(kt - 1));
+      for (int64_t c = 0; c < kt; c += lanes_) {
+        const auto kpv = hn::Load(di, kpt + c);
+        hn::Vec<DI> u;
+        if (shaw_) {
+          const auto k = hn::Set(di, static_cast<int32_t>(p_.shaw_k));
+          u = hn::Min(hn::Max(hn::Add(hn::Sub(kpv, vpq), k), hn::Zero(di)), hn::Add(k, k));
+        } else if (xl_) {
+          // r(t) covers the distances a mask leaves visible: masked cells (P = 0, dS = 0)
+          // read and add to a clamped row.
+          u = hn::Min(hn::Max(hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.xl_dmax - pq))),
+                              hn::Zero(di)),
+                      hn::Set(di, static_cast<int32_t>(p_.xl_len - 1)));
+        } else {
+          const auto at = hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[bb] - pq)));
+          // Consecutive key positions read the index tables contiguously (past the tile's
+          // last key too: the tables have a tile of padding, and those keys are masked).
+          const int64_t at0 = int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] + c;
+          u = consec ? hn::LoadU(di, p_.deberta_c2p + at0)
+                     : hn::GatherIndex(di, p_.deberta_c2p, at);
+          if (deb_diag) {
+            hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, gd_all + deb_g + c)), d,
+                      srow + c);
+          } else if (p2c_tiles) {
+            // p2c: kpq[u2][c], address u2 * kTileK + c.
+            const auto u2 = consec ? hn::LoadU(di, p_.deberta_p2c + at0)
+                                   : hn::GatherIndex(di, p_.deberta_p2c, at);
+            const auto a2 = hn::Add(hn::ShiftLeft<6>(u2), hn::Iota(di, static_cast<int32_t>(c)));
+            hn::Store(a2, di, addr2 + c);
+            hn::Store(hn::Add(hn::Load(d, srow + c), GatherTileRows(kpq, addr2 + c)), d, srow + c);
+          }
+        }
+        static_assert(kTileK == 64, "row-chunk addresses: u >> 6, u & 63");
+        const auto a = hn::Add(hn::Add(hn::Mul(hn::ShiftRight<6>(u), vcs), vrow), hn::And(u, v63));
+        hn::Store(a, di, addr + c);
+        hn::Store(hn::Add(hn::Load(d, srow + c), GatherRows(rel1, addr + c, !deberta_)), d,
+                  srow + c);
+        if (shaw_ && p_.shaw_rel_v != nullptr) {
+          hn::Store(hn::Add(hn::Load(d, drow + c), GatherRows(rel2, addr + c)), d, drow + c);
+        }
+      }
+    }
+    const int64_t bias_at =
+        bb * p_.bias_batch_stride + h * p_.bias_len +
+        ((p_.bias_dmax != nullptr ? int64_t{p_.bias_dmax[bb]} : 0) - pq + kpt[0]);
+    if (bias_run) {
+      const float* brow = p_.bias + bias_at;
+      for (int64_t c = 0; c < kt; c += lanes_) {
+        hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, brow + c)), d, srow + c);
+      }
+    }
+    for (int64_t c = 0; cell_terms && !bias_run && c < nk; ++c) {
+      if (srow[c] == kNegInf) continue;
+      const int32_t pk = kposb[j0 + c];
+      const int64_t delta = int64_t{pq} - pk;
+      float x = srow[c];
+      if (p_.bias != nullptr) {
+        x += p_.bias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)];
+      } else if (deberta_) {
+        const int64_t at = p_.deberta_dmax[bb] - delta;
+        // k_c . pos_query[u, h]: consecutive rows of a column often share u (clipped or
+        // log-bucketed distances), so the last product per (key, head) is kept.
+        const int32_t u = p_.deberta_p2c[at];
+        const size_t key = static_cast<size_t>(c * group_ + (h - hk * group_));
+        if (p2c_u[key] != u) {
+          p2c_u[key] = u;
+          p2c_val[key] =
+              scale * Dot(kp + c * dp, p_.deberta_pos_query + (u * p_.heads_q + h) * dim_, dim_);
+        }
+        x += p2c_val[key];
+      }
+      srow[c] = x;
+    }
+    at.srow = srow;
+    at.drow = drow;
+    at.h = h;
+    at.pq = pq;
+    at.xl_u0 = xl_u0;
+    at.xl_fast = xl_fast;
+    at.deb_one = deb_one;
+    at.deb_diag = deb_diag;
+    at.deb_g = deb_g;
+    at.deb_a = deb_a;
+    at.deb_w = deb_w;
+    at.bias_at = bias_at;
+    return true;
+  }
+
+  // P = exp(S - lse) and dS = P (dP - D) of row r, the per-cell and per-bucket gradients of the
+  // scheme's terms; scale * dS left in the dP row.
+  void TileRowGrads(ItemState& st, const Tile& tile, int64_t r, const RowAt& at) {
+    const DF d;
+    [[maybe_unused]] auto& bb = st.bb;
+    [[maybe_unused]] auto& hk = st.hk;
+    [[maybe_unused]] auto& kt = st.kt;
+    [[maybe_unused]] auto& cs = st.cs;
+    [[maybe_unused]] auto& w1 = st.w1;
+    [[maybe_unused]] auto& w2 = st.w2;
+    [[maybe_unused]] auto& dsum = st.dsum;
+    [[maybe_unused]] auto& lse = st.lse;
+    [[maybe_unused]] auto& wpq_all = st.wpq_all;
+    [[maybe_unused]] auto& wgd_all = st.wgd_all;
+    [[maybe_unused]] auto& addr = st.addr;
+    [[maybe_unused]] auto& addr2 = st.addr2;
+    [[maybe_unused]] auto& p2c_run = st.p2c_run;
+    [[maybe_unused]] auto& pq_cells = st.pq_cells;
+    [[maybe_unused]] auto& scale = st.scale;
+    [[maybe_unused]] auto& kposb = st.kposb;
+    [[maybe_unused]] auto& p2c_tiles = st.p2c_tiles;
+    [[maybe_unused]] auto& cell_grads = st.cell_grads;
+    [[maybe_unused]] const auto t = tile.t;
+    [[maybe_unused]] const auto j0 = tile.j0;
+    [[maybe_unused]] const auto nk = tile.nk;
+    [[maybe_unused]] const auto bias_run = tile.bias_run;
+    const auto srow = at.srow;
+    const auto drow = at.drow;
+    const auto h = at.h;
+    const auto pq = at.pq;
+    const auto xl_u0 = at.xl_u0;
+    const auto xl_fast = at.xl_fast;
+    const auto deb_one = at.deb_one;
+    const auto deb_diag = at.deb_diag;
+    const auto deb_g = at.deb_g;
+    const auto deb_a = at.deb_a;
+    const auto deb_w = at.deb_w;
+    const auto bias_at = at.bias_at;
+    const auto vl = hn::Set(d, lse[r]), vd = hn::Set(d, dsum[r]);
+    for (int64_t c = 0; c < kt; c += lanes_) {
+      const auto pv = hn::Exp(d, hn::Sub(hn::Load(d, srow + c), vl));  // exp(-inf) = 0
+      hn::Store(pv, d, srow + c);
+      hn::Store(hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd)), d, drow + c);
+    }
+    // Per-cell gradients of the scheme's terms (dS unscaled for biases, scaled below).
+    if (bias_run && b_.dbias != nullptr) {
+      float* dbrow = b_.dbias + bias_at;
+      for (int64_t c = 0; c < kt; c += lanes_) {
+        hn::StoreU(hn::Add(hn::LoadU(d, dbrow + c), hn::Load(d, drow + c)), d, dbrow + c);
+      }
+    }
+    for (int64_t c = 0; cell_grads && !bias_run && c < nk; ++c) {
+      const float ds = drow[c];
+      const float pr = srow[c];
+      if (ds == 0.0f && pr == 0.0f) continue;
+      const int32_t pk = kposb[j0 + c];
+      const int64_t delta = int64_t{pq} - pk;
+      const float sds = scale * ds;
+      if (b_.dbias != nullptr) {
+        b_.dbias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)] += ds;
+      } else if (deberta_) {
+        const int64_t at = p_.deberta_dmax[bb] - delta;
+        // dK_j += scale dS pos_query[p2c] and dpos_query[p2c] += scale dS k_j: summed
+        // over runs of equal u per (key, head) first, applied after the tile's products.
+        const int64_t u = p_.deberta_p2c[at];
+        const size_t key = static_cast<size_t>(c * group_ + (h - hk * group_));
+        int32_t& run = p2c_run[key];
+        if (run >= 0 && pq_cells[static_cast<size_t>(run)].u == u) {
+          pq_cells[static_cast<size_t>(run)].sds += sds;
+        } else {
+          run = static_cast<int32_t>(pq_cells.size());
+          pq_cells.push_back({c, u, h, sds});
+        }
+      }
+    }
+    // scale * dS from here on; Shaw's and DeBERTa's c2p bucket sums.
+    const auto vs = hn::Set(d, scale);
+    for (int64_t c = 0; c < kt; c += lanes_) {
+      const auto sds = hn::Mul(hn::Load(d, drow + c), vs);
+      hn::Store(sds, d, drow + c);
+      if (xl_fast) {
+        const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
+        if (k >= lanes_) {
+          hn::StoreU(hn::Add(hn::LoadU(d, w1 + a0), sds), d, w1 + a0);
+        } else {  // each element gets the same single addition
+          const auto m = hn::FirstN(d, static_cast<size_t>(k));
+          hn::BlendedStore(hn::Add(hn::LoadU(d, w1 + a0), sds), m, d, w1 + a0);
+          float* t2 = w1 + a1 - k;
+          hn::BlendedStore(hn::Add(hn::LoadU(d, t2), sds), hn::Not(m), d, t2);
+        }
+      } else if (deb_one) {  // ScatterAdd's single-address case
+        w1[deb_a] += hn::GetLane(hn::SumOfLanes(d, sds));
+        hn::StoreU(hn::Add(hn::LoadU(d, deb_w + c), sds), d, deb_w + c);
+      } else if (shaw_ || deberta_ || xl_) {
+        ScatterAdd(w1, addr + c, sds, xl_, /*rising=*/!deberta_);
+      }
+      if (shaw_ && b_.shaw_drel_v != nullptr) ScatterAdd(w2, addr + c, hn::Load(d, srow + c), true);
+      if (deb_diag) {
+        float* at = wgd_all + deb_g + c;
+        hn::StoreU(hn::Add(hn::LoadU(d, at), sds), d, at);
+      } else if (p2c_tiles && !deb_one) {
+        // The tile's keys are distinct lanes: no two lanes share an address.
+        float* wpq = wpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt;
+        ScatterAddTileRows(wpq, addr2 + c, sds);
+      }
+    }
+  }
+
+  // The tile's products: dV^T += dO^T P, dK^T += Q^T (scale dS), dQ += (scale dS) K; DeBERTa's
+  // p2c cells; dK, dV added to the outputs unless the item holds them.
+  void FinishTile(ItemState& st, const Block& blk, const Tile& tile) {
+    [[maybe_unused]] auto& bb = st.bb;
+    [[maybe_unused]] auto& hk = st.hk;
+    [[maybe_unused]] auto& dp = st.dp;
+    [[maybe_unused]] auto& kt = st.kt;
+    [[maybe_unused]] auto& dimr = st.dimr;
+    [[maybe_unused]] auto& n_ktile = st.n_ktile;
+    [[maybe_unused]] auto& dqb = st.dqb;
+    [[maybe_unused]] auto& s = st.s;
+    [[maybe_unused]] auto& dps = st.dps;
+    [[maybe_unused]] auto& qtr = st.qtr;
+    [[maybe_unused]] auto& dotr = st.dotr;
+    [[maybe_unused]] auto& dkx = st.dkx;
+    [[maybe_unused]] auto& part = st.part;
+    [[maybe_unused]] auto& pq_cells = st.pq_cells;
+    [[maybe_unused]] auto& cached = st.cached;
+    const int64_t rp = blk.rp;
+    const int64_t j0 = tile.j0, nk = tile.nk;
+    const float* kp = tile.kp;
+    float *dkt = tile.dkt, *dvt = tile.dvt;
+    ScoresTile(dotr, rp, s, dimr, dvt, kt, rp, true);   // dV^T += dO^T P
+    ScoresTile(qtr, rp, dps, dimr, dkt, kt, rp, true);  // dK^T += Q^T (scale dS)
+    AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);       // dQ += scale dS K
+    for (const auto& cell : pq_cells) {                 // DeBERTa p2c
+      const int64_t g = cell.h - hk * group_;
+      Axpy(cell.sds, p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_,
+           dkx + cell.c * dp, dim_);
+      Axpy(cell.sds, kp + cell.c * dp, part + part_pq_ + (g * span2s_ + cell.u) * dp, dim_);
+    }
+    pq_cells.clear();
+    for (int64_t c = 0; !cached && c < nk; ++c) {
+      AddColumn(dkt, c, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk));
+      AddColumn(dvt, c, OutRow(b_.dv, b_.dv_stride, bb, j0 + c, hk));
+      if (deberta_) AddRow(dkx + c * dp, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk), dim_);
+    }
+    if (deberta_ && !cached) std::fill(dkx, dkx + n_ktile, 0.0f);
+  }
+
+  // The block's per-row terms (Shaw, DeBERTa c2p, XL's r part) and its dQ rows written out.
+  void FinishBlock(ItemState& st, const Block& blk) {
+    [[maybe_unused]] auto& bb = st.bb;
+    [[maybe_unused]] auto& hk = st.hk;
+    [[maybe_unused]] auto& dp = st.dp;
+    [[maybe_unused]] auto& dqb = st.dqb;
+    [[maybe_unused]] auto& dqr = st.dqr;
+    [[maybe_unused]] auto& qtr = st.qtr;
+    [[maybe_unused]] auto& dotr = st.dotr;
+    [[maybe_unused]] auto& qxtr = st.qxtr;
+    [[maybe_unused]] auto& w1 = st.w1;
+    [[maybe_unused]] auto& w2 = st.w2;
+    [[maybe_unused]] auto& part = st.part;
+    [[maybe_unused]] auto& head = st.head;
+    const int64_t i0 = blk.i0, nq = blk.nq, rows = blk.rows;
+    const BlockRows& br = blk.br;
+    // Per-row terms, once per block.
+    if (shaw_) {
+      BackQ(relk_, w1, dqb, br);
+      BackTable(w1, qtr, part + part_relk_, shaw_k_heads_, br);
+      if (b_.shaw_drel_v != nullptr) BackTable(w2, dotr, part + part_relv_, shaw_v_heads_, br);
+    } else if (deberta_) {
+      BackQ(relk_, w1, dqb, br);
+      BackTable(w1, qtr, part, group_, br);
+    } else if (xl_) {
+      BackQ(relk_, w1, dqr, br);  // dQ's r(delta) part
+      BackTable(w1, qxtr, part + 2 * group_ * dim_, group_, br);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = head[static_cast<size_t>(r)], g = h - hk * group_;
+      float* dq_r = dqb + r * dp;
+      if (xl_) {
+        Axpy(1.0f, dq_r, part + g * dim_, dim_);                          // du: the k part
+        Axpy(1.0f, dqr + r * dp, part + group_ * dim_ + g * dim_, dim_);  // dv: the r part
+        Axpy(1.0f, dqr + r * dp, dq_r, dim_);
+      }
+      const int64_t i = i0 + r % nq;
+      std::memcpy(b_.dq + bb * b_.dq_stride[0] + i * b_.dq_stride[1] + h * b_.dq_stride[2], dq_r,
+                  static_cast<size_t>(dim_) * sizeof(float));
+    }
+  }
+
+  // DeBERTa's p2c products once per key tile, and the item's dK, dV written out.
+  void FinishItem(ItemState& st) {
+    [[maybe_unused]] auto& bb = st.bb;
+    [[maybe_unused]] auto& hk = st.hk;
+    [[maybe_unused]] auto& dp = st.dp;
+    [[maybe_unused]] auto& kt = st.kt;
+    [[maybe_unused]] auto& nb = st.nb;
+    [[maybe_unused]] auto& kp_all = st.kp_all;
+    [[maybe_unused]] auto& dk_all = st.dk_all;
+    [[maybe_unused]] auto& dv_all = st.dv_all;
+    [[maybe_unused]] auto& wpq_all = st.wpq_all;
+    [[maybe_unused]] auto& wgd_all = st.wgd_all;
+    [[maybe_unused]] auto& part = st.part;
+    [[maybe_unused]] auto& p2c_rows = st.p2c_rows;
+    [[maybe_unused]] auto& cached = st.cached;
+    [[maybe_unused]] auto& p2c_tiles = st.p2c_tiles;
     // DeBERTa p2c, once per key tile: dK^T += pos_query^T W, dpos_query += W K.
     for (int64_t t = 0; p2c_tiles && t < ntiles_; ++t) {
       const int64_t nk = std::min(kt, p_.seq_k - t * kt);
@@ -1248,6 +1579,27 @@ class BackwardKernel {
         dvr[x] = dv_all[(t * dp + x) * kt + c];
       }
     }
+  }
+
+  // One (batch row, kv head): every query block against every key tile it can see.
+  void RunItem(int64_t w, Scratch& sc, float* part) {
+    ItemState st;
+    InitItem(st, w, sc, part);
+    PlanItem(st);
+    for (int64_t i0 = 0; i0 < p_.seq_q; i0 += nq_) {
+      const Block blk = LoadBlock(st, i0);
+      for (int64_t t = 0; t < ntiles_; ++t) {
+        if (!Visits(st, blk.qmin, blk.qmax, t)) continue;
+        const Tile tile = LoadTile(st, blk, t);
+        for (int64_t r = 0; r < blk.rp; ++r) {
+          RowAt at;
+          if (TileRowScores(st, tile, r, at)) TileRowGrads(st, tile, r, at);
+        }
+        FinishTile(st, blk, tile);
+      }
+      FinishBlock(st, blk);
+    }
+    FinishItem(st);
   }
 
   const FusedBackwardParams& b_;
