@@ -1,10 +1,10 @@
-// python/src/bind_encodings.cc - the encodings and index functions: sinusoidal, learned, RoPE
-// (frequencies, apply / inverse, q and k together, re-rotation, M-RoPE), ALiBi slopes, T5 / Shaw
-// / DeBERTa indices, the Transformer-XL sinusoid, model configs. apply_rope's settings
-// (rope_setup, calls.h) serve the half-precision binding too (bind_half.cc).
+// python/src/bind_encodings.cc - the encodings and index functions: sinusoidal, learned, ALiBi
+// slopes, T5 / Shaw / DeBERTa indices, the Transformer-XL sinusoid, model configs and the RoPE
+// classes (RoPE's functions: bind_rope.cc).
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -62,127 +62,6 @@ Rows3 rows3(const pb::handle& x, bool inplace, const char* what) {
   return r;
 }
 
-// ---- RoPE ------------------------------------------------------------------------------------
-
-RopeScaling scaling_arg(const pb::handle& obj) {
-  RopeScaling s;
-  if (obj.is_none()) return s;
-  if (!pb::isinstance<pb::dict>(obj)) {
-    throw pb::type_error("scaling: a dict like Hugging Face's rope_scaling");
-  }
-  for (auto [k, v] : pb::reinterpret_borrow<pb::dict>(obj)) {
-    const std::string key = pb::str(k);
-    if (key == "rope_type" || key == "type") {
-      const std::string t = pb::str(v);
-      if (t == "default") {
-        s.type = RopeScalingType::kDefault;
-      } else if (t == "linear") {
-        s.type = RopeScalingType::kLinear;
-      } else if (t == "dynamic") {
-        s.type = RopeScalingType::kDynamic;
-      } else if (t == "yarn") {
-        s.type = RopeScalingType::kYarn;
-      } else if (t == "llama3") {
-        s.type = RopeScalingType::kLlama3;
-      } else if (t == "longrope") {
-        s.type = RopeScalingType::kLongRope;
-      } else {
-        throw ValueError("scaling: rope_type '" + t +
-                         "' (default, linear, dynamic, yarn, llama3, longrope)");
-      }
-    } else if (key == "factor") {
-      s.factor = v.cast<double>();
-    } else if (key == "original_max_position_embeddings") {
-      s.original_max_position_embeddings = v.cast<int64_t>();
-    } else if (key == "max_position_embeddings") {
-      s.max_position_embeddings = v.cast<int64_t>();
-    } else if (key == "low_freq_factor") {
-      s.low_freq_factor = v.cast<double>();
-    } else if (key == "high_freq_factor") {
-      s.high_freq_factor = v.cast<double>();
-    } else if (key == "beta_fast") {
-      s.beta_fast = v.cast<double>();
-    } else if (key == "beta_slow") {
-      s.beta_slow = v.cast<double>();
-    } else if (key == "truncate") {
-      s.truncate = v.cast<bool>();
-    } else if (key == "mscale") {
-      s.mscale = v.cast<double>();
-    } else if (key == "mscale_all_dim") {
-      s.mscale_all_dim = v.cast<double>();
-    } else if (key == "attention_factor") {
-      s.attention_factor = v.cast<double>();
-    } else if (key == "short_factor") {
-      s.short_factor = v.cast<std::vector<double>>();
-    } else if (key == "long_factor") {
-      s.long_factor = v.cast<std::vector<double>>();
-    } else {
-      throw ValueError("scaling: unknown key '" + key + "'");
-    }
-  }
-  return s;
-}
-
-// Frequencies from the keyword arguments: a config, or head_dim + rotary_dim + base + scaling.
-RopeFrequencies make_freqs(const pb::object& config, std::optional<int64_t> head_dim,
-                           int64_t rotary_dim, double base, const pb::object& scaling,
-                           int64_t seq_len, const std::string& angles) {
-  const RopeAngles a = parse_angles(angles);
-  if (!config.is_none()) {
-    const ModelConfig m = model_config_arg(config);
-    return model_rope_frequencies(m, seq_len, a);
-  }
-  if (!head_dim) throw pb::type_error("rope_frequencies: head_dim (or config=) is required");
-  RopeConfig c;
-  c.head_dim = *head_dim;
-  c.rotary_dim = rotary_dim;
-  c.base = base;
-  c.scaling = scaling_arg(scaling);
-  validate(c);
-  return rope_frequencies(c, seq_len, a);
-}
-
-pb::object temperature_dict(const std::optional<AttentionTemperature>& t) {
-  if (!t) return pb::none();
-  return pb::dict("floor_scale"_a = t->floor_scale, "attn_scale"_a = t->attn_scale);
-}
-
-// rope_frequencies(...): the first positional argument is head_dim (an int) or a config (a path,
-// dict or ModelConfig, as config=); layer= picks a layer of the config, NoPE layers included.
-pb::object rope_frequencies_call(const pb::object& first, int64_t rotary_dim, double base,
-                                 const pb::object& scaling, int64_t seq_len,
-                                 const std::string& angles, pb::object config,
-                                 std::optional<int64_t> layer) {
-  std::optional<int64_t> head_dim;
-  if (!first.is_none()) {
-    if (pb::isinstance<pb::int_>(first) && !pb::isinstance<pb::bool_>(first)) {
-      head_dim = first.cast<int64_t>();
-    } else if (pb::isinstance<pb::str>(first) || pb::isinstance<pb::dict>(first) ||
-               pb::isinstance<ModelConfig>(first) || pb::hasattr(first, "__fspath__")) {
-      if (!config.is_none()) {
-        throw pb::type_error("rope_frequencies: config given twice (positionally and config=)");
-      }
-      config = first;
-    } else {
-      throw pb::type_error(
-          "rope_frequencies: the first argument must be head_dim (an int) or a "
-          "config (a config.json path, dict or ModelConfig), got " +
-          pb::str(pb::type::handle_of(first).attr("__name__")).cast<std::string>());
-    }
-  }
-  if (layer) {
-    if (config.is_none()) throw pb::type_error("rope_frequencies: layer= needs a config");
-    if (head_dim) throw pb::type_error("rope_frequencies: layer= takes a config, not head_dim");
-    const ModelConfig m = model_config_arg(config);
-    if (seq_len < 0) throw ValueError("rope_frequencies: seq_len must be >= 0");
-    return pb::cast(layer_rope(m, *layer, seq_len, parse_angles(angles)));
-  }
-  if (!config.is_none() && head_dim) {
-    throw pb::type_error("rope_frequencies: head_dim and config are exclusive");
-  }
-  return pb::cast(make_freqs(config, head_dim, rotary_dim, base, scaling, seq_len, angles));
-}
-
 // The library's JSON forms (describe_json, rope_scaling_json) as Python objects: the one
 // serializer of a model config.
 pb::object from_json(const std::string& text) {
@@ -192,105 +71,7 @@ pb::object from_json(const std::string& text) {
 
 }  // namespace
 
-RopeSetup rope_setup(const pb::array& xa, const pb::object& freqs, const pb::object& style,
-                     const pb::object& positions, bool inverse, int64_t rotary_dim, double base,
-                     const pb::object& scaling, std::optional<int64_t> seq_len,
-                     const std::string& angles, const pb::object& config) {
-  if (xa.ndim() != 3 && xa.ndim() != 4) {
-    throw ShapeError("x: expected [batch, seq, heads, head_dim] or [seq, heads, head_dim], got " +
-                     std::to_string(xa.ndim()) + " dimensions");
-  }
-  const int64_t head_dim = xa.shape(xa.ndim() - 1);
-  const std::optional<Positions> pos = positions_arg(positions, "positions");
-  std::optional<ModelConfig> model;
-  if (!config.is_none()) model = model_config_arg(config);
-  RopeFrequencies f;
-  if (!freqs.is_none()) {
-    f = freqs.cast<RopeFrequencies>();
-  } else {
-    // Length-dependent scaling: by default the largest position + 1.
-    int64_t len = 0;
-    if (seq_len) {
-      len = *seq_len;
-    } else {
-      const int64_t b = xa.ndim() == 4 ? xa.shape(0) : 1, l = xa.shape(xa.ndim() - 3);
-      if (pos) pos->validate(b, l, "positions");
-      len = (pos ? pos->max_position(b, l) : l - 1) + 1;
-    }
-    f = model ? model_rope_frequencies(*model, len, parse_angles(angles))
-              : make_freqs(pb::none(), head_dim, rotary_dim, base, scaling, len, angles);
-  }
-  const RopeStyle st = !style.is_none() ? parse_style(style.cast<std::string>())
-                       : model          ? model->rope.style
-                                        : RopeStyle::kHalf;
-  return RopeSetup{f, st, pos, inverse ? Direction::kInverse : Direction::kForward};
-}
-
 namespace {
-
-// The RoPE call shared by apply_rope / rope_inverse / ref.apply_rope.
-pb::array rope_call(const pb::handle& x, const pb::object& freqs, const pb::object& style,
-                    const pb::object& positions, bool inverse, bool inplace, const pb::object& out,
-                    int num_threads, int64_t rotary_dim, double base, const pb::object& scaling,
-                    std::optional<int64_t> seq_len, const std::string& angles,
-                    const pb::object& config, bool force_f64) {
-  const bool f64 =
-      force_f64 || (pb::isinstance<pb::array>(x) &&
-                    pb::reinterpret_borrow<pb::array>(x).dtype().is(pb::dtype::of<double>()));
-  pb::array xa = f64 ? as_array<double>(x, "x") : as_array<float>(x, "x");
-  const RopeSetup r = rope_setup(xa, freqs, style, positions, inverse, rotary_dim, base, scaling,
-                                 seq_len, angles, config);
-  const RopeFrequencies& f = r.freqs;
-  const RopeStyle st = r.style;
-  const Direction dir = r.direction;
-  const Positions* pp = r.pos();
-  pb::array result;
-  if (f64) {
-    auto xv = as4<double>(xa, "x");
-    if (inplace) {
-      if (!xa.is(x) || !xa.writeable()) {
-        throw pb::type_error("x: inplace=True needs a writable float64 array (no conversion)");
-      }
-      result = xa;
-    } else if (!out.is_none()) {
-      result = pb::reinterpret_borrow<pb::array>(out);
-    } else {
-      std::vector<pb::ssize_t> shape(xa.shape(), xa.shape() + xa.ndim());
-      result = pb::array_t<double>(shape);
-    }
-    View<double, 4> ov = as4<double>(result, "out");
-    if (!out.is_none()) {
-      const pb::array o = pb::reinterpret_borrow<pb::array>(out);
-      if (!viewable<double>(o) || !o.writeable() || ov.shape != xv.shape) {
-        throw ValueError("out: must be a writable float64 array shaped like x");
-      }
-    }
-    pb::gil_scoped_release release;
-    ref::apply_rope(f, st, xv, ov, pp, dir);
-  } else {
-    auto xv = as4<float>(xa, "x");
-    if (inplace) {
-      if (!xa.is(x) || !xa.writeable()) {
-        throw pb::type_error("x: inplace=True needs a writable float32 array (no conversion)");
-      }
-      result = xa;
-    } else if (!out.is_none()) {
-      result = pb::reinterpret_borrow<pb::array>(out);
-      const pb::array o = result;
-      if (!viewable<float>(o) || !o.writeable()) {
-        throw ValueError("out: must be a writable float32 array shaped like x");
-      }
-    } else {
-      std::vector<pb::ssize_t> shape(xa.shape(), xa.shape() + xa.ndim());
-      result = pb::array_t<float>(shape);
-    }
-    View<float, 4> ov = as4<float>(result, "out");
-    if (ov.shape != xv.shape) throw ShapeError("out: must have x's shape");
-    pb::gil_scoped_release release;
-    apply_rope(f, st, xv, ov, pp, dir, num_threads);
-  }
-  return result;
-}
 
 // ---- integer index functions, vectorized over arrays -----------------------------------------
 
@@ -338,8 +119,15 @@ pb::object scaling_dict(const RopeScaling& s) { return from_json(rope_scaling_js
 
 }  // namespace
 
-void bind_encodings(pb::module_& m, pb::module_& ref) {
-  // ---- classes ----
+pb::object temperature_dict(const std::optional<AttentionTemperature>& t) {
+  if (!t) return pb::none();
+  return pb::dict("floor_scale"_a = t->floor_scale, "attn_scale"_a = t->attn_scale);
+}
+
+namespace {
+
+// The classes: RopeFrequencies, LayerRopeFrequencies, RopeScaling, ModelConfig.
+void bind_classes(pb::module_& m) {
   pb::class_<RopeFrequencies>(m, "RopeFrequencies",
                               "RoPE inverse frequencies (float64, rotary_dim / 2 of them), the "
                               "attention factor and the angle mode (accurate or float32). Make "
@@ -453,8 +241,10 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
         return "<posenc.ModelConfig model_type='" + c.model_type + "' scheme='" +
                model_scheme_name(c.scheme) + "'>";
       });
+}
 
-  // ---- model configs ----
+// Model configs: read_model_config, describe.
+void bind_model_configs(pb::module_& m) {
   m.def(
       "read_model_config", [](const pb::object& config) { return model_config_arg(config); },
       arg("config"),
@@ -465,8 +255,10 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
       arg("config"),
       "describe(config) -> str: the model's positional encoding in words and numbers (what "
       "`posenc describe` prints). config: a path, a dict or a ModelConfig.");
+}
 
-  // ---- sinusoidal ----
+// Sinusoidal and learned absolute encodings.
+void bind_sinusoidal(pb::module_& m, pb::module_& ref) {
   const char* sin_doc =
       " Config keywords: base=1e4, layout='interleaved'|'concat', denominator='dim'|"
       "'half_minus_one', origin=0, odd_dim='error'|'zero_pad' (docs/sinusoidal.md).";
@@ -590,168 +382,11 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
       arg("dy"), arg("max_positions"), pb::kw_only(), arg("positions") = pb::none(),
       "learned_backward(dy, max_positions, *, positions=None) -> dtable float32 "
       "[max_positions, dim]: dtable[p] = sum of dy at position p.");
+}
 
-  // ---- RoPE ----
-  m.def("rope_frequencies", &rope_frequencies_call, arg("head_dim") = pb::none(), pb::kw_only(),
-        arg("rotary_dim") = 0, arg("base") = 1e4, arg("scaling") = pb::none(), arg("seq_len") = 0,
-        arg("angles") = "accurate", arg("config") = pb::none(), arg("layer") = pb::none(),
-        "rope_frequencies(head_dim, *, rotary_dim=0, base=1e4, scaling=None, seq_len=0, "
-        "angles='accurate', config=None, layer=None) -> RopeFrequencies\n\n"
-        "rotary_dim 0 means head_dim; scaling is a Hugging Face rope_scaling dict (rope_type "
-        "linear, dynamic, yarn, llama3, longrope and their keys); seq_len is the sequence length "
-        "(max position + 1) for dynamic NTK and LongRoPE. config (a config.json path, dict or "
-        "ModelConfig; also accepted as the first argument) replaces head_dim, rotary_dim, base and "
-        "scaling. layer=N (with a config) gives that layer's RoPE as a LayerRopeFrequencies: a "
-        "layer without RoPE (Llama 4's NoPE layers) is no error but nope=True, rotary_dim 0, "
-        "attention_factor 1 and the layer's temperature tuning.");
-  const char* rope_doc =
-      "apply_rope(x, freqs=None, *, style=None, positions=None, inverse=False, inplace=False, "
-      "out=None, num_threads=0, rotary_dim=0, base=1e4, scaling=None, seq_len=None, "
-      "angles='accurate', config=None) -> rotated x\n\n"
-      "x: [batch, seq, heads, head_dim] or [seq, heads, head_dim]; float32 runs the SIMD "
-      "kernel, float64 the reference (other dtypes are converted to float32). freqs: a "
-      "RopeFrequencies; without it they come from config, or from head_dim = x.shape[-1], "
-      "rotary_dim, base and scaling at seq_len (default: max position + 1). style: 'half' "
-      "(GPT-NeoX, Llama in HF) or 'interleaved' (GPT-J); default the config's, else half. "
-      "positions: None (0, 1, ...), an int offset, ids [seq] or [batch, seq]. inverse=True "
-      "rotates back (the backward). Dims >= rotary_dim pass through.";
-  auto rope_fn = [](bool inverse_default, bool force_f64) {
-    return [inverse_default, force_f64](
-               const pb::object& x, const pb::object& freqs, const pb::object& style,
-               const pb::object& positions, std::optional<bool> inverse, bool inplace,
-               const pb::object& out, int num_threads, int64_t rotary_dim, double base,
-               const pb::object& scaling, std::optional<int64_t> seq_len, const std::string& angles,
-               const pb::object& config) {
-      return rope_call(x, freqs, style, positions, inverse.value_or(inverse_default), inplace, out,
-                       num_threads, rotary_dim, base, scaling, seq_len, angles, config, force_f64);
-    };
-  };
-#define POSENC_ROPE_ARGS arg("x"), arg("freqs") = pb::none(), pb::kw_only(), POSENC_ROPE_KEYWORDS
-  m.def("apply_rope", rope_fn(false, false), POSENC_ROPE_ARGS, rope_doc);
-  m.def("rope_inverse", rope_fn(true, false), POSENC_ROPE_ARGS,
-        "rope_inverse(x, freqs=None, **kwargs): apply_rope(..., inverse=True), the exact "
-        "transpose of the rotation (its backward).");
-  ref.def("apply_rope", rope_fn(false, true), POSENC_ROPE_ARGS,
-          "ref.apply_rope(x, freqs=None, **kwargs): apply_rope in float64 (x converted to "
-          "float64).");
-#undef POSENC_ROPE_ARGS
-  m.def(
-      "apply_rope_qk",
-      [](const pb::object& q, const pb::object& k, const RopeFrequencies& freqs,
-         const std::string& style, const pb::object& positions, bool inverse, bool inplace,
-         int num_threads) {
-        auto prep = [&](const pb::object& x, const char* what) {
-          pb::array a = as_array<float>(x, what);
-          if (inplace) {
-            if (!a.is(x) || !a.writeable()) {
-              throw pb::type_error(std::string(what) +
-                                   ": inplace=True needs a writable float32 array");
-            }
-            return a;
-          }
-          static const pb::object& copy = py_attr("numpy", "array");
-          return pb::array(copy(a, "dtype"_a = "float32", "copy"_a = true));
-        };
-        pb::array qa = prep(q, "q"), ka = prep(k, "k");
-        auto qv = as4<float>(qa, "q");
-        auto kv = as4<float>(ka, "k");
-        const auto pos = positions_arg(positions, "positions");
-        const RopeStyle st = parse_style(style);
-        {
-          pb::gil_scoped_release release;
-          apply_rope_qk(freqs, st, qv, kv, pos ? &*pos : nullptr,
-                        inverse ? Direction::kInverse : Direction::kForward, num_threads);
-        }
-        return pb::make_tuple(qa, ka);
-      },
-      arg("q"), arg("k"), arg("freqs"), pb::kw_only(), arg("style") = "half",
-      arg("positions") = pb::none(), arg("inverse") = false, arg("inplace") = false,
-      arg("num_threads") = 0,
-      "apply_rope_qk(q, k, freqs, *, style='half', positions=None, inverse=False, "
-      "inplace=False, num_threads=0) -> (q', k'): q and k rotated in one pass (heads may "
-      "differ), float32.");
-  m.def(
-      "rerotate_rope",
-      [](const pb::object& k, const RopeFrequencies& from, const RopeFrequencies& to,
-         const std::string& style, const pb::object& positions, bool inplace) {
-        pb::array a = as_array<float>(k, "k");
-        if (inplace) {
-          if (!a.is(k) || !a.writeable()) {
-            throw pb::type_error("k: inplace=True needs a writable float32 array");
-          }
-        } else {
-          static const pb::object& copy = py_attr("numpy", "array");
-          a = copy(a, "dtype"_a = "float32", "copy"_a = true);
-        }
-        auto kv = as4<float>(a, "k");
-        const auto pos = positions_arg(positions, "positions");
-        const RopeStyle st = parse_style(style);
-        pb::gil_scoped_release release;
-        rerotate_rope(from, to, st, kv, pos ? &*pos : nullptr);
-        return a;
-      },
-      arg("k"), arg("from_freqs"), arg("to_freqs"), pb::kw_only(), arg("style") = "half",
-      arg("positions") = pb::none(), arg("inplace") = false,
-      "rerotate_rope(k, from_freqs, to_freqs, *, style='half', positions=None, inplace=False): "
-      "keys cached as rope(k, p; from) moved to rope(k, p; to) exactly (dynamic NTK growth, "
-      "LongRoPE crossing its original length) without a re-prefill.");
-  m.def(
-      "apply_mrope",
-      [](const pb::object& x, const RopeFrequencies& freqs, const pb::object& positions,
-         const std::string& style, std::array<int64_t, 3> sections, const std::string& layout,
-         bool inverse) {
-        const bool f64 = pb::isinstance<pb::array>(x) &&
-                         pb::reinterpret_borrow<pb::array>(x).dtype().is(pb::dtype::of<double>());
-        MRope mr;
-        mr.sections = sections;
-        if (layout == "sectioned") {
-          mr.layout = MRopeLayout::kSectioned;
-        } else if (layout == "interleaved") {
-          mr.layout = MRopeLayout::kInterleaved;
-        } else {
-          throw ValueError("layout: '" + layout + "' (sectioned or interleaved)");
-        }
-        auto ids =
-            pb::array_t<int64_t, pb::array::c_style | pb::array::forcecast>::ensure(positions);
-        if (!ids || (ids.ndim() != 2 && ids.ndim() != 3) || ids.shape(0) != 3) {
-          throw ShapeError("positions: expected [3, seq] or [3, batch, seq] (t, h, w)");
-        }
-        std::array<Positions, 3> pos;
-        const pb::ssize_t n = ids.size() / 3;
-        for (int c = 0; c < 3; ++c) {
-          std::vector<int64_t> v(ids.data() + c * n, ids.data() + (c + 1) * n);
-          pos[c] = ids.ndim() == 2 ? Positions::shared(std::move(v))
-                                   : Positions::per_row(std::move(v), ids.shape(1), ids.shape(2));
-        }
-        const Direction dir = inverse ? Direction::kInverse : Direction::kForward;
-        const RopeStyle st = parse_style(style);
-        if (f64) {
-          pb::array a = as_array<double>(x, "x");
-          std::vector<pb::ssize_t> shape(a.shape(), a.shape() + a.ndim());
-          pb::array out = pb::array_t<double>(shape);
-          auto xv = as4<double>(a, "x");
-          auto ov = as4<double>(out, "out");
-          pb::gil_scoped_release release;
-          ref::apply_mrope(freqs, st, mr, xv, ov, pos, dir);
-          return out;
-        }
-        pb::array a = as_array<float>(x, "x");
-        std::vector<pb::ssize_t> shape(a.shape(), a.shape() + a.ndim());
-        pb::array out = pb::array_t<float>(shape);
-        auto xv = as4<float>(a, "x");
-        auto ov = as4<float>(out, "out");
-        pb::gil_scoped_release release;
-        apply_mrope(freqs, st, mr, xv, ov, pos, dir);
-        return out;
-      },
-      arg("x"), arg("freqs"), arg("positions"), pb::kw_only(), arg("style") = "half",
-      arg("sections") = std::array<int64_t, 3>{16, 24, 24}, arg("layout") = "sectioned",
-      arg("inverse") = false,
-      "apply_mrope(x, freqs, positions, *, style='half', sections=(16, 24, 24), "
-      "layout='sectioned'|'interleaved', inverse=False): multimodal RoPE with (t, h, w) "
-      "positions [3, seq] or [3, batch, seq] (Qwen2-VL sectioned, Qwen3-VL interleaved).");
-
-  // ---- ALiBi, T5, Shaw, DeBERTa, XL ----
+// The relative schemes' tables and indices: ALiBi slopes, T5 buckets, Shaw and DeBERTa indices, the
+// Transformer-XL sinusoid.
+void bind_relative(pb::module_& m, pb::module_& ref) {
   m.def(
       "alibi_slopes",
       [](int64_t heads, double max_bias) {
@@ -843,6 +478,16 @@ void bind_encodings(pb::module_& m, pb::module_& ref) {
       },
       arg("delta"), arg("d_model"), pb::kw_only(), arg("base") = 1e4,
       "xl_sinusoid(delta, d_model, *, base=1e4) -> float64 [d_model]: R(delta), concat layout.");
+}
+
+}  // namespace
+
+void bind_encodings(pb::module_& m, pb::module_& ref) {
+  bind_classes(m);
+  bind_model_configs(m);
+  bind_sinusoidal(m, ref);
+  bind_relative(m, ref);
+  bind_rope(m, ref);
 }
 
 }  // namespace posenc::py

@@ -105,6 +105,12 @@ View<T, 4> as4(const pb::array& a, const char* what) {
   pybind11::arg("scaling") = pybind11::none(), pybind11::arg("seq_len") = pybind11::none(), \
   pybind11::arg("angles") = "accurate", pybind11::arg("config") = pybind11::none()
 
+// Llama 4's attention-temperature tuning as {"floor_scale", "attn_scale"}, or None.
+pb::object temperature_dict(const std::optional<AttentionTemperature>& t);
+
+// Registration of RoPE's functions (bind_rope.cc; bind_encodings calls it).
+void bind_rope(pb::module_& m, pb::module_& ref);
+
 // Registration of the half-precision bindings (bind_half.cc).
 void bind_half(pb::module_& m);
 
