@@ -42,12 +42,16 @@ void check_shapes(const AttentionArgs& a, const std::vector<int64_t>& q,
   }
 }
 
+// The tensors `scheme` reads, from the registry: "'rel_k' [2K+1, head_dim] or ... (and
+// optionally 'rel_v' ...)".
 std::string needed_tensors(const std::string& scheme) {
-  if (scheme == "t5") return "'relative_attention_bias' [num_buckets, heads]";
-  if (scheme == "shaw") return "'rel_k' (and optionally 'rel_v') [2K+1, head_dim]";
-  if (scheme == "xl") return "'r_w_bias', 'r_r_bias' [heads, head_dim], 'r_net'";
-  if (scheme == "deberta") return "'pos_key', 'pos_query' [2K, heads, head_dim]";
-  return "its parameter tensors";
+  std::string required, optional;
+  for (const SchemeParamInfo& p : scheme_info(scheme).params) {
+    std::string& to = p.required ? required : optional;
+    to += (to.empty() ? "" : ", ") + ("'" + p.name + "' " + p.layout);
+  }
+  if (required.empty()) return "its parameter tensors";
+  return required + (optional.empty() ? "" : " (and optionally " + optional + ")");
 }
 
 // Reads the scheme's tensors from --params (float32, or float64 for the reference; finite, named
