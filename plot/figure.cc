@@ -1,4 +1,8 @@
 // plot/figure.cc - layout and cairo rendering of plot::Figure (see figure.h).
+//
+// Size: about 1,100 lines, one file because layout and drawing are one pass over the same cairo
+// context (text is measured with the font it is drawn in) and the same panel layouts; the
+// sections are colour maps, text, ranges and ticks, legends, panels and the figure.
 #include "figure.h"
 
 #include <cairo-svg.h>

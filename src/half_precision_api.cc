@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "attention/model_inputs.h"
-#include "attention_half.h"
+#include "attention/half.h"
 #include "common.h"
 #include "posenc/attention.h"
 #include "posenc/half.h"

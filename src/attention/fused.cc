@@ -1,5 +1,5 @@
 // src/attention/fused.cc - the float32 attention on the fused kernels (src/kernels/): the public
-// float32 forward and backward, and the half-precision storage path (attention_half.h). Validates
+// float32 forward and backward, and the half-precision storage path (attention/half.h). Validates
 // the call, fills the kernels' plain parameter struct (positions as int32 offsets, the scheme's
 // tables through its term, src/schemes/*_term.h), runs the kernel, and falls back to the simple
 // path (reference.cc) outside the kernels' domain.
@@ -11,10 +11,10 @@
 #include <variant>
 #include <vector>
 
+#include "attention/half.h"
 #include "attention/model_inputs.h"
 #include "attention/prepared.h"
 #include "attention/reference.h"
-#include "attention_half.h"
 #include "hwy/aligned_allocator.h"
 #include "kernels/attention_kernels.h"
 #include "kernels/parallel.h"

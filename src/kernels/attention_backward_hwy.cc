@@ -22,6 +22,12 @@
 // query heads x up to 64 / group positions) visit the key tiles, so dQ of a block is complete
 // when the block ends and dK, dV of the kv head are owned by the item. Table gradients are
 // summed per item and reduced in item order: results are bit-identical for any thread count.
+//
+// Size: one kernel class per Highway target (about 1,600 lines), kept in one file because
+// foreach_target compiles the file once per target and the class's steps (InitItem, PlanItem,
+// LoadBlock, LoadTile, TileRowScores / TileRowGrads, FinishTile, FinishBlock, FinishItem) share
+// one ItemState and the row-chunk tables of the schemes; the micro-kernels it shares with the
+// forward are in attention-inl.h and mask-inl.h.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

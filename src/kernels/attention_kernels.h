@@ -1,6 +1,6 @@
 // src/kernels/attention_kernels.h - the fused attention kernel's plain parameter struct.
 //
-// src/attention.cc validates the public call, precomputes the per-scheme data that is O(L) or
+// src/attention/fused.cc validates the public call, precomputes the per-scheme data that is O(L) or
 // O(L*K) (bias-by-distance tables for ALiBi and T5, per-query / per-key projections for Shaw and
 // DeBERTa, the projected distance table of Transformer-XL, RoPE's cos/sin by position) and fills
 // this struct; the kernel (attention_hwy.cc) never sees views or schemes, only pointers and

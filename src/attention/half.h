@@ -1,4 +1,4 @@
-// src/attention_half.h - the fused forward on half-precision storage (private; src/attention.cc
+// src/attention/half.h - the fused forward on half-precision storage (private; attention/fused.cc
 // implements it, src/half_precision_api.cc calls it).
 #pragma once
 
