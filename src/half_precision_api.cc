@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "attention/model_inputs.h"
 #include "attention/half.h"
+#include "attention/model_inputs.h"
 #include "common.h"
 #include "posenc/attention.h"
 #include "posenc/half.h"
