@@ -71,32 +71,35 @@ constexpr int64_t kL = 12, kH = 2, kD = 8;
 
 }  // namespace
 
-double query_permutation_error(bool causal, uint64_t seed) {
+namespace {
+
+// Max |attention(permuted inputs) - expected| when the query rows (keys = false) or the key and
+// value rows (keys = true) are permuted: without positions, permuting queries permutes the output
+// rows the same way and permuting keys changes nothing.
+double permutation_error(bool keys, bool causal, uint64_t seed) {
   std::mt19937_64 rng(seed);
   const std::array<int64_t, 4> s{1, kL, kH, kD};
   const auto q = randn(rng, kL * kH * kD), k = randn(rng, kL * kH * kD),
              v = randn(rng, kL * kH * kD);
   const auto perm = random_perm(rng, kL);
   const auto out = run_ref(q, k, v, s, s, causal);
-  const auto out_p = run_ref(permute_rows(q, perm, kH * kD), k, v, s, s, causal);
-  const auto expect = permute_rows(out, perm, kH * kD);
+  const auto out_p = keys ? run_ref(q, permute_rows(k, perm, kH * kD),
+                                    permute_rows(v, perm, kH * kD), s, s, causal)
+                          : run_ref(permute_rows(q, perm, kH * kD), k, v, s, s, causal);
+  const auto expect = keys ? out : permute_rows(out, perm, kH * kD);
   double e = 0;
   for (std::size_t i = 0; i < out.size(); ++i) e = std::max(e, std::abs(out_p[i] - expect[i]));
   return e;
 }
 
+}  // namespace
+
+double query_permutation_error(bool causal, uint64_t seed) {
+  return permutation_error(false, causal, seed);
+}
+
 double key_permutation_error(bool causal, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  const std::array<int64_t, 4> s{1, kL, kH, kD};
-  const auto q = randn(rng, kL * kH * kD), k = randn(rng, kL * kH * kD),
-             v = randn(rng, kL * kH * kD);
-  const auto perm = random_perm(rng, kL);
-  const auto out = run_ref(q, k, v, s, s, causal);
-  const auto out_p =
-      run_ref(q, permute_rows(k, perm, kH * kD), permute_rows(v, perm, kH * kD), s, s, causal);
-  double e = 0;
-  for (std::size_t i = 0; i < out.size(); ++i) e = std::max(e, std::abs(out_p[i] - out[i]));
-  return e;
+  return permutation_error(true, causal, seed);
 }
 
 double sinusoidal_dot(int64_t dim, int64_t a, int64_t b) {

@@ -159,29 +159,18 @@ void rerotate_half(const RopeFrequencies& from, const RopeFrequencies& to, RopeS
 
 }  // namespace
 
-void attention(View<const bf16, 4> q, View<const bf16, 4> k, View<const bf16, 4> v,
-               const PositionScheme& scheme, const AttentionOptions& options, View<bf16, 4> out,
-               const Positions* query_positions, const Positions* key_positions) {
-  attention_half(q, k, v, scheme, options, out, query_positions, key_positions);
-}
-
-void attention(View<const f16, 4> q, View<const f16, 4> k, View<const f16, 4> v,
-               const PositionScheme& scheme, const AttentionOptions& options, View<f16, 4> out,
-               const Positions* query_positions, const Positions* key_positions) {
-  attention_half(q, k, v, scheme, options, out, query_positions, key_positions);
-}
-
-void attention(View<const float, 4> q, View<const bf16, 4> k, View<const bf16, 4> v,
-               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
-               const Positions* query_positions, const Positions* key_positions) {
-  attention_half(q, k, v, scheme, options, out, query_positions, key_positions);
-}
-
-void attention(View<const float, 4> q, View<const f16, 4> k, View<const f16, 4> v,
-               const PositionScheme& scheme, const AttentionOptions& options, View<float, 4> out,
-               const Positions* query_positions, const Positions* key_positions) {
-  attention_half(q, k, v, scheme, options, out, query_positions, key_positions);
-}
+// The four public half-precision attention overloads (posenc/attention.h): q, kv and out types.
+#define POSENC_HALF_ATTENTION(Q, KV, O)                                                         \
+  void attention(View<const Q, 4> q, View<const KV, 4> k, View<const KV, 4> v,                  \
+                 const PositionScheme& scheme, const AttentionOptions& options, View<O, 4> out, \
+                 const Positions* query_positions, const Positions* key_positions) {            \
+    attention_half(q, k, v, scheme, options, out, query_positions, key_positions);              \
+  }
+POSENC_HALF_ATTENTION(bf16, bf16, bf16)
+POSENC_HALF_ATTENTION(f16, f16, f16)
+POSENC_HALF_ATTENTION(float, bf16, float)
+POSENC_HALF_ATTENTION(float, f16, float)
+#undef POSENC_HALF_ATTENTION
 
 void apply_rope(const RopeFrequencies& freqs, RopeStyle style, View<const bf16, 4> x,
                 View<bf16, 4> out, const Positions* positions, Direction direction,

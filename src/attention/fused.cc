@@ -90,15 +90,7 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   std::vector<int64_t> bases(static_cast<std::size_t>(d.batch));
   int64_t plo = std::numeric_limits<int64_t>::max(), phi = std::numeric_limits<int64_t>::min();
   for (int64_t b = 0; b < d.batch; ++b) {
-    int64_t qlo = pr.qp.at(b, 0), qhi = qlo, klo = pr.kp.at(b, 0), khi = klo;
-    for (int64_t i = 0; i < d.seq_q; ++i) {
-      qlo = std::min(qlo, pr.qp.at(b, i));
-      qhi = std::max(qhi, pr.qp.at(b, i));
-    }
-    for (int64_t j = 0; j < d.seq_k; ++j) {
-      klo = std::min(klo, pr.kp.at(b, j));
-      khi = std::max(khi, pr.kp.at(b, j));
-    }
+    const auto [qlo, qhi, klo, khi] = row_span(pr.qp, pr.kp, b, d.seq_q, d.seq_k);
     int64_t base = std::min(qlo, klo);
     if (pr.opt.chunk) {
       // Chunk boundaries are absolute: the base is a multiple of the chunk (floor division).
@@ -122,12 +114,9 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   const bool tables = std::visit([](const auto& term) { return term.kDistanceTables; }, p.term);
   if (tables && range > 4 * (d.seq_q + d.seq_k) + 4096) return false;
 
-  fp.q = pr.q.data;
-  fp.q_stride = {pr.q.stride[0], pr.q.stride[1], pr.q.stride[2]};
-  fp.k = pr.k.data;
-  fp.k_stride = {pr.k.stride[0], pr.k.stride[1], pr.k.stride[2]};
-  fp.v = pr.v.data;
-  fp.v_stride = {pr.v.stride[0], pr.v.stride[1], pr.v.stride[2]};
+  bind_operand(fp.q, fp.q_stride, pr.q);
+  bind_operand(fp.k, fp.k_stride, pr.k);
+  bind_operand(fp.v, fp.v_stride, pr.v);
   fp.batch = d.batch;
   fp.seq_q = d.seq_q;
   fp.seq_k = d.seq_k;
@@ -213,14 +202,10 @@ bool run_fused_backward(const Problem<float>& pr, const Prepared<float>& p,
   bp.fwd.out_stride = {out.stride[0], out.stride[1], out.stride[2]};
   bp.fwd.lse = const_cast<float*>(lse.data);
   bp.fwd.lse_stride = {lse.stride[0], lse.stride[1], lse.stride[2]};
-  bp.dout = dout.data;
-  bp.dout_stride = {dout.stride[0], dout.stride[1], dout.stride[2]};
-  bp.dq = g.dq.data;
-  bp.dq_stride = {g.dq.stride[0], g.dq.stride[1], g.dq.stride[2]};
-  bp.dk = g.dk.data;
-  bp.dk_stride = {g.dk.stride[0], g.dk.stride[1], g.dk.stride[2]};
-  bp.dv = g.dv.data;
-  bp.dv_stride = {g.dv.stride[0], g.dv.stride[1], g.dv.stride[2]};
+  bind_operand(bp.dout, bp.dout_stride, dout);
+  bind_operand(bp.dq, bp.dq_stride, g.dq);
+  bind_operand(bp.dk, bp.dk_stride, g.dk);
+  bind_operand(bp.dv, bp.dv_stride, g.dv);
   std::vector<float> dsinks;
   if (g.dsinks.data != nullptr) {
     dsinks.resize(static_cast<std::size_t>(d.heads_q));
@@ -360,12 +345,9 @@ void attention_backward(View<const float, 4> q, View<const float, 4> k, View<con
                         View<const float, 4> dout, const PositionScheme& scheme,
                         const AttentionOptions& options, const AttentionGrads& grads,
                         const Positions* query_positions, const Positions* key_positions) {
-  if (detail::backward_model_inputs(
-          q, k, v, out, dout, scheme, options, grads, query_positions,
-          [&](auto qv, auto vv, auto ov, auto dov, const AttentionOptions& o, const auto& g) {
-            attention_backward(qv, k, vv, ov, lse, dov, scheme, o, g, query_positions,
-                               key_positions);
-          })) {
+  const auto self = [](auto&&... a) { attention_backward(a...); };
+  if (detail::backward_model_inputs(self, q, k, v, out, lse, dout, scheme, options, grads,
+                                    query_positions, key_positions)) {
     return;
   }
   auto pr = make_problem<float>(q, k, v, q.shape, options, query_positions, key_positions);

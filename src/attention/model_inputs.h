@@ -200,4 +200,21 @@ bool backward_model_inputs(const View<const T, 4>& q, const View<const T, 4>& k,
   return true;
 }
 
+// backward_model_inputs for a backward with attention_backward's signature: `backward` is
+// called as backward(q', k, v', out', lse, dout', scheme, options', grads', query_positions,
+// key_positions).
+template <class T, class Backward>
+bool backward_model_inputs(Backward&& backward, const View<const T, 4>& q,
+                           const View<const T, 4>& k, const View<const T, 4>& v,
+                           const View<const T, 4>& out, const View<const T, 3>& lse,
+                           const View<const T, 4>& dout, const PositionScheme& scheme,
+                           const AttentionOptions& options, const AttentionGradsOf<T>& grads,
+                           const Positions* query_positions, const Positions* key_positions) {
+  return backward_model_inputs(
+      q, k, v, out, dout, scheme, options, grads, query_positions,
+      [&](auto qv, auto vv, auto ov, auto dov, const AttentionOptions& o, const auto& g) {
+        backward(qv, k, vv, ov, lse, dov, scheme, o, g, query_positions, key_positions);
+      });
+}
+
 }  // namespace posenc::detail

@@ -189,6 +189,24 @@ Problem<T> make_problem(View<const T, 4> q, View<const T, 4> k, View<const T, 4>
   return pr;
 }
 
+// The positions of batch row b: queries in [qlo, qhi], keys in [klo, khi] (seq_q, seq_k >= 1).
+struct RowSpan {
+  int64_t qlo, qhi, klo, khi;
+};
+inline RowSpan row_span(const Positions& qp, const Positions& kp, int64_t b, int64_t seq_q,
+                        int64_t seq_k) {
+  RowSpan r{qp.at(b, 0), qp.at(b, 0), kp.at(b, 0), kp.at(b, 0)};
+  for (int64_t i = 1; i < seq_q; ++i) {
+    r.qlo = std::min(r.qlo, qp.at(b, i));
+    r.qhi = std::max(r.qhi, qp.at(b, i));
+  }
+  for (int64_t j = 1; j < seq_k; ++j) {
+    r.klo = std::min(r.klo, kp.at(b, j));
+    r.khi = std::max(r.khi, kp.at(b, j));
+  }
+  return r;
+}
+
 inline detail::MaskRule mask_rule(const AttentionOptions& opt) {
   return {.causal = opt.causal, .window = opt.window.value_or(0), .chunk = opt.chunk.value_or(0)};
 }
@@ -217,6 +235,14 @@ void copy_dense(const float* src, const View<float, R>& dst) {
       idx[d] = 0;
     }
   }
+}
+
+// A kernel operand: its pointer and its batch, sequence and head strides (elements) from a view
+// whose last dimension is contiguous.
+template <class P, class T>
+void bind_operand(P*& ptr, std::array<int64_t, 3>& stride, const View<T, 4>& v) {
+  ptr = v.data;
+  stride = {v.stride[0], v.stride[1], v.stride[2]};
 }
 
 // A strided 3-d view copied into a dense row-major vector.

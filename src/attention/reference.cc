@@ -341,12 +341,9 @@ void attention_backward_naive(View<const float, 4> q, View<const float, 4> k,
                               const PositionScheme& scheme, const AttentionOptions& options,
                               const AttentionGrads& grads, const Positions* query_positions,
                               const Positions* key_positions) {
-  if (detail::backward_model_inputs(
-          q, k, v, out, dout, scheme, options, grads, query_positions,
-          [&](auto qv, auto vv, auto ov, auto dov, const AttentionOptions& o, const auto& g) {
-            attention_backward_naive(qv, k, vv, ov, lse, dov, scheme, o, g, query_positions,
-                                     key_positions);
-          })) {
+  const auto self = [](auto&&... a) { attention_backward_naive(a...); };
+  if (detail::backward_model_inputs(self, q, k, v, out, lse, dout, scheme, options, grads,
+                                    query_positions, key_positions)) {
     return;
   }
   attn::backward_materialized<float>(q, k, v, out, lse, dout, scheme, options, grads,

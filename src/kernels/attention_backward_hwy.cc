@@ -714,67 +714,115 @@ class BackwardKernel {
   // The item's scratch layout (one zeroed buffer per thread) and per-item buffers.
   void InitItem(ItemState& st, int64_t w, Scratch& sc, float* part) {
     st.part = part;
-    const int64_t bb = w / p_.heads_kv, hk = w % p_.heads_kv;
-    st.bb = bb, st.hk = hk;
-    const int64_t rpm = rp_max_, dp = dpad_, kt = kTileK, dimr = RoundUp(dim_, 4);
+    auto& bb = st.bb;
+    auto& hk = st.hk;
+    auto& rpm = st.rpm;
+    auto& dp = st.dp;
+    auto& kt = st.kt;
+    auto& dimr = st.dimr;
+    auto& n_rows = st.n_rows;
+    auto& n_tile = st.n_tile;
+    auto& n_ktile = st.n_ktile;
+    auto& cs = st.cs;
+    auto& n_rel = st.n_rel;
+    auto& n_rel2 = st.n_rel2;
+    auto& base = st.base;
+    auto& qb = st.qb;
+    auto& qx = st.qx;
+    auto& dob = st.dob;
+    auto& dqb = st.dqb;
+    auto& dqr = st.dqr;
+    auto& s = st.s;
+    auto& dps = st.dps;
+    auto& qtr = st.qtr;
+    auto& dotr = st.dotr;
+    auto& qxtr = st.qxtr;
+    auto& kp_s = st.kp_s;
+    auto& dkt_s = st.dkt_s;
+    auto& dvt_s = st.dvt_s;
+    auto& dkx = st.dkx;
+    auto& ktr_s = st.ktr_s;
+    auto& vtr_s = st.vtr_s;
+    auto& rel1 = st.rel1;
+    auto& rel2 = st.rel2;
+    auto& w1 = st.w1;
+    auto& w2 = st.w2;
+    auto& dsum = st.dsum;
+    auto& lse = st.lse;
+    auto& addr_buf = st.addr_buf;
+    auto& addr = st.addr;
+    auto& addr2_buf = st.addr2_buf;
+    auto& addr2 = st.addr2;
+    auto& qpos = st.qpos;
+    auto& head = st.head;
+    auto& p2c_u = st.p2c_u;
+    auto& p2c_val = st.p2c_val;
+    auto& p2c_run = st.p2c_run;
+    auto& kpt_buf = st.kpt_buf;
+    auto& kpt = st.kpt;
+    auto& scale = st.scale;
+    auto& kposb = st.kposb;
+    auto& kbase = st.kbase;
+    auto& vbase = st.vbase;
+    bb = w / p_.heads_kv, hk = w % p_.heads_kv;
+    rpm = rp_max_, dp = dpad_, kt = kTileK, dimr = RoundUp(dim_, 4);
     // Scratch layout (floats).
-    const size_t n_rows = static_cast<size_t>(rpm * dp);
-    const size_t n_tile = static_cast<size_t>(rpm * kt);
-    const size_t n_ktile = static_cast<size_t>(kt * dp);
+    n_rows = static_cast<size_t>(rpm * dp);
+    n_tile = static_cast<size_t>(rpm * kt);
+    n_ktile = static_cast<size_t>(kt * dp);
     // Row-chunk buffers: rpm rows and 4 spare ones (Project's rounding) per chunk.
-    const int64_t cs = (rpm + 4) * kt;
-    const size_t n_rel = static_cast<size_t>(nch_ * cs);
-    const size_t n_rel2 = shaw_ && p_.shaw_rel_v != nullptr ? n_rel : 0;  // Shaw's rel_v
+    cs = (rpm + 4) * kt;
+    n_rel = static_cast<size_t>(nch_ * cs);
+    n_rel2 = shaw_ && p_.shaw_rel_v != nullptr ? n_rel : 0;  // Shaw's rel_v
     const size_t total = 8 * n_rows + 2 * n_tile + 4 * n_ktile +
                          2 * static_cast<size_t>(dim_ * kt) + 2 * n_rel + 2 * n_rel2 +
                          2 * static_cast<size_t>(rpm);
-    float* base = sc.Get(total);
+    base = sc.Get(total);
     std::fill(base, base + total, 0.0f);
-    float* qb = base;                  // q (XL: q + u) rows, dpad wide
-    float* qx = qb + n_rows;           // XL: q + v
-    float* dob = qx + n_rows;          // dout rows
-    float* dqb = dob + n_rows;         // dQ of the block
-    float* dqr = dqb + n_rows;         // XL: dQ's r(delta) part
-    float* s = dqr + n_rows;           // scores, then P [rpm x kt]
-    float* dps = s + n_tile;           // dP, then scale * dS
-    float* qtr = dps + n_tile;         // Q^T (XL: (q + u)^T) [dpad x rpm]
-    float* dotr = qtr + n_rows;        // dO^T [dpad x rpm]
-    float* qxtr = dotr + n_rows;       // XL: (q + v)^T
-    float* kp_s = qxtr + n_rows;       // key rows [kt x dpad]
-    float* dkt_s = kp_s + n_ktile;     // dK^T tile [dpad x kt]
-    float* dvt_s = dkt_s + n_ktile;    // dV^T tile [dpad x kt]
-    float* dkx = dvt_s + n_ktile;      // DeBERTa p2c's dK rows of the tile (without item buffers)
-    float* ktr_s = dkx + n_ktile;      // K^T [dim x kt]
-    float* vtr_s = ktr_s + dim_ * kt;  // V^T
+    qb = base;                  // q (XL: q + u) rows, dpad wide
+    qx = qb + n_rows;           // XL: q + v
+    dob = qx + n_rows;          // dout rows
+    dqb = dob + n_rows;         // dQ of the block
+    dqr = dqb + n_rows;         // XL: dQ's r(delta) part
+    s = dqr + n_rows;           // scores, then P [rpm x kt]
+    dps = s + n_tile;           // dP, then scale * dS
+    qtr = dps + n_tile;         // Q^T (XL: (q + u)^T) [dpad x rpm]
+    dotr = qtr + n_rows;        // dO^T [dpad x rpm]
+    qxtr = dotr + n_rows;       // XL: (q + v)^T
+    kp_s = qxtr + n_rows;       // key rows [kt x dpad]
+    dkt_s = kp_s + n_ktile;     // dK^T tile [dpad x kt]
+    dvt_s = dkt_s + n_ktile;    // dV^T tile [dpad x kt]
+    dkx = dvt_s + n_ktile;      // DeBERTa p2c's dK rows of the tile (without item buffers)
+    ktr_s = dkx + n_ktile;      // K^T [dim x kt]
+    vtr_s = ktr_s + dim_ * kt;  // V^T
     // Row-chunk buffers: rel1 = scale q . rel_k (Shaw), scale q . pos_key (DeBERTa c2p),
     // scale (q + v) . r(t) (XL), w1 their sums of scale dS per table row; Shaw's rel_v:
     // rel2 = dout . rel_v, w2 the sums of P.
-    float* rel1 = vtr_s + dim_ * kt;
-    float* rel2 = n_rel2 > 0 ? rel1 + n_rel : nullptr;
-    float* w1 = rel1 + n_rel + n_rel2;
-    float* w2 = n_rel2 > 0 ? w1 + n_rel : nullptr;
-    float* dsum = w1 + n_rel + n_rel2;
-    float* lse = dsum + rpm;
-    auto addr_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
-    int32_t* addr = addr_buf.get();  // row-chunk address of each key's table row
-    auto addr2_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
-    int32_t* addr2 = addr2_buf.get();  // DeBERTa p2c: kpq / W address of each key
-    std::vector<int32_t> qpos(static_cast<size_t>(rpm));
-    std::vector<int64_t> head(static_cast<size_t>(rpm));
-    std::vector<PqCell> pq_cells;
+    rel1 = vtr_s + dim_ * kt;
+    rel2 = n_rel2 > 0 ? rel1 + n_rel : nullptr;
+    w1 = rel1 + n_rel + n_rel2;
+    w2 = n_rel2 > 0 ? w1 + n_rel : nullptr;
+    dsum = w1 + n_rel + n_rel2;
+    lse = dsum + rpm;
+    addr_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+    addr = addr_buf.get();  // row-chunk address of each key's table row
+    addr2_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+    addr2 = addr2_buf.get();  // DeBERTa p2c: kpq / W address of each key
+    qpos.assign(static_cast<size_t>(rpm), {});
+    head.assign(static_cast<size_t>(rpm), {});
     // DeBERTa p2c per (key of the tile, head of the group): last bucket and product, and the
     // open run of equal buckets in pq_cells.
-    std::vector<int32_t> p2c_u(static_cast<size_t>(deberta_ ? kTileK * group_ : 0), -1);
-    std::vector<float> p2c_val(p2c_u.size());
-    std::vector<int32_t> p2c_run(p2c_u.size(), -1);
-    auto kpt_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
-    int32_t* kpt = kpt_buf.get();
+    p2c_u.assign(static_cast<size_t>(deberta_ ? kTileK * group_ : 0), -1);
+    p2c_val.assign(p2c_u.size(), {});
+    p2c_run.assign(p2c_u.size(), -1);
+    kpt_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+    kpt = kpt_buf.get();
     std::fill(kpt, kpt + kTileK, 0);
 
-    const float scale = p_.scale;
-    const int32_t* kposb = p_.kpos + bb * p_.seq_k;
-    const float* kbase = p_.k + bb * p_.k_stride[0] + hk * p_.k_stride[2];
-    const float* vbase = p_.v + bb * p_.v_stride[0] + hk * p_.v_stride[2];
+    scale = p_.scale;
+    kposb = p_.kpos + bb * p_.seq_k;
+    kbase = p_.k + bb * p_.k_stride[0] + hk * p_.k_stride[2];
+    vbase = p_.v + bb * p_.v_stride[0] + hk * p_.v_stride[2];
     // When they fit the per-thread budget, the item's key rows, K^T and V^T tiles are formed once
     // and dK^T, dV^T accumulate in item buffers written out at the end; otherwise every (query
     // block, key tile) step forms its tiles and adds its dK, dV into the outputs. dK and dV are
@@ -787,60 +835,33 @@ class BackwardKernel {
     // Query position range of every block, which key tiles it visits, and the table rows a set
     // of distances [dlo, dhi] can reach (the bucket tables are monotone in the distance, but
     // scanned anyway: the range is at most the sequence).
-    st.rpm = rpm;
-    st.dp = dp;
-    st.kt = kt;
-    st.dimr = dimr;
-    st.cs = cs;
-    st.n_rows = n_rows;
-    st.n_tile = n_tile;
-    st.n_ktile = n_ktile;
-    st.n_rel = n_rel;
-    st.n_rel2 = n_rel2;
-    st.base = base;
-    st.qb = qb;
-    st.qx = qx;
-    st.dob = dob;
-    st.dqb = dqb;
-    st.dqr = dqr;
-    st.s = s;
-    st.dps = dps;
-    st.qtr = qtr;
-    st.dotr = dotr;
-    st.qxtr = qxtr;
-    st.kp_s = kp_s;
-    st.dkt_s = dkt_s;
-    st.dvt_s = dvt_s;
-    st.dkx = dkx;
-    st.ktr_s = ktr_s;
-    st.vtr_s = vtr_s;
-    st.rel1 = rel1;
-    st.rel2 = rel2;
-    st.w1 = w1;
-    st.w2 = w2;
-    st.dsum = dsum;
-    st.lse = lse;
-    st.addr_buf = std::move(addr_buf);
-    st.addr2_buf = std::move(addr2_buf);
-    st.kpt_buf = std::move(kpt_buf);
-    st.addr = addr;
-    st.addr2 = addr2;
-    st.kpt = kpt;
-    st.qpos = std::move(qpos);
-    st.p2c_u = std::move(p2c_u);
-    st.p2c_run = std::move(p2c_run);
-    st.head = std::move(head);
-    st.p2c_val = std::move(p2c_val);
-    st.scale = scale;
-    st.kposb = kposb;
-    st.kbase = kbase;
-    st.vbase = vbase;
-    st.pq_cells = std::move(pq_cells);
   }
 
   // The item's plan: the query position range of each block, the table rows of DeBERTa's p2c per
   // key tile, and its key tiles formed once when they fit the budget.
   void PlanItem(ItemState& st) {
+    auto& nblocks = st.nblocks;
+    auto& bq_min = st.bq_min;
+    auto& bq_max = st.bq_max;
+    auto& p2c_rows = st.p2c_rows;
+    auto& n_all = st.n_all;
+    auto& n_p2c = st.n_p2c;
+    auto& cached = st.cached;
+    auto& nb = st.nb;
+    auto& n_diag = st.n_diag;
+    auto& n_cache = st.n_cache;
+    auto& kp_all = st.kp_all;
+    auto& kt_all = st.kt_all;
+    auto& vt_all = st.vt_all;
+    auto& dk_all = st.dk_all;
+    auto& dv_all = st.dv_all;
+    auto& kpq_all = st.kpq_all;
+    auto& wpq_all = st.wpq_all;
+    auto& gd_all = st.gd_all;
+    auto& wgd_all = st.wgd_all;
+    auto& p2c_tiles = st.p2c_tiles;
+    auto& cell_terms = st.cell_terms;
+    auto& cell_grads = st.cell_grads;
     const DF d;
     [[maybe_unused]] auto& dp = st.dp;
     [[maybe_unused]] auto& kt = st.kt;
@@ -849,8 +870,9 @@ class BackwardKernel {
     [[maybe_unused]] auto& vbase = st.vbase;
     [[maybe_unused]] auto& bb = st.bb;
     [[maybe_unused]] auto& hk = st.hk;
-    const int64_t nblocks = (p_.seq_q + nq_ - 1) / nq_;
-    std::vector<int32_t> bq_min(static_cast<size_t>(nblocks)), bq_max(bq_min.size());
+    nblocks = (p_.seq_q + nq_ - 1) / nq_;
+    bq_min.assign(static_cast<size_t>(nblocks), 0);
+    bq_max.assign(bq_min.size(), 0);
     for (int64_t bi = 0; bi < nblocks; ++bi) {
       int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
       for (int64_t i = bi * nq_; i < std::min(p_.seq_q, (bi + 1) * nq_); ++i) {
@@ -860,7 +882,7 @@ class BackwardKernel {
       bq_min[static_cast<size_t>(bi)] = lo, bq_max[static_cast<size_t>(bi)] = hi;
     }
     // DeBERTa p2c: the table rows each key tile's cells can use (hi < lo: no block visits it).
-    std::vector<std::pair<int64_t, int64_t>> p2c_rows(static_cast<size_t>(deberta_ ? ntiles_ : 0));
+    p2c_rows.assign(static_cast<size_t>(deberta_ ? ntiles_ : 0), {});
     for (int64_t t = 0; deberta_ && t < ntiles_; ++t) {
       int64_t dlo = std::numeric_limits<int64_t>::max(), dhi = std::numeric_limits<int64_t>::min();
       for (int64_t bi = 0; bi < nblocks; ++bi) {
@@ -877,22 +899,21 @@ class BackwardKernel {
           dlo > dhi ? std::pair<int64_t, int64_t>{0, -1}
                     : UsedRows(p_.deberta_p2c, p_.deberta_dmax[bb], dlo, dhi);
     }
-    const int64_t n_all = ntiles_ * kt * dp;
-    const int64_t n_p2c = deberta_ ? group_ * ntiles_ * span2s_ * kt : 0;
-    const bool cached =
+    n_all = ntiles_ * kt * dp;
+    n_p2c = deberta_ ? group_ * ntiles_ * span2s_ * kt : 0;
+    cached =
         (5 * n_all + 2 * n_p2c) * static_cast<int64_t>(sizeof(float)) <= backward_item_budget();
     // DeBERTa's diagonal p2c copies G and their gradients WG, [group][tiles][nb][kTileK], when
     // they fit too.
-    int64_t nb = deberta_ && deb_b_hi_ >= deb_b_lo_ ? deb_b_hi_ - deb_b_lo_ + 1 : 0;
-    int64_t n_diag = group_ * ntiles_ * nb * kt;
+    nb = deberta_ && deb_b_hi_ >= deb_b_lo_ ? deb_b_hi_ - deb_b_lo_ + 1 : 0;
+    n_diag = group_ * ntiles_ * nb * kt;
     if ((5 * n_all + 2 * n_p2c + 2 * n_diag) * static_cast<int64_t>(sizeof(float)) >
         backward_item_budget()) {
       nb = 0, n_diag = 0;
     }
-    const int64_t n_cache = 5 * n_all + 2 * n_p2c + 2 * n_diag;
-    float *kp_all = nullptr, *kt_all = nullptr, *vt_all = nullptr, *dk_all = nullptr,
-          *dv_all = nullptr, *kpq_all = nullptr, *wpq_all = nullptr, *gd_all = nullptr,
-          *wgd_all = nullptr;
+    n_cache = 5 * n_all + 2 * n_p2c + 2 * n_diag;
+    kp_all = nullptr, kt_all = nullptr, vt_all = nullptr, dk_all = nullptr, dv_all = nullptr,
+    kpq_all = nullptr, wpq_all = nullptr, gd_all = nullptr, wgd_all = nullptr;
     if (cached) {
       kp_all = LocalCache().Get(static_cast<size_t>(n_cache));
       kt_all = kp_all + n_all;
@@ -931,9 +952,9 @@ class BackwardKernel {
         }
       }
     }
-    const bool p2c_tiles = deberta_ && cached;
-    const bool cell_terms = has_cell_terms_ && !p2c_tiles;
-    const bool cell_grads = has_cell_grads_ && !p2c_tiles;
+    p2c_tiles = deberta_ && cached;
+    cell_terms = has_cell_terms_ && !p2c_tiles;
+    cell_grads = has_cell_grads_ && !p2c_tiles;
     // Without the item buffers dK, dV accumulate tile by tile in the outputs: start from zero.
     for (int64_t j = 0; !cached && j < p_.seq_k; ++j) {
       std::fill(b_.dk + bb * b_.dk_stride[0] + j * b_.dk_stride[1] + hk * b_.dk_stride[2],
@@ -943,110 +964,67 @@ class BackwardKernel {
                 b_.dv + bb * b_.dv_stride[0] + j * b_.dv_stride[1] + hk * b_.dv_stride[2] + dim_,
                 0.0f);
     }
-    st.nblocks = nblocks;
-    st.n_all = n_all;
-    st.n_p2c = n_p2c;
-    st.nb = nb;
-    st.n_diag = n_diag;
-    st.n_cache = n_cache;
-    st.kp_all = kp_all;
-    st.kt_all = kt_all;
-    st.vt_all = vt_all;
-    st.dk_all = dk_all;
-    st.dv_all = dv_all;
-    st.kpq_all = kpq_all;
-    st.wpq_all = wpq_all;
-    st.gd_all = gd_all;
-    st.wgd_all = wgd_all;
-    st.bq_min = std::move(bq_min);
-    st.bq_max = std::move(bq_max);
-    st.p2c_rows = std::move(p2c_rows);
-    st.cached = cached;
-    st.p2c_tiles = p2c_tiles;
-    st.cell_terms = cell_terms;
-    st.cell_grads = cell_grads;
   }
 
   // A query block's rows: q (rotated for RoPE; XL: q + u and q + v), dout, D = dout . out, lse,
   // their transposes, and the per-row table projections of the rows its cells can reach.
   Block LoadBlock(ItemState& st, int64_t i0) {
-    [[maybe_unused]] auto& bb = st.bb;
-    [[maybe_unused]] auto& hk = st.hk;
-    [[maybe_unused]] auto& dp = st.dp;
-    [[maybe_unused]] auto& kt = st.kt;
-    [[maybe_unused]] auto& cs = st.cs;
-    [[maybe_unused]] auto& n_rows = st.n_rows;
-    [[maybe_unused]] auto& base = st.base;
-    [[maybe_unused]] auto& qb = st.qb;
-    [[maybe_unused]] auto& qx = st.qx;
-    [[maybe_unused]] auto& dob = st.dob;
-    [[maybe_unused]] auto& qtr = st.qtr;
-    [[maybe_unused]] auto& dotr = st.dotr;
-    [[maybe_unused]] auto& qxtr = st.qxtr;
-    [[maybe_unused]] auto& rel1 = st.rel1;
-    [[maybe_unused]] auto& rel2 = st.rel2;
-    [[maybe_unused]] auto& w1 = st.w1;
-    [[maybe_unused]] auto& w2 = st.w2;
-    [[maybe_unused]] auto& dsum = st.dsum;
-    [[maybe_unused]] auto& lse = st.lse;
-    [[maybe_unused]] auto& part = st.part;
-    [[maybe_unused]] auto& qpos = st.qpos;
-    [[maybe_unused]] auto& head = st.head;
     const int64_t nq = std::min(nq_, p_.seq_q - i0);
     const int64_t rows = group_ * nq, rp = RoundUp(rows, 4);
     int32_t qmin = std::numeric_limits<int32_t>::max(), qmax = std::numeric_limits<int32_t>::min();
-    std::fill(base, base + 5 * n_rows, 0.0f);
+    std::fill(st.base, st.base + 5 * st.n_rows, 0.0f);
     for (int64_t r = 0; r < rp; ++r) {
-      lse[r] = -std::numeric_limits<float>::infinity();
-      dsum[r] = 0.0f;
+      st.lse[r] = -std::numeric_limits<float>::infinity();
+      st.dsum[r] = 0.0f;
       if (r >= rows) continue;
-      const int64_t g = r / nq, i = i0 + r % nq, h = hk * group_ + g;
-      head[static_cast<size_t>(r)] = h;
-      qpos[static_cast<size_t>(r)] = p_.qpos[bb * p_.seq_q + i];
-      qmin = std::min(qmin, qpos[static_cast<size_t>(r)]);
-      qmax = std::max(qmax, qpos[static_cast<size_t>(r)]);
-      const float* qr = p_.q + bb * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
+      const int64_t g = r / nq, i = i0 + r % nq, h = st.hk * group_ + g;
+      st.head[static_cast<size_t>(r)] = h;
+      st.qpos[static_cast<size_t>(r)] = p_.qpos[st.bb * p_.seq_q + i];
+      qmin = std::min(qmin, st.qpos[static_cast<size_t>(r)]);
+      qmax = std::max(qmax, st.qpos[static_cast<size_t>(r)]);
+      const float* qr = p_.q + st.bb * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
       const float* orow =
-          p_.out + bb * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
+          p_.out + st.bb * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
       const float* dor =
-          b_.dout + bb * b_.dout_stride[0] + i * b_.dout_stride[1] + h * b_.dout_stride[2];
+          b_.dout + st.bb * b_.dout_stride[0] + i * b_.dout_stride[1] + h * b_.dout_stride[2];
       if (p_.rope.cs != nullptr) {
-        rope_rotate_rows(p_.rope, p_.qpos + bb * p_.seq_q + i, p_.rope_base[bb], 1, qr, 0,
-                         qb + r * dp, 0);
+        rope_rotate_rows(p_.rope, p_.qpos + st.bb * p_.seq_q + i, p_.rope_base[st.bb], 1, qr, 0,
+                         st.qb + r * st.dp, 0);
       } else {
-        std::memcpy(qb + r * dp, qr, static_cast<size_t>(dim_) * sizeof(float));
+        std::memcpy(st.qb + r * st.dp, qr, static_cast<size_t>(dim_) * sizeof(float));
       }
-      std::memcpy(dob + r * dp, dor, static_cast<size_t>(dim_) * sizeof(float));
+      std::memcpy(st.dob + r * st.dp, dor, static_cast<size_t>(dim_) * sizeof(float));
       if (xl_) {
         for (int64_t x = 0; x < dim_; ++x) {
-          qb[r * dp + x] = qr[x] + p_.xl_content_bias[h * dim_ + x];
-          qx[r * dp + x] = qr[x] + p_.xl_position_bias[h * dim_ + x];
+          st.qb[r * st.dp + x] = qr[x] + p_.xl_content_bias[h * dim_ + x];
+          st.qx[r * st.dp + x] = qr[x] + p_.xl_position_bias[h * dim_ + x];
         }
       }
-      dsum[r] = Dot(dor, orow, dim_);
-      lse[r] = p_.lse[bb * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]];
-      if (b_.dsinks != nullptr && lse[r] != kNegInf) {
+      st.dsum[r] = Dot(dor, orow, dim_);
+      st.lse[r] = p_.lse[st.bb * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]];
+      if (b_.dsinks != nullptr && st.lse[r] != kNegInf) {
         // The sink's probability exp(sink - lse) times dP - D with dP = 0 (it has no value).
-        part[part_sink_ + (h - hk * group_)] -= std::exp(p_.sinks[h] - lse[r]) * dsum[r];
+        st.part[part_sink_ + (h - st.hk * group_)] -=
+            std::exp(p_.sinks[h] - st.lse[r]) * st.dsum[r];
       }
     }
     for (int64_t r = 0; r < rp; ++r)
       for (int64_t x = 0; x < dim_; ++x) {
-        qtr[x * rp + r] = qb[r * dp + x];
-        dotr[x * rp + r] = dob[r * dp + x];
-        if (xl_) qxtr[x * rp + r] = qx[r * dp + x];
+        st.qtr[x * rp + r] = st.qb[r * st.dp + x];
+        st.dotr[x * rp + r] = st.dob[r * st.dp + x];
+        if (xl_) st.qxtr[x * rp + r] = st.qx[r * st.dp + x];
       }
     // Per-row tables and bucket sums.
-    BlockRows br{rows, rp, nq, hk, cs, 0, nch_};
+    BlockRows br{rows, rp, nq, st.hk, st.cs, 0, nch_};
     if (shaw_ || deberta_ || xl_) {
       // Only the chunks of table rows this block's cells can reach.
       int64_t dlo = std::numeric_limits<int64_t>::max(), dhi = std::numeric_limits<int64_t>::min();
       for (int64_t t = 0; t < ntiles_; ++t) {
         if (!Visits(st, qmin, qmax, t)) continue;
-        dlo = std::min<int64_t>(dlo,
-                                int64_t{qmin} - tile_max_[static_cast<size_t>(bb * ntiles_ + t)]);
-        dhi = std::max<int64_t>(dhi,
-                                int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
+        dlo = std::min<int64_t>(
+            dlo, int64_t{qmin} - tile_max_[static_cast<size_t>(st.bb * ntiles_ + t)]);
+        dhi = std::max<int64_t>(
+            dhi, int64_t{qmax} - tile_min_[static_cast<size_t>(st.bb * ntiles_ + t)]);
       }
       p_.mask.clip_distances(dlo, dhi);
       if (dlo > dhi) {
@@ -1054,19 +1032,19 @@ class BackwardKernel {
       } else if (shaw_) {
         // u = clamp(-delta, -K, K) + K
         const int64_t k = p_.shaw_k;
-        br.c0 = (std::clamp<int64_t>(-dhi, -k, k) + k) / kt;
-        br.c1 = (std::clamp<int64_t>(-dlo, -k, k) + k) / kt + 1;
+        br.c0 = (std::clamp<int64_t>(-dhi, -k, k) + k) / st.kt;
+        br.c1 = (std::clamp<int64_t>(-dlo, -k, k) + k) / st.kt + 1;
       } else if (xl_) {
-        br.c0 = std::clamp<int64_t>(p_.xl_dmax - dhi, 0, p_.xl_len - 1) / kt;
-        br.c1 = std::clamp<int64_t>(p_.xl_dmax - dlo, 0, p_.xl_len - 1) / kt + 1;
+        br.c0 = std::clamp<int64_t>(p_.xl_dmax - dhi, 0, p_.xl_len - 1) / st.kt;
+        br.c1 = std::clamp<int64_t>(p_.xl_dmax - dlo, 0, p_.xl_len - 1) / st.kt + 1;
       } else {
-        const auto [ulo, uhi] = UsedRows(p_.deberta_c2p, p_.deberta_dmax[bb], dlo, dhi);
-        br.c0 = ulo / kt, br.c1 = uhi / kt + 1;
+        const auto [ulo, uhi] = UsedRows(p_.deberta_c2p, p_.deberta_dmax[st.bb], dlo, dhi);
+        br.c0 = ulo / st.kt, br.c1 = uhi / st.kt + 1;
       }
-      std::fill(w1 + br.c0 * cs, w1 + br.c1 * cs, 0.0f);
-      if (w2 != nullptr) std::fill(w2 + br.c0 * cs, w2 + br.c1 * cs, 0.0f);
-      Project(relk_, xl_ ? qx : qb, rel1, br);
-      if (shaw_ && p_.shaw_rel_v != nullptr) Project(relv_, dob, rel2, br);
+      std::fill(st.w1 + br.c0 * st.cs, st.w1 + br.c1 * st.cs, 0.0f);
+      if (st.w2 != nullptr) std::fill(st.w2 + br.c0 * st.cs, st.w2 + br.c1 * st.cs, 0.0f);
+      Project(relk_, xl_ ? st.qx : st.qb, st.rel1, br);
+      if (shaw_ && p_.shaw_rel_v != nullptr) Project(relv_, st.dob, st.rel2, br);
     }
     return Block{i0, nq, rows, rp, qmin, qmax, br};
   }
@@ -1074,62 +1052,37 @@ class BackwardKernel {
   // Tile t's key positions and operands (formed here unless the item holds them), and the
   // block's scores S = Q K^T and dP = dO V^T on it.
   Tile LoadTile(ItemState& st, const Block& blk, int64_t t) {
-    [[maybe_unused]] auto& bb = st.bb;
-    [[maybe_unused]] auto& dp = st.dp;
-    [[maybe_unused]] auto& kt = st.kt;
-    [[maybe_unused]] auto& n_ktile = st.n_ktile;
-    [[maybe_unused]] auto& qb = st.qb;
-    [[maybe_unused]] auto& dob = st.dob;
-    [[maybe_unused]] auto& s = st.s;
-    [[maybe_unused]] auto& dps = st.dps;
-    [[maybe_unused]] auto& kp_s = st.kp_s;
-    [[maybe_unused]] auto& dkt_s = st.dkt_s;
-    [[maybe_unused]] auto& dvt_s = st.dvt_s;
-    [[maybe_unused]] auto& ktr_s = st.ktr_s;
-    [[maybe_unused]] auto& vtr_s = st.vtr_s;
-    [[maybe_unused]] auto& kp_all = st.kp_all;
-    [[maybe_unused]] auto& kt_all = st.kt_all;
-    [[maybe_unused]] auto& vt_all = st.vt_all;
-    [[maybe_unused]] auto& dk_all = st.dk_all;
-    [[maybe_unused]] auto& dv_all = st.dv_all;
-    [[maybe_unused]] auto& kpt = st.kpt;
-    [[maybe_unused]] auto& p2c_u = st.p2c_u;
-    [[maybe_unused]] auto& p2c_run = st.p2c_run;
-    [[maybe_unused]] auto& kposb = st.kposb;
-    [[maybe_unused]] auto& kbase = st.kbase;
-    [[maybe_unused]] auto& vbase = st.vbase;
-    [[maybe_unused]] auto& cached = st.cached;
     const int64_t rp = blk.rp;
-    const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
+    const int64_t j0 = t * st.kt, nk = std::min(st.kt, p_.seq_k - j0);
     bool consec = true;
     for (int64_t c = 0; c < nk; ++c) {
-      kpt[c] = kposb[j0 + c];
-      consec = consec && kpt[c] == kpt[0] + c;
+      st.kpt[c] = st.kposb[j0 + c];
+      consec = consec && st.kpt[c] == st.kpt[0] + c;
     }
     // Keys past the tile's end: a position of the tile (masked, but table indices stay valid).
-    for (int64_t c = nk; c < kt; ++c) kpt[c] = kpt[0];
+    for (int64_t c = nk; c < st.kt; ++c) st.kpt[c] = st.kpt[0];
     // ALiBi / T5 over consecutive key positions: the tile's biases (and their gradients) are
     // a contiguous run of the per-distance row, index dmax - pos_q + pos_k (the table has a
     // tile of padding past its last distance).
     const bool bias_run = p_.bias != nullptr && consec;
-    float *kp = kp_s, *ktr = ktr_s, *vtr = vtr_s, *dkt = dkt_s, *dvt = dvt_s;
-    if (cached) {
-      kp = kp_all + j0 * dp;
-      ktr = kt_all + t * dim_ * kt;
-      vtr = vt_all + t * dim_ * kt;
-      dkt = dk_all + t * dp * kt;
-      dvt = dv_all + t * dp * kt;
+    float *kp = st.kp_s, *ktr = st.ktr_s, *vtr = st.vtr_s, *dkt = st.dkt_s, *dvt = st.dvt_s;
+    if (st.cached) {
+      kp = st.kp_all + j0 * st.dp;
+      ktr = st.kt_all + t * dim_ * st.kt;
+      vtr = st.vt_all + t * dim_ * st.kt;
+      dkt = st.dk_all + t * st.dp * st.kt;
+      dvt = st.dv_all + t * st.dp * st.kt;
     } else {
-      std::fill(kp, kp + n_ktile, 0.0f);
-      TileOperands(bb, kbase, vbase, j0, nk, kp, ktr, vtr);
-      std::fill(dkt, dkt + n_ktile, 0.0f);
-      std::fill(dvt, dvt + n_ktile, 0.0f);
+      std::fill(kp, kp + st.n_ktile, 0.0f);
+      TileOperands(st.bb, st.kbase, st.vbase, j0, nk, kp, ktr, vtr);
+      std::fill(dkt, dkt + st.n_ktile, 0.0f);
+      std::fill(dvt, dvt + st.n_ktile, 0.0f);
     }
-    ScoresTile(qb, dim_, ktr, rp, s, kt, dp);
-    ScoresTile(dob, dim_, vtr, rp, dps, kt, dp);
+    ScoresTile(st.qb, dim_, ktr, rp, st.s, st.kt, st.dp);
+    ScoresTile(st.dob, dim_, vtr, rp, st.dps, st.kt, st.dp);
     if (deberta_) {
-      std::fill(p2c_u.begin(), p2c_u.end(), -1);
-      std::fill(p2c_run.begin(), p2c_run.end(), -1);
+      std::fill(st.p2c_u.begin(), st.p2c_u.end(), -1);
+      std::fill(st.p2c_run.begin(), st.p2c_run.end(), -1);
     }
     return Tile{t, j0, nk, consec, bias_run, kp, ktr, vtr, dkt, dvt};
   }
@@ -1155,99 +1108,70 @@ class BackwardKernel {
   // false for a row that sees no key (its P and dS rows zeroed).
   bool TileRowScores(ItemState& st, const Tile& tile, int64_t r, RowAt& at) {
     const DF d;
-    [[maybe_unused]] auto& bb = st.bb;
-    [[maybe_unused]] auto& hk = st.hk;
-    [[maybe_unused]] auto& dp = st.dp;
-    [[maybe_unused]] auto& kt = st.kt;
-    [[maybe_unused]] auto& cs = st.cs;
-    [[maybe_unused]] auto& nb = st.nb;
-    [[maybe_unused]] auto& s = st.s;
-    [[maybe_unused]] auto& dps = st.dps;
-    [[maybe_unused]] auto& rel1 = st.rel1;
-    [[maybe_unused]] auto& rel2 = st.rel2;
-    [[maybe_unused]] auto& lse = st.lse;
-    [[maybe_unused]] auto& kpq_all = st.kpq_all;
-    [[maybe_unused]] auto& wpq_all = st.wpq_all;
-    [[maybe_unused]] auto& gd_all = st.gd_all;
-    [[maybe_unused]] auto& addr = st.addr;
-    [[maybe_unused]] auto& addr2 = st.addr2;
-    [[maybe_unused]] auto& kpt = st.kpt;
-    [[maybe_unused]] auto& qpos = st.qpos;
-    [[maybe_unused]] auto& p2c_u = st.p2c_u;
-    [[maybe_unused]] auto& head = st.head;
-    [[maybe_unused]] auto& p2c_val = st.p2c_val;
-    [[maybe_unused]] auto& scale = st.scale;
-    [[maybe_unused]] auto& kposb = st.kposb;
-    [[maybe_unused]] auto& p2c_tiles = st.p2c_tiles;
-    [[maybe_unused]] auto& cell_terms = st.cell_terms;
-    [[maybe_unused]] const auto t = tile.t;
-    [[maybe_unused]] const auto j0 = tile.j0;
-    [[maybe_unused]] const auto nk = tile.nk;
-    [[maybe_unused]] const auto consec = tile.consec;
-    [[maybe_unused]] const auto bias_run = tile.bias_run;
-    [[maybe_unused]] const auto kp = tile.kp;
-    float* srow = s + r * kt;
-    float* drow = dps + r * kt;
-    if (lse[r] == -std::numeric_limits<float>::infinity()) {
-      std::fill(srow, srow + kt, 0.0f);
-      std::fill(drow, drow + kt, 0.0f);
+    float* srow = st.s + r * st.kt;
+    float* drow = st.dps + r * st.kt;
+    if (st.lse[r] == -std::numeric_limits<float>::infinity()) {
+      std::fill(srow, srow + st.kt, 0.0f);
+      std::fill(drow, drow + st.kt, 0.0f);
       return false;
     }
-    const int64_t h = head[static_cast<size_t>(r)];
-    const int32_t pq = qpos[static_cast<size_t>(r)];
+    const int64_t h = st.head[static_cast<size_t>(r)];
+    const int32_t pq = st.qpos[static_cast<size_t>(r)];
     // Scale and mask, vectorized over the tile's keys (kpt: their positions).
     {
       const DI di;
-      const auto vs = hn::Set(d, scale), vninf = hn::Set(d, kNegInf);
+      const auto vs = hn::Set(d, st.scale), vninf = hn::Set(d, kNegInf);
       const RowMask row_mask(p_.mask, pq);
-      for (int64_t c = 0; c < kt; c += lanes_) {
-        const auto vis = row_mask.Visible(d, hn::Load(di, kpt + c));
+      for (int64_t c = 0; c < st.kt; c += lanes_) {
+        const auto vis = row_mask.Visible(d, hn::Load(di, st.kpt + c));
         const auto x = hn::Mul(hn::Load(d, srow + c), vs);
         hn::Store(hn::IfThenElse(vis, x, vninf), d, srow + c);
       }
-      for (int64_t c = nk; c < kt; ++c) srow[c] = kNegInf;
+      for (int64_t c = tile.nk; c < st.kt; ++c) srow[c] = kNegInf;
     }
     // XL over consecutive keys whose distances all lie in the table (no clamping): the
     // row's table rows are u0 + c, so each vector's addresses are known without index
     // vectors: one run, or two across a row-chunk boundary.
-    const int64_t xl_u0 = xl_ ? int64_t{p_.xl_dmax} - pq + kpt[0] : 0;
-    const bool xl_fast = xl_ && consec && xl_u0 >= 0 && xl_u0 + kt <= p_.xl_len;
+    const int64_t xl_u0 = xl_ ? int64_t{p_.xl_dmax} - pq + st.kpt[0] : 0;
+    const bool xl_fast = xl_ && tile.consec && xl_u0 >= 0 && xl_u0 + st.kt <= p_.xl_len;
     // DeBERTa over consecutive keys whose distances share one c2p row and one p2c row (far
     // keys: saturated buckets, most cells of a long causal sequence): one broadcast c2p
     // value, one contiguous run of the tile's p2c products, no index vectors. The same
     // arithmetic as the general path below.
-    const int64_t deb_at0 = deberta_ ? int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] : 0;
-    const bool deb_one = p2c_tiles && consec && deb_at0 >= 0 && deb_at0 + kt <= p_.deberta_len &&
-                         deb_run_end_[static_cast<size_t>(deb_at0)] >= deb_at0 + kt;
+    const int64_t deb_at0 = deberta_ ? int64_t{p_.deberta_dmax[st.bb]} - pq + st.kpt[0] : 0;
+    const bool deb_one = st.p2c_tiles && tile.consec && deb_at0 >= 0 &&
+                         deb_at0 + st.kt <= p_.deberta_len &&
+                         deb_run_end_[static_cast<size_t>(deb_at0)] >= deb_at0 + st.kt;
     // DeBERTa over consecutive keys whose p2c rows all lie on the linear stretch: the p2c
     // products from the tile's diagonal copy (one run), W's from its gradient.
-    const bool deb_diag = p2c_tiles && consec && !deb_one && nb > 0 && deb_at0 >= 0 &&
-                          deb_at0 + kt <= p_.deberta_len &&
+    const bool deb_diag = st.p2c_tiles && tile.consec && !deb_one && st.nb > 0 && deb_at0 >= 0 &&
+                          deb_at0 + st.kt <= p_.deberta_len &&
                           deb_lin_[static_cast<size_t>(deb_at0)] != 0;
-    const int64_t deb_g = deb_diag ? ((h - hk * group_) * ntiles_ + t) * nb * kt +
-                                         (p_.deberta_p2c[deb_at0] - deb_b_lo_) * kt
+    const int64_t deb_g = deb_diag ? ((h - st.hk * group_) * ntiles_ + tile.t) * st.nb * st.kt +
+                                         (p_.deberta_p2c[deb_at0] - deb_b_lo_) * st.kt
                                    : 0;
     int64_t deb_a = 0;              // the c2p row's address in rel1 / w1
     const float* deb_pq = nullptr;  // the p2c row of the tile's kpq
     float* deb_w = nullptr;         // and of its W
     if (deb_one) {
       const int64_t u = p_.deberta_c2p[deb_at0], u2 = p_.deberta_p2c[deb_at0];
-      deb_a = (u / kt) * cs + r * kt + u % kt;
-      const int64_t at = ((h - hk * group_) * ntiles_ + t) * span2s_ * kt + u2 * kt;
-      deb_pq = kpq_all + at;
-      deb_w = wpq_all + at;
-      const auto vc = hn::Set(d, rel1[deb_a]);
-      for (int64_t c = 0; c < kt; c += lanes_) {
+      deb_a = (u / st.kt) * st.cs + r * st.kt + u % st.kt;
+      const int64_t at = ((h - st.hk * group_) * ntiles_ + tile.t) * span2s_ * st.kt + u2 * st.kt;
+      deb_pq = st.kpq_all + at;
+      deb_w = st.wpq_all + at;
+      const auto vc = hn::Set(d, st.rel1[deb_a]);
+      for (int64_t c = 0; c < st.kt; c += lanes_) {
         const auto x = hn::Add(hn::Load(d, srow + c), hn::LoadU(d, deb_pq + c));
         hn::Store(hn::Add(x, vc), d, srow + c);
       }
     }
     if (xl_fast) {
-      for (int64_t c = 0; c < kt; c += lanes_) {
-        const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
-        auto v = hn::LoadU(d, rel1 + a0);
+      for (int64_t c = 0; c < st.kt; c += lanes_) {
+        const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, st.cs);
+        auto v = hn::LoadU(d, st.rel1 + a0);
         if (k < lanes_) {
-          v = hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(k)), v, hn::LoadU(d, rel1 + a1 - k));
+          v = hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(k)), v,
+                             hn::LoadU(d, st.rel1 + a1 - k));
         }
         hn::Store(hn::Add(hn::Load(d, srow + c), v), d, srow + c);
       }
@@ -1257,12 +1181,13 @@ class BackwardKernel {
       const DI di;
       const auto vpq = hn::Set(di, pq);
       const float* kpq =
-          p2c_tiles ? kpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt : nullptr;
-      const auto vrow = hn::Set(di, static_cast<int32_t>(r * kt));
-      const auto vcs = hn::Set(di, static_cast<int32_t>(cs));
-      const auto v63 = hn::Set(di, static_cast<int32_t>(kt - 1));
-      for (int64_t c = 0; c < kt; c += lanes_) {
-        const auto kpv = hn::Load(di, kpt + c);
+          st.p2c_tiles ? st.kpq_all + ((h - st.hk * group_) * ntiles_ + tile.t) * span2s_ * st.kt
+                       : nullptr;
+      const auto vrow = hn::Set(di, static_cast<int32_t>(r * st.kt));
+      const auto vcs = hn::Set(di, static_cast<int32_t>(st.cs));
+      const auto v63 = hn::Set(di, static_cast<int32_t>(st.kt - 1));
+      for (int64_t c = 0; c < st.kt; c += lanes_) {
+        const auto kpv = hn::Load(di, st.kpt + c);
         hn::Vec<DI> u;
         if (shaw_) {
           const auto k = hn::Set(di, static_cast<int32_t>(p_.shaw_k));
@@ -1274,77 +1199,70 @@ class BackwardKernel {
                               hn::Zero(di)),
                       hn::Set(di, static_cast<int32_t>(p_.xl_len - 1)));
         } else {
-          const auto at = hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[bb] - pq)));
+          const auto at =
+              hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[st.bb] - pq)));
           // Consecutive key positions read the index tables contiguously (past the tile's
           // last key too: the tables have a tile of padding, and those keys are masked).
-          const int64_t at0 = int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] + c;
-          u = consec ? hn::LoadU(di, p_.deberta_c2p + at0)
-                     : hn::GatherIndex(di, p_.deberta_c2p, at);
+          const int64_t at0 = int64_t{p_.deberta_dmax[st.bb]} - pq + st.kpt[0] + c;
+          u = tile.consec ? hn::LoadU(di, p_.deberta_c2p + at0)
+                          : hn::GatherIndex(di, p_.deberta_c2p, at);
           if (deb_diag) {
-            hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, gd_all + deb_g + c)), d,
+            hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, st.gd_all + deb_g + c)), d,
                       srow + c);
-          } else if (p2c_tiles) {
+          } else if (st.p2c_tiles) {
             // p2c: kpq[u2][c], address u2 * kTileK + c.
-            const auto u2 = consec ? hn::LoadU(di, p_.deberta_p2c + at0)
-                                   : hn::GatherIndex(di, p_.deberta_p2c, at);
+            const auto u2 = tile.consec ? hn::LoadU(di, p_.deberta_p2c + at0)
+                                        : hn::GatherIndex(di, p_.deberta_p2c, at);
             const auto a2 = hn::Add(hn::ShiftLeft<6>(u2), hn::Iota(di, static_cast<int32_t>(c)));
-            hn::Store(a2, di, addr2 + c);
-            hn::Store(hn::Add(hn::Load(d, srow + c), GatherTileRows(kpq, addr2 + c)), d, srow + c);
+            hn::Store(a2, di, st.addr2 + c);
+            hn::Store(hn::Add(hn::Load(d, srow + c), GatherTileRows(kpq, st.addr2 + c)), d,
+                      srow + c);
           }
         }
         static_assert(kTileK == 64, "row-chunk addresses: u >> 6, u & 63");
         const auto a = hn::Add(hn::Add(hn::Mul(hn::ShiftRight<6>(u), vcs), vrow), hn::And(u, v63));
-        hn::Store(a, di, addr + c);
-        hn::Store(hn::Add(hn::Load(d, srow + c), GatherRows(rel1, addr + c, !deberta_)), d,
+        hn::Store(a, di, st.addr + c);
+        hn::Store(hn::Add(hn::Load(d, srow + c), GatherRows(st.rel1, st.addr + c, !deberta_)), d,
                   srow + c);
         if (shaw_ && p_.shaw_rel_v != nullptr) {
-          hn::Store(hn::Add(hn::Load(d, drow + c), GatherRows(rel2, addr + c)), d, drow + c);
+          hn::Store(hn::Add(hn::Load(d, drow + c), GatherRows(st.rel2, st.addr + c)), d, drow + c);
         }
       }
     }
     const int64_t bias_at =
-        bb * p_.bias_batch_stride + h * p_.bias_len +
-        ((p_.bias_dmax != nullptr ? int64_t{p_.bias_dmax[bb]} : 0) - pq + kpt[0]);
-    if (bias_run) {
+        st.bb * p_.bias_batch_stride + h * p_.bias_len +
+        ((p_.bias_dmax != nullptr ? int64_t{p_.bias_dmax[st.bb]} : 0) - pq + st.kpt[0]);
+    if (tile.bias_run) {
       const float* brow = p_.bias + bias_at;
-      for (int64_t c = 0; c < kt; c += lanes_) {
+      for (int64_t c = 0; c < st.kt; c += lanes_) {
         hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, brow + c)), d, srow + c);
       }
     }
-    for (int64_t c = 0; cell_terms && !bias_run && c < nk; ++c) {
+    for (int64_t c = 0; st.cell_terms && !tile.bias_run && c < tile.nk; ++c) {
       if (srow[c] == kNegInf) continue;
-      const int32_t pk = kposb[j0 + c];
+      const int32_t pk = st.kposb[tile.j0 + c];
       const int64_t delta = int64_t{pq} - pk;
       float x = srow[c];
       if (p_.bias != nullptr) {
-        x += p_.bias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)];
+        x +=
+            p_.bias[st.bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[st.bb] - delta)];
       } else if (deberta_) {
-        const int64_t at = p_.deberta_dmax[bb] - delta;
+        const int64_t at = p_.deberta_dmax[st.bb] - delta;
         // k_c . pos_query[u, h]: consecutive rows of a column often share u (clipped or
         // log-bucketed distances), so the last product per (key, head) is kept.
         const int32_t u = p_.deberta_p2c[at];
-        const size_t key = static_cast<size_t>(c * group_ + (h - hk * group_));
-        if (p2c_u[key] != u) {
-          p2c_u[key] = u;
-          p2c_val[key] =
-              scale * Dot(kp + c * dp, p_.deberta_pos_query + (u * p_.heads_q + h) * dim_, dim_);
+        const size_t key = static_cast<size_t>(c * group_ + (h - st.hk * group_));
+        if (st.p2c_u[key] != u) {
+          st.p2c_u[key] = u;
+          st.p2c_val[key] =
+              st.scale *
+              Dot(tile.kp + c * st.dp, p_.deberta_pos_query + (u * p_.heads_q + h) * dim_, dim_);
         }
-        x += p2c_val[key];
+        x += st.p2c_val[key];
       }
       srow[c] = x;
     }
-    at.srow = srow;
-    at.drow = drow;
-    at.h = h;
-    at.pq = pq;
-    at.xl_u0 = xl_u0;
-    at.xl_fast = xl_fast;
-    at.deb_one = deb_one;
-    at.deb_diag = deb_diag;
-    at.deb_g = deb_g;
-    at.deb_a = deb_a;
-    at.deb_w = deb_w;
-    at.bias_at = bias_at;
+    at = RowAt{srow, drow, h, pq, xl_u0, xl_fast, deb_one, deb_diag, deb_g, deb_a, deb_w, bias_at};
     return true;
   }
 
@@ -1352,28 +1270,6 @@ class BackwardKernel {
   // scheme's terms; scale * dS left in the dP row.
   void TileRowGrads(ItemState& st, const Tile& tile, int64_t r, const RowAt& at) {
     const DF d;
-    [[maybe_unused]] auto& bb = st.bb;
-    [[maybe_unused]] auto& hk = st.hk;
-    [[maybe_unused]] auto& kt = st.kt;
-    [[maybe_unused]] auto& cs = st.cs;
-    [[maybe_unused]] auto& w1 = st.w1;
-    [[maybe_unused]] auto& w2 = st.w2;
-    [[maybe_unused]] auto& dsum = st.dsum;
-    [[maybe_unused]] auto& lse = st.lse;
-    [[maybe_unused]] auto& wpq_all = st.wpq_all;
-    [[maybe_unused]] auto& wgd_all = st.wgd_all;
-    [[maybe_unused]] auto& addr = st.addr;
-    [[maybe_unused]] auto& addr2 = st.addr2;
-    [[maybe_unused]] auto& p2c_run = st.p2c_run;
-    [[maybe_unused]] auto& pq_cells = st.pq_cells;
-    [[maybe_unused]] auto& scale = st.scale;
-    [[maybe_unused]] auto& kposb = st.kposb;
-    [[maybe_unused]] auto& p2c_tiles = st.p2c_tiles;
-    [[maybe_unused]] auto& cell_grads = st.cell_grads;
-    [[maybe_unused]] const auto t = tile.t;
-    [[maybe_unused]] const auto j0 = tile.j0;
-    [[maybe_unused]] const auto nk = tile.nk;
-    [[maybe_unused]] const auto bias_run = tile.bias_run;
     const auto srow = at.srow;
     const auto drow = at.drow;
     const auto h = at.h;
@@ -1386,72 +1282,74 @@ class BackwardKernel {
     const auto deb_a = at.deb_a;
     const auto deb_w = at.deb_w;
     const auto bias_at = at.bias_at;
-    const auto vl = hn::Set(d, lse[r]), vd = hn::Set(d, dsum[r]);
-    for (int64_t c = 0; c < kt; c += lanes_) {
+    const auto vl = hn::Set(d, st.lse[r]), vd = hn::Set(d, st.dsum[r]);
+    for (int64_t c = 0; c < st.kt; c += lanes_) {
       const auto pv = hn::Exp(d, hn::Sub(hn::Load(d, srow + c), vl));  // exp(-inf) = 0
       hn::Store(pv, d, srow + c);
       hn::Store(hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd)), d, drow + c);
     }
     // Per-cell gradients of the scheme's terms (dS unscaled for biases, scaled below).
-    if (bias_run && b_.dbias != nullptr) {
+    if (tile.bias_run && b_.dbias != nullptr) {
       float* dbrow = b_.dbias + bias_at;
-      for (int64_t c = 0; c < kt; c += lanes_) {
+      for (int64_t c = 0; c < st.kt; c += lanes_) {
         hn::StoreU(hn::Add(hn::LoadU(d, dbrow + c), hn::Load(d, drow + c)), d, dbrow + c);
       }
     }
-    for (int64_t c = 0; cell_grads && !bias_run && c < nk; ++c) {
+    for (int64_t c = 0; st.cell_grads && !tile.bias_run && c < tile.nk; ++c) {
       const float ds = drow[c];
       const float pr = srow[c];
       if (ds == 0.0f && pr == 0.0f) continue;
-      const int32_t pk = kposb[j0 + c];
+      const int32_t pk = st.kposb[tile.j0 + c];
       const int64_t delta = int64_t{pq} - pk;
-      const float sds = scale * ds;
+      const float sds = st.scale * ds;
       if (b_.dbias != nullptr) {
-        b_.dbias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)] += ds;
+        b_.dbias[st.bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[st.bb] - delta)] +=
+            ds;
       } else if (deberta_) {
-        const int64_t at = p_.deberta_dmax[bb] - delta;
+        const int64_t at = p_.deberta_dmax[st.bb] - delta;
         // dK_j += scale dS pos_query[p2c] and dpos_query[p2c] += scale dS k_j: summed
         // over runs of equal u per (key, head) first, applied after the tile's products.
         const int64_t u = p_.deberta_p2c[at];
-        const size_t key = static_cast<size_t>(c * group_ + (h - hk * group_));
-        int32_t& run = p2c_run[key];
-        if (run >= 0 && pq_cells[static_cast<size_t>(run)].u == u) {
-          pq_cells[static_cast<size_t>(run)].sds += sds;
+        const size_t key = static_cast<size_t>(c * group_ + (h - st.hk * group_));
+        int32_t& run = st.p2c_run[key];
+        if (run >= 0 && st.pq_cells[static_cast<size_t>(run)].u == u) {
+          st.pq_cells[static_cast<size_t>(run)].sds += sds;
         } else {
-          run = static_cast<int32_t>(pq_cells.size());
-          pq_cells.push_back({c, u, h, sds});
+          run = static_cast<int32_t>(st.pq_cells.size());
+          st.pq_cells.push_back({c, u, h, sds});
         }
       }
     }
     // scale * dS from here on; Shaw's and DeBERTa's c2p bucket sums.
-    const auto vs = hn::Set(d, scale);
-    for (int64_t c = 0; c < kt; c += lanes_) {
+    const auto vs = hn::Set(d, st.scale);
+    for (int64_t c = 0; c < st.kt; c += lanes_) {
       const auto sds = hn::Mul(hn::Load(d, drow + c), vs);
       hn::Store(sds, d, drow + c);
       if (xl_fast) {
-        const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
+        const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, st.cs);
         if (k >= lanes_) {
-          hn::StoreU(hn::Add(hn::LoadU(d, w1 + a0), sds), d, w1 + a0);
+          hn::StoreU(hn::Add(hn::LoadU(d, st.w1 + a0), sds), d, st.w1 + a0);
         } else {  // each element gets the same single addition
           const auto m = hn::FirstN(d, static_cast<size_t>(k));
-          hn::BlendedStore(hn::Add(hn::LoadU(d, w1 + a0), sds), m, d, w1 + a0);
-          float* t2 = w1 + a1 - k;
+          hn::BlendedStore(hn::Add(hn::LoadU(d, st.w1 + a0), sds), m, d, st.w1 + a0);
+          float* t2 = st.w1 + a1 - k;
           hn::BlendedStore(hn::Add(hn::LoadU(d, t2), sds), hn::Not(m), d, t2);
         }
       } else if (deb_one) {  // ScatterAdd's single-address case
-        w1[deb_a] += hn::GetLane(hn::SumOfLanes(d, sds));
+        st.w1[deb_a] += hn::GetLane(hn::SumOfLanes(d, sds));
         hn::StoreU(hn::Add(hn::LoadU(d, deb_w + c), sds), d, deb_w + c);
       } else if (shaw_ || deberta_ || xl_) {
-        ScatterAdd(w1, addr + c, sds, xl_, /*rising=*/!deberta_);
+        ScatterAdd(st.w1, st.addr + c, sds, xl_, /*rising=*/!deberta_);
       }
-      if (shaw_ && b_.shaw_drel_v != nullptr) ScatterAdd(w2, addr + c, hn::Load(d, srow + c), true);
+      if (shaw_ && b_.shaw_drel_v != nullptr)
+        ScatterAdd(st.w2, st.addr + c, hn::Load(d, srow + c), true);
       if (deb_diag) {
-        float* at = wgd_all + deb_g + c;
+        float* at = st.wgd_all + deb_g + c;
         hn::StoreU(hn::Add(hn::LoadU(d, at), sds), d, at);
-      } else if (p2c_tiles && !deb_one) {
+      } else if (st.p2c_tiles && !deb_one) {
         // The tile's keys are distinct lanes: no two lanes share an address.
-        float* wpq = wpq_all + ((h - hk * group_) * ntiles_ + t) * span2s_ * kt;
-        ScatterAddTileRows(wpq, addr2 + c, sds);
+        float* wpq = st.wpq_all + ((h - st.hk * group_) * ntiles_ + tile.t) * span2s_ * st.kt;
+        ScatterAddTileRows(wpq, st.addr2 + c, sds);
       }
     }
   }
@@ -1459,130 +1357,92 @@ class BackwardKernel {
   // The tile's products: dV^T += dO^T P, dK^T += Q^T (scale dS), dQ += (scale dS) K; DeBERTa's
   // p2c cells; dK, dV added to the outputs unless the item holds them.
   void FinishTile(ItemState& st, const Block& blk, const Tile& tile) {
-    [[maybe_unused]] auto& bb = st.bb;
-    [[maybe_unused]] auto& hk = st.hk;
-    [[maybe_unused]] auto& dp = st.dp;
-    [[maybe_unused]] auto& kt = st.kt;
-    [[maybe_unused]] auto& dimr = st.dimr;
-    [[maybe_unused]] auto& n_ktile = st.n_ktile;
-    [[maybe_unused]] auto& dqb = st.dqb;
-    [[maybe_unused]] auto& s = st.s;
-    [[maybe_unused]] auto& dps = st.dps;
-    [[maybe_unused]] auto& qtr = st.qtr;
-    [[maybe_unused]] auto& dotr = st.dotr;
-    [[maybe_unused]] auto& dkx = st.dkx;
-    [[maybe_unused]] auto& part = st.part;
-    [[maybe_unused]] auto& pq_cells = st.pq_cells;
-    [[maybe_unused]] auto& cached = st.cached;
     const int64_t rp = blk.rp;
     const int64_t j0 = tile.j0, nk = tile.nk;
     const float* kp = tile.kp;
     float *dkt = tile.dkt, *dvt = tile.dvt;
-    ScoresTile(dotr, rp, s, dimr, dvt, kt, rp, true);   // dV^T += dO^T P
-    ScoresTile(qtr, rp, dps, dimr, dkt, kt, rp, true);  // dK^T += Q^T (scale dS)
-    AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);       // dQ += scale dS K
-    for (const auto& cell : pq_cells) {                 // DeBERTa p2c
-      const int64_t g = cell.h - hk * group_;
+    ScoresTile(st.dotr, rp, st.s, st.dimr, dvt, st.kt, rp, true);   // dV^T += dO^T P
+    ScoresTile(st.qtr, rp, st.dps, st.dimr, dkt, st.kt, rp, true);  // dK^T += Q^T (scale dS)
+    AccumulateTile(st.dps, nk, kp, st.dp, st.dp, rp, st.dqb);       // dQ += scale dS K
+    for (const auto& cell : st.pq_cells) {                          // DeBERTa p2c
+      const int64_t g = cell.h - st.hk * group_;
       Axpy(cell.sds, p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_,
-           dkx + cell.c * dp, dim_);
-      Axpy(cell.sds, kp + cell.c * dp, part + part_pq_ + (g * span2s_ + cell.u) * dp, dim_);
+           st.dkx + cell.c * st.dp, dim_);
+      Axpy(cell.sds, kp + cell.c * st.dp, st.part + part_pq_ + (g * span2s_ + cell.u) * st.dp,
+           dim_);
     }
-    pq_cells.clear();
-    for (int64_t c = 0; !cached && c < nk; ++c) {
-      AddColumn(dkt, c, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk));
-      AddColumn(dvt, c, OutRow(b_.dv, b_.dv_stride, bb, j0 + c, hk));
-      if (deberta_) AddRow(dkx + c * dp, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk), dim_);
+    st.pq_cells.clear();
+    for (int64_t c = 0; !st.cached && c < nk; ++c) {
+      AddColumn(dkt, c, OutRow(b_.dk, b_.dk_stride, st.bb, j0 + c, st.hk));
+      AddColumn(dvt, c, OutRow(b_.dv, b_.dv_stride, st.bb, j0 + c, st.hk));
+      if (deberta_)
+        AddRow(st.dkx + c * st.dp, OutRow(b_.dk, b_.dk_stride, st.bb, j0 + c, st.hk), dim_);
     }
-    if (deberta_ && !cached) std::fill(dkx, dkx + n_ktile, 0.0f);
+    if (deberta_ && !st.cached) std::fill(st.dkx, st.dkx + st.n_ktile, 0.0f);
   }
 
   // The block's per-row terms (Shaw, DeBERTa c2p, XL's r part) and its dQ rows written out.
   void FinishBlock(ItemState& st, const Block& blk) {
-    [[maybe_unused]] auto& bb = st.bb;
-    [[maybe_unused]] auto& hk = st.hk;
-    [[maybe_unused]] auto& dp = st.dp;
-    [[maybe_unused]] auto& dqb = st.dqb;
-    [[maybe_unused]] auto& dqr = st.dqr;
-    [[maybe_unused]] auto& qtr = st.qtr;
-    [[maybe_unused]] auto& dotr = st.dotr;
-    [[maybe_unused]] auto& qxtr = st.qxtr;
-    [[maybe_unused]] auto& w1 = st.w1;
-    [[maybe_unused]] auto& w2 = st.w2;
-    [[maybe_unused]] auto& part = st.part;
-    [[maybe_unused]] auto& head = st.head;
     const int64_t i0 = blk.i0, nq = blk.nq, rows = blk.rows;
     const BlockRows& br = blk.br;
     // Per-row terms, once per block.
     if (shaw_) {
-      BackQ(relk_, w1, dqb, br);
-      BackTable(w1, qtr, part + part_relk_, shaw_k_heads_, br);
-      if (b_.shaw_drel_v != nullptr) BackTable(w2, dotr, part + part_relv_, shaw_v_heads_, br);
+      BackQ(relk_, st.w1, st.dqb, br);
+      BackTable(st.w1, st.qtr, st.part + part_relk_, shaw_k_heads_, br);
+      if (b_.shaw_drel_v != nullptr)
+        BackTable(st.w2, st.dotr, st.part + part_relv_, shaw_v_heads_, br);
     } else if (deberta_) {
-      BackQ(relk_, w1, dqb, br);
-      BackTable(w1, qtr, part, group_, br);
+      BackQ(relk_, st.w1, st.dqb, br);
+      BackTable(st.w1, st.qtr, st.part, group_, br);
     } else if (xl_) {
-      BackQ(relk_, w1, dqr, br);  // dQ's r(delta) part
-      BackTable(w1, qxtr, part + 2 * group_ * dim_, group_, br);
+      BackQ(relk_, st.w1, st.dqr, br);  // dQ's r(delta) part
+      BackTable(st.w1, st.qxtr, st.part + 2 * group_ * dim_, group_, br);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = head[static_cast<size_t>(r)], g = h - hk * group_;
-      float* dq_r = dqb + r * dp;
+      const int64_t h = st.head[static_cast<size_t>(r)], g = h - st.hk * group_;
+      float* dq_r = st.dqb + r * st.dp;
       if (xl_) {
-        Axpy(1.0f, dq_r, part + g * dim_, dim_);                          // du: the k part
-        Axpy(1.0f, dqr + r * dp, part + group_ * dim_ + g * dim_, dim_);  // dv: the r part
-        Axpy(1.0f, dqr + r * dp, dq_r, dim_);
+        Axpy(1.0f, dq_r, st.part + g * dim_, dim_);                                // du: the k part
+        Axpy(1.0f, st.dqr + r * st.dp, st.part + group_ * dim_ + g * dim_, dim_);  // dv: the r part
+        Axpy(1.0f, st.dqr + r * st.dp, dq_r, dim_);
       }
       const int64_t i = i0 + r % nq;
-      std::memcpy(b_.dq + bb * b_.dq_stride[0] + i * b_.dq_stride[1] + h * b_.dq_stride[2], dq_r,
+      std::memcpy(b_.dq + st.bb * b_.dq_stride[0] + i * b_.dq_stride[1] + h * b_.dq_stride[2], dq_r,
                   static_cast<size_t>(dim_) * sizeof(float));
     }
   }
 
   // DeBERTa's p2c products once per key tile, and the item's dK, dV written out.
   void FinishItem(ItemState& st) {
-    [[maybe_unused]] auto& bb = st.bb;
-    [[maybe_unused]] auto& hk = st.hk;
-    [[maybe_unused]] auto& dp = st.dp;
-    [[maybe_unused]] auto& kt = st.kt;
-    [[maybe_unused]] auto& nb = st.nb;
-    [[maybe_unused]] auto& kp_all = st.kp_all;
-    [[maybe_unused]] auto& dk_all = st.dk_all;
-    [[maybe_unused]] auto& dv_all = st.dv_all;
-    [[maybe_unused]] auto& wpq_all = st.wpq_all;
-    [[maybe_unused]] auto& wgd_all = st.wgd_all;
-    [[maybe_unused]] auto& part = st.part;
-    [[maybe_unused]] auto& p2c_rows = st.p2c_rows;
-    [[maybe_unused]] auto& cached = st.cached;
-    [[maybe_unused]] auto& p2c_tiles = st.p2c_tiles;
     // DeBERTa p2c, once per key tile: dK^T += pos_query^T W, dpos_query += W K.
-    for (int64_t t = 0; p2c_tiles && t < ntiles_; ++t) {
-      const int64_t nk = std::min(kt, p_.seq_k - t * kt);
-      const auto [ulo, uhi] = p2c_rows[static_cast<size_t>(t)];
+    for (int64_t t = 0; st.p2c_tiles && t < ntiles_; ++t) {
+      const int64_t nk = std::min(st.kt, p_.seq_k - t * st.kt);
+      const auto [ulo, uhi] = st.p2c_rows[static_cast<size_t>(t)];
       if (ulo > uhi) continue;
       for (int64_t g = 0; g < group_; ++g) {
         // The diagonal gradients folded back: W[b + step c][c] += WG[b][c].
-        float* wq = wpq_all + (g * ntiles_ + t) * span2s_ * kt;
-        const float* wgd = wgd_all + (g * ntiles_ + t) * nb * kt;
-        for (int64_t b = 0; b < nb; ++b)
-          for (int64_t c = 0; c < kt; ++c) {
+        float* wq = st.wpq_all + (g * ntiles_ + t) * span2s_ * st.kt;
+        const float* wgd = st.wgd_all + (g * ntiles_ + t) * st.nb * st.kt;
+        for (int64_t b = 0; b < st.nb; ++b)
+          for (int64_t c = 0; c < st.kt; ++c) {
             const int64_t u = deb_b_lo_ + b + deb_step_ * c;
-            if (u >= ulo && u <= uhi) wq[u * kt + c] += wgd[b * kt + c];
+            if (u >= ulo && u <= uhi) wq[u * st.kt + c] += wgd[b * st.kt + c];
           }
         // W's rows past uhi are zero: rounding the rows up to 4 adds nothing.
-        const float* wpq = wpq_all + (g * ntiles_ + t) * span2s_ * kt + ulo * kt;
-        ScoresTile(pq_t_.get() + (hk * group_ + g) * dimr_ * span2r_ + ulo, uhi - ulo + 1, wpq,
-                   dimr_, dk_all + t * dp * kt, kt, span2r_, true);
-        AccumulateTile(wpq, nk, kp_all + t * kt * dp, dp, dp, RoundUp(uhi - ulo + 1, 4),
-                       part + part_pq_ + (g * span2s_ + ulo) * dp);
+        const float* wpq = st.wpq_all + (g * ntiles_ + t) * span2s_ * st.kt + ulo * st.kt;
+        ScoresTile(pq_t_.get() + (st.hk * group_ + g) * dimr_ * span2r_ + ulo, uhi - ulo + 1, wpq,
+                   dimr_, st.dk_all + t * st.dp * st.kt, st.kt, span2r_, true);
+        AccumulateTile(wpq, nk, st.kp_all + t * st.kt * st.dp, st.dp, st.dp,
+                       RoundUp(uhi - ulo + 1, 4), st.part + part_pq_ + (g * span2s_ + ulo) * st.dp);
       }
     }
-    for (int64_t j = 0; cached && j < p_.seq_k; ++j) {
-      const int64_t t = j / kt, c = j % kt;
-      float* dkr = OutRow(b_.dk, b_.dk_stride, bb, j, hk);
-      float* dvr = OutRow(b_.dv, b_.dv_stride, bb, j, hk);
+    for (int64_t j = 0; st.cached && j < p_.seq_k; ++j) {
+      const int64_t t = j / st.kt, c = j % st.kt;
+      float* dkr = OutRow(b_.dk, b_.dk_stride, st.bb, j, st.hk);
+      float* dvr = OutRow(b_.dv, b_.dv_stride, st.bb, j, st.hk);
       for (int64_t x = 0; x < dim_; ++x) {
-        dkr[x] = dk_all[(t * dp + x) * kt + c];
-        dvr[x] = dv_all[(t * dp + x) * kt + c];
+        dkr[x] = st.dk_all[(t * st.dp + x) * st.kt + c];
+        dvr[x] = st.dv_all[(t * st.dp + x) * st.kt + c];
       }
     }
   }

@@ -42,6 +42,28 @@ void read_falcon_kv_heads(const Reader& r, const Scope& s, ModelConfig& cfg) {
 
 namespace {
 
+// A top-level family (ALiBi, learned): the scheme, where defaults come from, heads, hidden size
+// and head_dim = hidden / heads.
+void read_family_dims(const Reader& r, const Scope& s, const TypeDefaults& td, ModelScheme scheme,
+                      ModelConfig& cfg) {
+  cfg.scheme = scheme;
+  cfg.default_source = td.config_class;
+  read_common_dims(r, s, td, cfg);
+}
+
+// A family without per-layer data (T5, DeBERTa): the scheme, where defaults come from, and the
+// query heads (= key/value heads) and hidden size with the keys that gave them.
+std::pair<std::pair<int64_t, std::string>, std::pair<int64_t, std::string>> read_heads_and_hidden(
+    const Reader& r, const Scope& s, const TypeDefaults& td, ModelScheme scheme, ModelConfig& cfg) {
+  cfg.scheme = scheme;
+  cfg.default_source = td.config_class;
+  const auto heads = dim_or_default(r, s, kHeadKeys, td.heads, cfg);
+  const auto hidden = dim_or_default(r, s, kHiddenKeys, td.hidden, cfg);
+  cfg.heads_q = cfg.heads_kv = heads.first;
+  cfg.hidden_size = hidden.first;
+  return {heads, hidden};
+}
+
 // A count from its key or the class default (recorded).
 int64_t count_or_default(const Reader& r, const Scope& s, const char* key, int64_t def,
                          ModelConfig& cfg, int64_t max = Reader::kMaxCount) {
@@ -250,20 +272,8 @@ RopeConfig read_gemma3_local(const Reader& r, const Scope& s, bool explicit_type
   pattern = 0;
   {
     local.base = 1e4;
-    std::optional<std::pair<double, std::string>> theta;
-    auto take = [&](const std::optional<Value>& x) {
-      if (!x) return;
-      if (!x->v->is_number() || !(x->v->get<double>() > 1) || !std::isfinite(x->v->get<double>())) {
-        r.fail(x->name + " must be a number > 1 (got " + show(*x->v) + ")");
-      }
-      const double v = x->v->get<double>();
-      if (theta && theta->first != v) {
-        r.fail(x->name + " (" + fmt(v) + ") contradicts " + theta->second + " (" +
-               fmt(theta->first) + ")");
-      }
-      theta = std::make_pair(v, x->name);
-    };
-    take(s.get("rope_local_base_freq"));
+    AgreeingTheta theta(r);
+    theta.take(s.get("rope_local_base_freq"));
     if (const auto sl = layer_rope_parameters(s, "sliding_attention")) {
       // The local layers rotate without scaling: only the kind "default" and a theta.
       const Node node{sl->v, sl->name};
@@ -279,10 +289,10 @@ RopeConfig read_gemma3_local(const Reader& r, const Scope& s, bool explicit_type
                  "' on Gemma 3's sliding layers is not supported (they rotate with 'default')");
         }
       }
-      take(node.get("rope_theta"));
+      theta.take(node.get("rope_theta"));
     }
-    if (theta) {
-      local.base = theta->first;
+    if (theta.value()) {
+      local.base = theta.value()->first;
     } else {
       note_default(cfg, "rope_local_base_freq", "10000");
     }
@@ -429,10 +439,8 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
 
 void read_alibi_family(const Reader& r, const json& top, const TypeDefaults& td, ModelConfig& cfg) {
   const Family family = td.family;
-  Scope s{{Node{&top, ""}}};
-  cfg.scheme = ModelScheme::kAlibi;
-  cfg.default_source = td.config_class;
-  read_common_dims(r, s, td, cfg);
+  const Scope s{{Node{&top, ""}}};
+  read_family_dims(r, s, td, ModelScheme::kAlibi, cfg);
   cfg.alibi.heads = cfg.heads_q;
   cfg.alibi.max_bias = 8.0;
   if (family == Family::kMpt) {
@@ -470,13 +478,8 @@ void read_alibi_family(const Reader& r, const json& top, const TypeDefaults& td,
 }
 
 void read_t5(const Reader& r, const json& top, const TypeDefaults& td, ModelConfig& cfg) {
-  Scope s{{Node{&top, ""}}};
-  cfg.scheme = ModelScheme::kT5;
-  cfg.default_source = td.config_class;
-  const auto heads = dim_or_default(r, s, kHeadKeys, td.heads, cfg);
-  const auto hidden = dim_or_default(r, s, kHiddenKeys, td.hidden, cfg);
-  cfg.heads_q = cfg.heads_kv = heads.first;
-  cfg.hidden_size = hidden.first;
+  const Scope s{{Node{&top, ""}}};
+  const auto [heads, hidden] = read_heads_and_hidden(r, s, td, ModelScheme::kT5, cfg);
   cfg.head_dim = count_or_default(r, s, "d_kv", td.head_dim, cfg, Reader::kMaxDim);
   cfg.t5.num_buckets = count_or_default(r, s, "relative_attention_num_buckets", 32, cfg);
   cfg.t5.max_distance = count_or_default(r, s, "relative_attention_max_distance", 128, cfg);
@@ -486,13 +489,8 @@ void read_t5(const Reader& r, const json& top, const TypeDefaults& td, ModelConf
 
 void read_deberta(const Reader& r, const json& top, const TypeDefaults& td, ModelConfig& cfg) {
   const Family family = td.family;
-  Scope s{{Node{&top, ""}}};
-  cfg.scheme = ModelScheme::kDeberta;
-  cfg.default_source = td.config_class;
-  const auto heads = dim_or_default(r, s, kHeadKeys, td.heads, cfg);
-  const auto hidden = dim_or_default(r, s, kHiddenKeys, td.hidden, cfg);
-  cfg.heads_q = cfg.heads_kv = heads.first;
-  cfg.hidden_size = hidden.first;
+  const Scope s{{Node{&top, ""}}};
+  const auto [heads, hidden] = read_heads_and_hidden(r, s, td, ModelScheme::kDeberta, cfg);
   if (const auto x = s.get("attention_head_size"); x && family == Family::kDebertaV2) {
     cfg.head_dim = r.positive_int(*x, Reader::kMaxDim);
   } else {
@@ -571,10 +569,8 @@ void read_deberta(const Reader& r, const json& top, const TypeDefaults& td, Mode
 
 void read_learned(const Reader& r, const json& top, const TypeDefaults& td, ModelConfig& cfg) {
   const Family family = td.family;
-  Scope s{{Node{&top, ""}}};
-  cfg.scheme = ModelScheme::kLearned;
-  cfg.default_source = td.config_class;
-  read_common_dims(r, s, td, cfg);
+  const Scope s{{Node{&top, ""}}};
+  read_family_dims(r, s, td, ModelScheme::kLearned, cfg);
   if (const auto ctx = r.positive_int_alias(s, kContextKeys)) {
     cfg.max_position_embeddings = ctx->first;
   } else {

@@ -15,43 +15,29 @@ namespace {
 nlohmann::json scaling_json(const RopeScaling& s) {
   nlohmann::json j;
   j["type"] = scaling_name(s.type);
-  switch (s.type) {
-    case RopeScalingType::kDefault:
-      break;
-    case RopeScalingType::kLinear:
-      j["factor"] = s.factor;
-      if (s.original_max_position_embeddings > 0) {
-        j["original_max_position_embeddings"] = s.original_max_position_embeddings;
-      }
-      break;
-    case RopeScalingType::kDynamic:
-      j["factor"] = s.factor;
-      j["original_max_position_embeddings"] = s.original_max_position_embeddings;
-      break;
-    case RopeScalingType::kLlama3:
-      j["factor"] = s.factor;
-      j["original_max_position_embeddings"] = s.original_max_position_embeddings;
-      j["low_freq_factor"] = s.low_freq_factor;
-      j["high_freq_factor"] = s.high_freq_factor;
-      break;
-    case RopeScalingType::kYarn:
-      j["factor"] = s.factor;
-      j["original_max_position_embeddings"] = s.original_max_position_embeddings;
-      j["beta_fast"] = s.beta_fast;
-      j["beta_slow"] = s.beta_slow;
-      j["truncate"] = s.truncate;
-      if (s.mscale > 0) j["mscale"] = s.mscale;
-      if (s.mscale_all_dim > 0) j["mscale_all_dim"] = s.mscale_all_dim;
-      if (s.attention_factor > 0) j["attention_factor"] = s.attention_factor;
-      break;
-    case RopeScalingType::kLongRope:
-      j["factor"] = s.factor;
-      j["original_max_position_embeddings"] = s.original_max_position_embeddings;
-      j["max_position_embeddings"] = s.max_position_embeddings;
-      if (s.attention_factor > 0) j["attention_factor"] = s.attention_factor;
-      j["short_factor"] = s.short_factor;
-      j["long_factor"] = s.long_factor;
-      break;
+  if (s.type == RopeScalingType::kDefault) return j;
+  // Every scaling has a factor and the original context (linear: only when the config gave it).
+  j["factor"] = s.factor;
+  if (s.type != RopeScalingType::kLinear || s.original_max_position_embeddings > 0) {
+    j["original_max_position_embeddings"] = s.original_max_position_embeddings;
+  }
+  if (s.attention_factor > 0 &&
+      (s.type == RopeScalingType::kYarn || s.type == RopeScalingType::kLongRope)) {
+    j["attention_factor"] = s.attention_factor;
+  }
+  if (s.type == RopeScalingType::kLlama3) {
+    j["low_freq_factor"] = s.low_freq_factor;
+    j["high_freq_factor"] = s.high_freq_factor;
+  } else if (s.type == RopeScalingType::kYarn) {
+    j["beta_fast"] = s.beta_fast;
+    j["beta_slow"] = s.beta_slow;
+    j["truncate"] = s.truncate;
+    if (s.mscale > 0) j["mscale"] = s.mscale;
+    if (s.mscale_all_dim > 0) j["mscale_all_dim"] = s.mscale_all_dim;
+  } else if (s.type == RopeScalingType::kLongRope) {
+    j["max_position_embeddings"] = s.max_position_embeddings;
+    j["short_factor"] = s.short_factor;
+    j["long_factor"] = s.long_factor;
   }
   return j;
 }

@@ -346,6 +346,31 @@ inline void check_kv_heads(const Reader& r, const ModelConfig& cfg, const std::s
   }
 }
 
+// A RoPE theta (a number > 1) given by several keys that must agree: the first key taken names
+// it in messages.
+class AgreeingTheta {
+ public:
+  explicit AgreeingTheta(const Reader& r) : r_(r) {}
+  void take(const std::optional<Value>& x) {
+    if (!x) return;
+    if (!x->v->is_number() || !(x->v->get<double>() > 1) || !std::isfinite(x->v->get<double>())) {
+      r_.fail(x->name + " must be a number > 1 (got " + show(*x->v) + ")");
+    }
+    const double v = x->v->get<double>();
+    if (!theta_) {
+      theta_ = std::make_pair(v, x->name);
+    } else if (theta_->first != v) {
+      r_.fail(x->name + " (" + fmt(v) + ") contradicts " + theta_->second + " (" +
+              fmt(theta_->first) + ")");
+    }
+  }
+  const std::optional<std::pair<double, std::string>>& value() const { return theta_; }
+
+ private:
+  const Reader& r_;
+  std::optional<std::pair<double, std::string>> theta_;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Readers.
 

@@ -167,24 +167,11 @@ std::vector<double> factor_list(const Reader& r, const Value& x, int64_t pairs) 
 // base: rope_theta / rotary_emb_base / the scaling dict's rope_theta, all agreeing.
 double read_theta(const Reader& r, const Scope& s, const std::optional<ScalingDict>& sd,
                   const TypeDefaults& td, ModelConfig& cfg) {
-  std::optional<std::pair<double, std::string>> theta;
-  auto take = [&](const std::optional<Value>& x) {
-    if (!x) return;
-    if (!x->v->is_number() || !(x->v->get<double>() > 1) || !std::isfinite(x->v->get<double>())) {
-      r.fail(x->name + " must be a number > 1 (got " + show(*x->v) + ")");
-    }
-    const double v = x->v->get<double>();
-    if (!theta) {
-      theta = std::make_pair(v, x->name);
-    } else if (theta->first != v) {
-      r.fail(x->name + " (" + fmt(v) + ") contradicts " + theta->second + " (" + fmt(theta->first) +
-             ")");
-    }
-  };
-  take(s.get("rope_theta"));
-  take(s.get("rotary_emb_base"));
-  if (sd) take(sd->get("rope_theta"));
-  if (theta) return theta->first;
+  AgreeingTheta theta(r);
+  theta.take(s.get("rope_theta"));
+  theta.take(s.get("rotary_emb_base"));
+  if (sd) theta.take(sd->get("rope_theta"));
+  if (theta.value()) return theta.value()->first;
   note_default(cfg, "rope_theta", fmt(td.theta));
   return td.theta;
 }

@@ -57,15 +57,13 @@ struct AlibiTerm : NoTerm<T> {
   // dslopes_h = -sum over cells of dS |delta|, summed per distance by the kernel, in a fixed order.
   void fold_grads(KernelGrads& kg) const {
     if (kg.g.dslopes.data == nullptr) return;
+    const View<float, 1>& ds = kg.g.dslopes;
     fold_bias_grads(
         kg, 1,
-        [&](int64_t h, int64_t delta, double x, std::vector<double>& acc) {
-          (void)h;
-          acc[0] -= x * static_cast<double>(delta < 0 ? -delta : delta);
+        [](int64_t delta) {
+          return std::pair<int64_t, double>{0, -static_cast<double>(delta < 0 ? -delta : delta)};
         },
-        [&](int64_t h, const std::vector<double>& acc) {
-          kg.g.dslopes(h) = static_cast<float>(acc[0]);
-        });
+        View<float, 2>{ds.data, {1, ds.shape[0]}, {0, ds.stride[0]}});
   }
 };
 

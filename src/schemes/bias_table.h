@@ -38,10 +38,11 @@ inline void bind_bias_grads(KernelGrads& kg) {
   kg.bp.dbias = dbias.data();
 }
 
-// For each head: add(h, delta, dS summed at delta, acc) over the rows and distances in order,
-// then store(h, acc); acc has `n` doubles, zeroed per head.
-template <class Add, class Store>
-void fold_bias_grads(KernelGrads& kg, int64_t n, Add&& add, Store&& store) {
+// The kernel's per-distance sums of dS folded into a parameter gradient out [n, heads_q], in a
+// fixed order (rows, then distances): slot(delta) = {row of out, weight}, out[row][h] = sum of
+// weight * dS over the distances (summed in double).
+template <class Slot>
+void fold_bias_grads(KernelGrads& kg, int64_t n, Slot&& slot, const View<float, 2>& out) {
   const Dims& d = kg.pr.d;
   const auto& fwd = kg.bp.fwd;
   const int64_t len = fwd.bias_len;
@@ -52,10 +53,12 @@ void fold_bias_grads(KernelGrads& kg, int64_t n, Add&& add, Store&& store) {
       const int64_t dmax = fwd.bias_dmax[b];
       for (int64_t t = 0; t < len; ++t) {
         if (row[t] == 0.0f) continue;
-        add(h, dmax - t, static_cast<double>(row[t]), acc);
+        const auto [u, weight] = slot(dmax - t);
+        acc[static_cast<std::size_t>(u)] += weight * static_cast<double>(row[t]);
       }
     }
-    store(h, acc);
+    for (int64_t u = 0; u < n; ++u)
+      out(u, h) = static_cast<float>(acc[static_cast<std::size_t>(u)]);
   }
 }
 

@@ -27,6 +27,25 @@
 namespace posenc {
 namespace {
 
+// YaRN's ramp bounds: find_correction_dim / find_correction_range of the reference code, in
+// Python doubles (beta_fast gives the low dim, beta_slow the high one).
+std::pair<double, double> yarn_correction_range(const RopeScaling& s, double rd, double lo,
+                                                double base) {
+  const double log_theta = std::log(base);
+  auto corr = [&](double n) {
+    return rd * std::log(lo / (n * 2.0 * std::numbers::pi)) / (2.0 * log_theta);
+  };
+  double low = corr(s.beta_fast), high = corr(s.beta_slow);
+  if (s.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, rd - 1.0);
+  if (low == high) high += 0.001;
+  return {low, high};
+}
+
 double yarn_mscale(double scale, double m) {
   return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
 }
@@ -136,17 +155,7 @@ void frequencies(const RopeConfig& cfg, int64_t r, int64_t seq_len, RopeFrequenc
       const std::vector<float> pos = powers(cast(cfg.base), exponents(r));
       const double rd = static_cast<double>(r);
       // find_correction_dim / find_correction_range, in Python doubles.
-      auto corr = [&](double n) {
-        return rd * std::log(lo / (n * 2.0 * std::numbers::pi)) / (2.0 * std::log(cfg.base));
-      };
-      double low = corr(s.beta_fast), high = corr(s.beta_slow);
-      if (s.truncate) {
-        low = std::floor(low);
-        high = std::ceil(high);
-      }
-      low = std::max(low, 0.0);
-      high = std::min(high, rd - 1.0);
-      if (low == high) high += 0.001;
+      const auto [low, high] = yarn_correction_range(s, rd, lo, cfg.base);
       const float span = cast(high - low);
       inv.resize(pos.size());
       for (std::size_t i = 0; i < pos.size(); ++i) {
@@ -291,18 +300,7 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len, RopeAng
     }
     case RopeScalingType::kYarn: {
       base_inv(cfg.base);
-      const double log_theta = std::log(cfg.base);
-      auto corr = [&](double n) {
-        return rd * std::log(lo / (n * 2.0 * std::numbers::pi)) / (2.0 * log_theta);
-      };
-      double low = corr(s.beta_fast), high = corr(s.beta_slow);
-      if (s.truncate) {
-        low = std::floor(low);
-        high = std::ceil(high);
-      }
-      low = std::max(low, 0.0);
-      high = std::min(high, rd - 1.0);
-      if (low == high) high += 0.001;
+      const auto [low, high] = yarn_correction_range(s, rd, lo, cfg.base);
       for (int64_t i = 0; i < pairs; ++i) {
         const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
         double& f = out.inv_freq[static_cast<std::size_t>(i)];

@@ -26,21 +26,19 @@ struct ShawTerm : NoTerm<T> {
       fail<ShapeError>("attention: shaw: rel_k must have 2K+1 (odd) rows (got " +
                        std::to_string(rows) + ")");
     }
-    const int64_t th = rel_k.shape[1];
-    if (th != 1 && th != d.heads_q) {
-      fail<ShapeError>("attention: shaw: rel_k heads (" + std::to_string(th) +
-                       ") must be 1 (shared) or heads_q (" + std::to_string(d.heads_q) + ")");
-    }
-    require_table_shape(rel_k, {rows, th, d.head_dim},
-                        "attention: shaw: rel_k [2K+1, heads, head_dim]");
-    if (rv.data != nullptr) {
-      const int64_t tv = rv.shape[1];
-      if (tv != 1 && tv != d.heads_q) {
-        fail<ShapeError>("attention: shaw: rel_v heads (" + std::to_string(tv) +
+    // [2K+1, 1 (shared) or heads_q, head_dim].
+    const auto check = [&](const View<const T, 3>& t, const std::string& name) {
+      const int64_t th = t.shape[1];
+      if (th != 1 && th != d.heads_q) {
+        fail<ShapeError>("attention: shaw: " + name + " heads (" + std::to_string(th) +
                          ") must be 1 (shared) or heads_q (" + std::to_string(d.heads_q) + ")");
       }
-      require_table_shape(rv, {rows, tv, d.head_dim},
-                          "attention: shaw: rel_v [2K+1, heads, head_dim]");
+      require_table_shape(t, {rows, th, d.head_dim},
+                          "attention: shaw: " + name + " [2K+1, heads, head_dim]");
+    };
+    check(rel_k, "rel_k");
+    if (rv.data != nullptr) {
+      check(rv, "rel_v");
       rel_v = rv;
     }
     kk = (rows - 1) / 2;

@@ -56,15 +56,10 @@ struct T5Term : NoTerm<T> {
     if (kg.g.drelative_attention_bias.data == nullptr) return;
     fold_bias_grads(
         kg, cfg.num_buckets,
-        [&](int64_t, int64_t delta, double x, std::vector<double>& acc) {
-          acc[static_cast<std::size_t>(t5_bucket(-delta, cfg))] += x;
+        [&](int64_t delta) {
+          return std::pair<int64_t, double>{t5_bucket(-delta, cfg), 1.0};
         },
-        [&](int64_t h, const std::vector<double>& acc) {
-          for (int64_t u = 0; u < cfg.num_buckets; ++u) {
-            kg.g.drelative_attention_bias(u, h) =
-                static_cast<float>(acc[static_cast<std::size_t>(u)]);
-          }
-        });
+        kg.g.drelative_attention_bias);
   }
 };
 

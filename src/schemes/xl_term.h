@@ -61,15 +61,7 @@ struct XlTerm : NoTerm<T> {
       r.emplace(delta, std::move(proj));
     };
     for (int64_t b = 0; b < d.batch && d.seq_q > 0 && d.seq_k > 0; ++b) {
-      int64_t qlo = in.qp.at(b, 0), qhi = qlo, klo = in.kp.at(b, 0), khi = klo;
-      for (int64_t i = 1; i < d.seq_q; ++i) {
-        qlo = std::min(qlo, in.qp.at(b, i));
-        qhi = std::max(qhi, in.qp.at(b, i));
-      }
-      for (int64_t j = 1; j < d.seq_k; ++j) {
-        klo = std::min(klo, in.kp.at(b, j));
-        khi = std::max(khi, in.kp.at(b, j));
-      }
+      const auto [qlo, qhi, klo, khi] = row_span(in.qp, in.kp, b, d.seq_q, d.seq_k);
       if ((qhi - klo) - (qlo - khi) <= 4 * (d.seq_q + d.seq_k)) {
         for (int64_t delta = qlo - khi; delta <= qhi - klo; ++delta) add(delta);
       } else {
