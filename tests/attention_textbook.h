@@ -1,7 +1,7 @@
 // tests/attention_textbook.h - a second, independent float64 attention written straight from
-// SPEC §0-§8 with full [seq_q, seq_k] matrices per (batch, head) and contiguous inputs. It shares
-// no code with src/attention/reference.cc (RoPE is a complex rotation here), so agreement between
-// the two is evidence that both read the SPEC the same way.
+// docs/ (every scheme's page) with full [seq_q, seq_k] matrices per (batch, head) and contiguous
+// inputs. It shares no code with src/attention/reference.cc (RoPE is a complex rotation here), so
+// agreement between the two is evidence that both read the docs/ the same way.
 #pragma once
 
 #include <cmath>

@@ -1,5 +1,5 @@
-// tests/test_alibi.cc - ALiBi slopes and bias (SPEC §4) against exact powers of two, an
-// implementation written here from the SPEC wording, and MPT's formulation.
+// tests/test_alibi.cc - ALiBi slopes and bias (docs/alibi.md) against exact powers of two, an
+// implementation written here from the wording of docs/alibi.md, and MPT's formulation.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,7 +14,7 @@ namespace {
 
 using posenc::AlibiConfig;
 
-// SPEC §4, written from its wording: for a power of two H, m_h = 2^(-B h / H), h = 1..H;
+// docs/alibi.md, written from its wording: for a power of two H, m_h = 2^(-B h / H), h = 1..H;
 // otherwise n = 2^floor(log2 H): the n power-of-two slopes, then the slopes for 2n heads taking
 // every other one (indices 0, 2, 4, ...) until there are H slopes. Long double, so a 1-ulp
 // comparison with the library's double is meaningful.

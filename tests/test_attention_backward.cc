@@ -62,7 +62,7 @@ std::vector<float> table_values(Rng& rng, int64_t n, double sd) {
 
 std::vector<double> promote(const std::vector<float>& x) { return {x.begin(), x.end()}; }
 
-// Positions in force (SPEC section 0 defaults when not given).
+// Positions in force (docs/attention.md defaults when not given).
 Positions query_positions(const Positions* qp, const Shape& s) {
   return qp ? *qp : Positions::offset(s.seq_k - s.seq_q);
 }

@@ -232,7 +232,7 @@ TEST(FusedAttention, DebertaWideSpans) {
         }
         if (s.batch == 2) {
           check(c, scheme, {.causal = causal, .window = 45});
-          // Queries at the end of the keys (SPEC section 0 default positions for Lq != Lk).
+          // Queries at the end of the keys (docs/attention.md default positions for Lq != Lk).
           const auto qpos = Positions::shared([&] {
             std::vector<int64_t> ids(static_cast<size_t>(s.seq_q));
             for (int64_t i = 0; i < s.seq_q; ++i) ids[static_cast<size_t>(i)] = 1000 + 2 * i;

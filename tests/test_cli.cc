@@ -2,9 +2,9 @@
 //
 // Inputs are written with posenc::write_npy / write_safetensors, outputs read back with
 // posenc::read_npy and compared with the library's own results computed here: the CLI is a thin
-// layer, so the float32 paths must agree exactly. Error cases check the contract of SPEC §9: exit
-// status 2, exactly one stderr line "posenc <command>: error: <message>" naming the problem, and
-// no output file left behind (an existing one left untouched).
+// layer, so the float32 paths must agree exactly. Error cases check the contract of docs/cli.md:
+// exit status 2, exactly one stderr line "posenc <command>: error: <message>" naming the problem,
+// and no output file left behind (an existing one left untouched).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 

@@ -3,7 +3,7 @@
 // describe, inspect, attention --config and rope-precision.
 //
 // As in test_cli.cc, outputs are compared with the library's own results computed here (exact
-// equality: the CLI is a thin layer), and error cases check SPEC §9: exit status 2, one stderr
+// equality: the CLI is a thin layer), and error cases check docs/cli.md: exit status 2, one stderr
 // line "posenc <command>: error: ...", no output file left behind.
 #include <gtest/gtest.h>
 #include <sys/wait.h>

@@ -1,5 +1,5 @@
-// tests/test_learned.cc - learned absolute position embeddings (SPEC §2): y = x + W[p] and its
-// gradient dW[p] += dy, with every position form and non-contiguous views.
+// tests/test_learned.cc - learned absolute position embeddings (docs/learned.md): y = x + W[p] and
+// its gradient dW[p] += dy, with every position form and non-contiguous views.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -84,7 +84,7 @@ XlSetup make_xl(uint64_t seed) {
   return x;
 }
 
-// (q_i + v) . r(delta) for head h, from the SPEC formula.
+// (q_i + v) . r(delta) for head h, from the formula of docs/.
 double xl_bd(const XlSetup& x, int64_t h, int64_t i, int64_t delta) {
   const auto big_r = xl_sinusoid(delta, x.dm);
   double acc = 0;
@@ -169,7 +169,7 @@ TEST(Deberta, PlainSpanClipsRho) {
   EXPECT_EQ(deberta_c2p_index(10, 7, b), 7);
   EXPECT_EQ(deberta_c2p_index(10, 2, b), 7);  // rho = 8 clamps to 2K - 1
   EXPECT_EQ(deberta_c2p_index(2, 10, b), 0);  // rho = -8 clamps to 0
-  // Default (SPEC §8 as amended): the checkpoints' index, rho + K, the same row as c2p.
+  // Default (docs/deberta.md as amended): the checkpoints' index, rho + K, the same row as c2p.
   EXPECT_EQ(b.p2c, DebertaP2c::kModel);
   EXPECT_EQ(deberta_p2c_index(10, 7, b), 7);
   EXPECT_EQ(deberta_p2c_index(2, 10, b), 0);
@@ -179,7 +179,8 @@ TEST(Deberta, PlainSpanClipsRho) {
   EXPECT_EQ(deberta_p2c_index(2, 10, paper), 7);
 }
 
-// SPEC §8: "they differ first at |rho| = 1643 for 512 buckets / 4096 positions (427 vs 428)".
+// docs/deberta.md: "they differ first at |rho| = 1643 for 512 buckets / 4096 positions (427 vs
+// 428)".
 TEST(Deberta, Float32AndFloat64LogBucketsDifferFirstAt1643) {
   DebertaBuckets f32{.max_relative_positions = 4096, .position_buckets = 512};
   DebertaBuckets f64 = f32;
@@ -194,7 +195,7 @@ TEST(Deberta, Float32AndFloat64LogBucketsDifferFirstAt1643) {
   EXPECT_EQ(deberta_bucket(-1643, f32), -427);
 }
 
-// Log buckets from the SPEC formula in double: |rho| <= mid exact, odd symmetry, monotone, and
+// Log buckets from the formula of docs/ in double: |rho| <= mid exact, odd symmetry, monotone, and
 // saturation near max_relative_positions.
 TEST(Deberta, LogBucketProperties) {
   DebertaBuckets b{.max_relative_positions = 512, .position_buckets = 256, .float64_log = true};

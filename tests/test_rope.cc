@@ -1,6 +1,6 @@
-// tests/test_rope.cc - rotary position embedding (SPEC §3, §3.1, §10) against an independent
-// long double formula written here (complex rotation per pair), plus the HF frequency scalings
-// checked against hand computations.
+// tests/test_rope.cc - rotary position embedding (docs/rope.md and its scaling section,
+// docs/precision.md) against an independent long double formula written here (complex rotation per
+// pair), plus the HF frequency scalings checked against hand computations.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -44,7 +44,7 @@ std::string describe(const Shape& s, int64_t r, RopeStyle style) {
          style_name(style);
 }
 
-// SPEC §3 inverse frequencies theta^(-2i/R) in long double.
+// docs/rope.md inverse frequencies theta^(-2i/R) in long double.
 long double inv_freq_ld(double theta, int64_t r, int64_t i) {
   return std::exp(-2.0L * static_cast<long double>(i) / static_cast<long double>(r) *
                   std::log(static_cast<long double>(theta)));
@@ -57,7 +57,7 @@ double inv_freq_rel_err(double theta, int64_t r, int64_t i) {
          2.0 * static_cast<double>(i) / static_cast<double>(r) * std::log(theta) * 0x1p-53;
 }
 
-// The rotation of SPEC §3, written independently of the library: the pair (x0, x1) (indices
+// The rotation of docs/rope.md, written independently of the library: the pair (x0, x1) (indices
 // (i, i + R/2) for half, (2i, 2i + 1) for interleaved) is the complex number x0 + i x1 and becomes
 // (x0 + i x1) * af * e^{i sign a} with a = p * inv_freq[i] (long double). Dims >= R pass through.
 // `bound` receives, per element, a bound on |float32 output - exact| for an implementation that
@@ -385,7 +385,7 @@ TEST(Rope, DotProductDependsOnlyOnRelativePosition) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Precision at long contexts (SPEC §3, §10).
+// Precision at long contexts (docs/rope.md, docs/precision.md).
 
 TEST(Rope, Float32MatchesFloat64AtLargePositions) {
   // The float32 output against (a) ref::apply_rope (float64, same inputs) in ulps of the
@@ -468,7 +468,7 @@ TEST(Rope, Float32AnglesWouldBeWrongAt2To20) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Frequencies (SPEC §3, §3.1).
+// Frequencies (docs/rope.md, scaling).
 
 TEST(RopeFrequencies, DefaultIsThetaToMinusTwoIOverR) {
   for (double theta : {1e4, 5e5, 1e6}) {

@@ -37,7 +37,7 @@ double rope_error(const RopeFrequencies& freqs, RopeStyle style, const std::vect
   return e;
 }
 
-// SPEC §10: accurate angles stay at float32 rounding at 2^16, 2^20, 2^24; the frameworks'
+// docs/precision.md: accurate angles stay at float32 rounding at 2^16, 2^20, 2^24; the frameworks'
 // float32 recipe shows the error that grows with the position.
 TEST(RopePrecision, AccurateVsFloat32AnglesAtLongPositions) {
   std::mt19937_64 rng(7);
@@ -162,7 +162,7 @@ TEST(RopeModels, Phi3LongRopeFromAPublishedConfig) {
   EXPECT_DOUBLE_EQ(cfg.rope.scaling.long_factor[47], 64.81001281738281);
 }
 
-// YaRN with low == high after rounding and clamping (SPEC §3.1: "hi += 0.001 if equal"): with
+// YaRN with low == high after rounding and clamping (docs/rope.md: "hi += 0.001 if equal"): with
 // Lo = 6, corr(32) < 0 and corr(1) = -0.32 both clamp to 0, so pair 0 keeps inv_freq and every
 // other pair is interpolated (inv / f).
 TEST(RopeModels, YarnLowEqualsHigh) {

@@ -119,7 +119,7 @@ SchemeDims dims_of(const Dims4& d) {
 }
 
 // An independent float64 attention with float64 tables for t5, shaw, xl and deberta: full score
-// rows from the SPEC formulas, default positions (query i at seq_k - seq_q + i).
+// rows from the formulas of docs/, default positions (query i at seq_k - seq_q + i).
 std::vector<double> independent(const std::string& scheme, const Dims4& d, const Params& p,
                                 const std::vector<double>& q, const std::vector<double>& k,
                                 const std::vector<double>& v, bool causal) {

@@ -1,5 +1,5 @@
-// tests/test_sinusoidal.cc - fixed sinusoidal encodings (SPEC §1, §10) against hand-computed
-// values and an independent long double evaluation written here.
+// tests/test_sinusoidal.cc - fixed sinusoidal encodings (docs/sinusoidal.md, docs/precision.md)
+// against hand-computed values and an independent long double evaluation written here.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -37,7 +37,7 @@ std::string describe(const SinusoidalConfig& c) {
          std::to_string(c.origin);
 }
 
-// Exponent of w_i = base^(-exponent) from SPEC §1: 2i/d, or i/(d/2 - 1) (divisor 1 when
+// Exponent of w_i = base^(-exponent) from docs/sinusoidal.md: 2i/d, or i/(d/2 - 1) (divisor 1 when
 // d/2 - 1 < 1). Odd zero-padded widths use the frequencies of d - 1.
 long double exponent_ld(const SinusoidalConfig& c, int64_t i) {
   const int64_t half = c.dim / 2;
@@ -59,9 +59,9 @@ double freq_rel_err(const SinusoidalConfig& c, int64_t i) {
   return 0x1p-52 + std::fabs(e * std::log(c.base)) * 0x1p-53;
 }
 
-// PE[p, k] in long double, straight from SPEC §1. `angle_err` receives a bound on the error of
-// the angle p*w as the library forms it in double: the frequency error (freq_rel_err), half an
-// ulp for the product, and the reference's own 2^-60 (0 for a zero column).
+// PE[p, k] in long double, straight from docs/sinusoidal.md. `angle_err` receives a bound on the
+// error of the angle p*w as the library forms it in double: the frequency error (freq_rel_err),
+// half an ulp for the product, and the reference's own 2^-60 (0 for a zero column).
 long double pe_ld(const SinusoidalConfig& c, int64_t p, int64_t k, double* angle_err = nullptr) {
   const int64_t half = c.dim / 2;
   if (angle_err) *angle_err = 0;
@@ -303,7 +303,7 @@ TEST(Sinusoidal, InvalidConfigsThrowValueError) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Accuracy (SPEC §10).
+// Accuracy (docs/precision.md).
 
 TEST(Sinusoidal, AccurateToFloat32UpTo2To24) {
   // Positions spread over [0, 2^24], including powers of two and their neighbours.
@@ -375,13 +375,13 @@ TEST(Sinusoidal, ErrorAtHugePositionsIsTheDoubleAngleBound) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Dot products (SPEC §1 seed check).
+// Dot products (docs/sinusoidal.md seed check).
 
 TEST(Sinusoidal, SeedDotProducts) {
   for (auto layout : {SinLayout::kInterleaved, SinLayout::kConcat}) {
     const auto t = posenc::sinusoidal_table({.dim = 16, .layout = layout}, 107);
     SCOPED_TRACE(layout == SinLayout::kInterleaved ? "interleaved" : "concat");
-    // 4 decimals as stated in SPEC §1.
+    // 4 decimals as stated in docs/sinusoidal.md.
     EXPECT_NEAR(dot_rows(t, 16, 105, 106), 7.4852, 5e-5);
     EXPECT_NEAR(dot_rows(t, 16, 5, 6), 7.4852, 5e-5);
     EXPECT_NEAR(dot_rows(t, 16, 5, 10), 6.1370, 5e-5);

@@ -1,5 +1,6 @@
-// tests/test_t5.cc - T5 relative position buckets (SPEC §5) against an implementation written
-// here from the SPEC wording, with the float32 arithmetic of the reference models spelled out.
+// tests/test_t5.cc - T5 relative position buckets (docs/t5.md) against an implementation written
+// here from the wording of docs/t5.md, with the float32 arithmetic of the reference models spelled
+// out.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -43,7 +44,7 @@ const std::vector<T5BucketConfig>& configs() {
   return c;
 }
 
-// SPEC §5 in the arithmetic the reference models use (HF T5 `_relative_position_bucket`):
+// docs/t5.md in the arithmetic the reference models use (HF T5 `_relative_position_bucket`):
 //   n / e            float32 tensor divided by an integer -> float32 quotient
 //   log(.)           torch.log on float32 -> float32 log
 //   / log(MD / e)    a Python float (double log) -> rounded to float32 for the division
@@ -171,7 +172,7 @@ TEST(T5Bucket, Properties) {
 
 TEST(T5Bucket, Float32VersusFloat64Log) {
   // The float32 log moves some bucket boundaries relative to the double formula. Count the rels
-  // in [-1e6, 1e6] where they differ; check the double version against the SPEC formula in
+  // in [-1e6, 1e6] where they differ; check the double version against the formula of docs/ in
   // double, and that every difference is a single bucket at a boundary.
   for (const auto& c : configs()) {
     SCOPED_TRACE(describe(c));
@@ -185,16 +186,16 @@ TEST(T5Bucket, Float32VersusFloat64Log) {
         ASSERT_EQ(std::abs(f32 - f64), 1) << "rel " << rel;
       }
     }
-    // Whether the two ever differ depends on the configuration: assert what the SPEC arithmetic
-    // written in this file predicts, so the count is not just copied from the library.
+    // Whether the two ever differ depends on the configuration: assert what the documented
+    // arithmetic written in this file predicts, so the count is not just copied from the library.
     int64_t predicted = 0;
     for (int64_t rel = -kRange; rel <= kRange; ++rel) {
       predicted += spec_bucket(rel, c, true) != spec_bucket(rel, c, false);
     }
     EXPECT_EQ(differ, predicted);
-    // Measured with this file's SPEC arithmetic: none for the T5 configurations (32 buckets,
-    // distance 128: only ~120 distances before saturation, none within float32 rounding of a
-    // boundary), a few for the long-range ones.
+    // Measured with this file's arithmetic (docs/t5.md): none for the T5 configurations (32
+    // buckets, distance 128: only ~120 distances before saturation, none within float32 rounding of
+    // a boundary), a few for the long-range ones.
     if (c.max_distance >= 100000) {
       EXPECT_GT(differ, 0);
     } else if (c.num_buckets == 32) {

@@ -1,5 +1,5 @@
 // tests/test_tensor.cc - View (strides, element access) and Positions (the three forms, validation,
-// max_position), SPEC §0.
+// max_position), docs/attention.md.
 #include <gtest/gtest.h>
 
 #include <string>

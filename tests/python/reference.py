@@ -1,4 +1,4 @@
-"""An independent, materialized attention for every scheme in plain PyTorch, written from SPEC.md.
+"""An independent, materialized attention for every scheme in plain PyTorch, written from the formulas of docs/.
 
 It shares no code with posenc: full [seq_q, seq_k] score matrices, torch ops only, so autograd
 gives its gradients. Used as the oracle of the Python tests (in float64) and as the naive float32
@@ -11,7 +11,7 @@ import torch
 
 
 def alibi_slopes(heads, max_bias=8.0):
-    """SPEC §4."""
+    """docs/alibi.md."""
     def pow2(n):
         return [2.0 ** (-max_bias * h / n) for h in range(1, n + 1)]
     if heads & (heads - 1) == 0:
@@ -21,7 +21,7 @@ def alibi_slopes(heads, max_bias=8.0):
 
 
 def t5_bucket(rel, num_buckets, max_distance, bidirectional):
-    """SPEC §5 as Hugging Face's T5Attention._relative_position_bucket (log in float32)."""
+    """docs/t5.md as Hugging Face's T5Attention._relative_position_bucket (log in float32)."""
     rel = rel.to(torch.int64)
     ret = torch.zeros_like(rel)
     if bidirectional:
@@ -39,7 +39,7 @@ def t5_bucket(rel, num_buckets, max_distance, bidirectional):
 
 
 def deberta_bucket(rho, max_relative_positions, position_buckets, float64_log=False):
-    """SPEC §8 as Hugging Face's make_log_bucket_position (float32 log by default)."""
+    """docs/deberta.md as Hugging Face's make_log_bucket_position (float32 log by default)."""
     if position_buckets <= 0:
         return rho
     mid = position_buckets // 2
@@ -63,7 +63,7 @@ def positions(spec, batch, seq, default_start):
 
 
 def rope(x, pos, inv_freq, style="half", attention_factor=1.0):
-    """x [B, L, H, D], pos [B, L]: SPEC §3 with angles and rotation in float64."""
+    """x [B, L, H, D], pos [B, L]: docs/rope.md with angles and rotation in float64."""
     r2 = inv_freq.numel()
     ang = pos.to(torch.float64)[..., None] * inv_freq.to(torch.float64)  # [B, L, R/2]
     c = (torch.cos(ang) * attention_factor)[:, :, None, :].to(x.dtype)
