@@ -969,62 +969,81 @@ class BackwardKernel {
   // A query block's rows: q (rotated for RoPE; XL: q + u and q + v), dout, D = dout . out, lse,
   // their transposes, and the per-row table projections of the rows its cells can reach.
   Block LoadBlock(ItemState& st, int64_t i0) {
+    const auto base = st.base;
+    const auto n_rows = st.n_rows;
+    const auto lse = st.lse;
+    const auto dsum = st.dsum;
+    const auto hk = st.hk;
+    const auto bb = st.bb;
+    const auto qb = st.qb;
+    const auto dp = st.dp;
+    const auto dob = st.dob;
+    const auto qx = st.qx;
+    const auto part = st.part;
+    const auto qtr = st.qtr;
+    const auto dotr = st.dotr;
+    const auto qxtr = st.qxtr;
+    const auto cs = st.cs;
+    const auto kt = st.kt;
+    const auto w1 = st.w1;
+    const auto w2 = st.w2;
+    const auto rel1 = st.rel1;
+    const auto rel2 = st.rel2;
     const int64_t nq = std::min(nq_, p_.seq_q - i0);
     const int64_t rows = group_ * nq, rp = RoundUp(rows, 4);
     int32_t qmin = std::numeric_limits<int32_t>::max(), qmax = std::numeric_limits<int32_t>::min();
-    std::fill(st.base, st.base + 5 * st.n_rows, 0.0f);
+    std::fill(base, base + 5 * n_rows, 0.0f);
     for (int64_t r = 0; r < rp; ++r) {
-      st.lse[r] = -std::numeric_limits<float>::infinity();
-      st.dsum[r] = 0.0f;
+      lse[r] = -std::numeric_limits<float>::infinity();
+      dsum[r] = 0.0f;
       if (r >= rows) continue;
-      const int64_t g = r / nq, i = i0 + r % nq, h = st.hk * group_ + g;
+      const int64_t g = r / nq, i = i0 + r % nq, h = hk * group_ + g;
       st.head[static_cast<size_t>(r)] = h;
-      st.qpos[static_cast<size_t>(r)] = p_.qpos[st.bb * p_.seq_q + i];
+      st.qpos[static_cast<size_t>(r)] = p_.qpos[bb * p_.seq_q + i];
       qmin = std::min(qmin, st.qpos[static_cast<size_t>(r)]);
       qmax = std::max(qmax, st.qpos[static_cast<size_t>(r)]);
-      const float* qr = p_.q + st.bb * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
+      const float* qr = p_.q + bb * p_.q_stride[0] + i * p_.q_stride[1] + h * p_.q_stride[2];
       const float* orow =
-          p_.out + st.bb * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
+          p_.out + bb * p_.out_stride[0] + i * p_.out_stride[1] + h * p_.out_stride[2];
       const float* dor =
-          b_.dout + st.bb * b_.dout_stride[0] + i * b_.dout_stride[1] + h * b_.dout_stride[2];
+          b_.dout + bb * b_.dout_stride[0] + i * b_.dout_stride[1] + h * b_.dout_stride[2];
       if (p_.rope.cs != nullptr) {
-        rope_rotate_rows(p_.rope, p_.qpos + st.bb * p_.seq_q + i, p_.rope_base[st.bb], 1, qr, 0,
-                         st.qb + r * st.dp, 0);
+        rope_rotate_rows(p_.rope, p_.qpos + bb * p_.seq_q + i, p_.rope_base[bb], 1, qr, 0,
+                         qb + r * dp, 0);
       } else {
-        std::memcpy(st.qb + r * st.dp, qr, static_cast<size_t>(dim_) * sizeof(float));
+        std::memcpy(qb + r * dp, qr, static_cast<size_t>(dim_) * sizeof(float));
       }
-      std::memcpy(st.dob + r * st.dp, dor, static_cast<size_t>(dim_) * sizeof(float));
+      std::memcpy(dob + r * dp, dor, static_cast<size_t>(dim_) * sizeof(float));
       if (xl_) {
         for (int64_t x = 0; x < dim_; ++x) {
-          st.qb[r * st.dp + x] = qr[x] + p_.xl_content_bias[h * dim_ + x];
-          st.qx[r * st.dp + x] = qr[x] + p_.xl_position_bias[h * dim_ + x];
+          qb[r * dp + x] = qr[x] + p_.xl_content_bias[h * dim_ + x];
+          qx[r * dp + x] = qr[x] + p_.xl_position_bias[h * dim_ + x];
         }
       }
-      st.dsum[r] = Dot(dor, orow, dim_);
-      st.lse[r] = p_.lse[st.bb * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]];
-      if (b_.dsinks != nullptr && st.lse[r] != kNegInf) {
+      dsum[r] = Dot(dor, orow, dim_);
+      lse[r] = p_.lse[bb * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]];
+      if (b_.dsinks != nullptr && lse[r] != kNegInf) {
         // The sink's probability exp(sink - lse) times dP - D with dP = 0 (it has no value).
-        st.part[part_sink_ + (h - st.hk * group_)] -=
-            std::exp(p_.sinks[h] - st.lse[r]) * st.dsum[r];
+        part[part_sink_ + (h - hk * group_)] -= std::exp(p_.sinks[h] - lse[r]) * dsum[r];
       }
     }
     for (int64_t r = 0; r < rp; ++r)
       for (int64_t x = 0; x < dim_; ++x) {
-        st.qtr[x * rp + r] = st.qb[r * st.dp + x];
-        st.dotr[x * rp + r] = st.dob[r * st.dp + x];
-        if (xl_) st.qxtr[x * rp + r] = st.qx[r * st.dp + x];
+        qtr[x * rp + r] = qb[r * dp + x];
+        dotr[x * rp + r] = dob[r * dp + x];
+        if (xl_) qxtr[x * rp + r] = qx[r * dp + x];
       }
     // Per-row tables and bucket sums.
-    BlockRows br{rows, rp, nq, st.hk, st.cs, 0, nch_};
+    BlockRows br{rows, rp, nq, hk, cs, 0, nch_};
     if (shaw_ || deberta_ || xl_) {
       // Only the chunks of table rows this block's cells can reach.
       int64_t dlo = std::numeric_limits<int64_t>::max(), dhi = std::numeric_limits<int64_t>::min();
       for (int64_t t = 0; t < ntiles_; ++t) {
         if (!Visits(st, qmin, qmax, t)) continue;
-        dlo = std::min<int64_t>(
-            dlo, int64_t{qmin} - tile_max_[static_cast<size_t>(st.bb * ntiles_ + t)]);
-        dhi = std::max<int64_t>(
-            dhi, int64_t{qmax} - tile_min_[static_cast<size_t>(st.bb * ntiles_ + t)]);
+        dlo = std::min<int64_t>(dlo,
+                                int64_t{qmin} - tile_max_[static_cast<size_t>(bb * ntiles_ + t)]);
+        dhi = std::max<int64_t>(dhi,
+                                int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
       }
       p_.mask.clip_distances(dlo, dhi);
       if (dlo > dhi) {
@@ -1032,19 +1051,19 @@ class BackwardKernel {
       } else if (shaw_) {
         // u = clamp(-delta, -K, K) + K
         const int64_t k = p_.shaw_k;
-        br.c0 = (std::clamp<int64_t>(-dhi, -k, k) + k) / st.kt;
-        br.c1 = (std::clamp<int64_t>(-dlo, -k, k) + k) / st.kt + 1;
+        br.c0 = (std::clamp<int64_t>(-dhi, -k, k) + k) / kt;
+        br.c1 = (std::clamp<int64_t>(-dlo, -k, k) + k) / kt + 1;
       } else if (xl_) {
-        br.c0 = std::clamp<int64_t>(p_.xl_dmax - dhi, 0, p_.xl_len - 1) / st.kt;
-        br.c1 = std::clamp<int64_t>(p_.xl_dmax - dlo, 0, p_.xl_len - 1) / st.kt + 1;
+        br.c0 = std::clamp<int64_t>(p_.xl_dmax - dhi, 0, p_.xl_len - 1) / kt;
+        br.c1 = std::clamp<int64_t>(p_.xl_dmax - dlo, 0, p_.xl_len - 1) / kt + 1;
       } else {
-        const auto [ulo, uhi] = UsedRows(p_.deberta_c2p, p_.deberta_dmax[st.bb], dlo, dhi);
-        br.c0 = ulo / st.kt, br.c1 = uhi / st.kt + 1;
+        const auto [ulo, uhi] = UsedRows(p_.deberta_c2p, p_.deberta_dmax[bb], dlo, dhi);
+        br.c0 = ulo / kt, br.c1 = uhi / kt + 1;
       }
-      std::fill(st.w1 + br.c0 * st.cs, st.w1 + br.c1 * st.cs, 0.0f);
-      if (st.w2 != nullptr) std::fill(st.w2 + br.c0 * st.cs, st.w2 + br.c1 * st.cs, 0.0f);
-      Project(relk_, xl_ ? st.qx : st.qb, st.rel1, br);
-      if (shaw_ && p_.shaw_rel_v != nullptr) Project(relv_, st.dob, st.rel2, br);
+      std::fill(w1 + br.c0 * cs, w1 + br.c1 * cs, 0.0f);
+      if (w2 != nullptr) std::fill(w2 + br.c0 * cs, w2 + br.c1 * cs, 0.0f);
+      Project(relk_, xl_ ? qx : qb, rel1, br);
+      if (shaw_ && p_.shaw_rel_v != nullptr) Project(relv_, dob, rel2, br);
     }
     return Block{i0, nq, rows, rp, qmin, qmax, br};
   }
@@ -1052,34 +1071,57 @@ class BackwardKernel {
   // Tile t's key positions and operands (formed here unless the item holds them), and the
   // block's scores S = Q K^T and dP = dO V^T on it.
   Tile LoadTile(ItemState& st, const Block& blk, int64_t t) {
+    const auto kt = st.kt;
+    const auto kpt = st.kpt;
+    const auto kposb = st.kposb;
+    const auto kp_s = st.kp_s;
+    const auto ktr_s = st.ktr_s;
+    const auto vtr_s = st.vtr_s;
+    const auto dkt_s = st.dkt_s;
+    const auto dvt_s = st.dvt_s;
+    const auto cached = st.cached;
+    const auto kp_all = st.kp_all;
+    const auto dp = st.dp;
+    const auto kt_all = st.kt_all;
+    const auto vt_all = st.vt_all;
+    const auto dk_all = st.dk_all;
+    const auto dv_all = st.dv_all;
+    const auto n_ktile = st.n_ktile;
+    const auto bb = st.bb;
+    const auto kbase = st.kbase;
+    const auto vbase = st.vbase;
+    const auto qb = st.qb;
+    const auto s = st.s;
+    const auto dob = st.dob;
+    const auto dps = st.dps;
     const int64_t rp = blk.rp;
-    const int64_t j0 = t * st.kt, nk = std::min(st.kt, p_.seq_k - j0);
+    const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
     bool consec = true;
     for (int64_t c = 0; c < nk; ++c) {
-      st.kpt[c] = st.kposb[j0 + c];
-      consec = consec && st.kpt[c] == st.kpt[0] + c;
+      kpt[c] = kposb[j0 + c];
+      consec = consec && kpt[c] == kpt[0] + c;
     }
     // Keys past the tile's end: a position of the tile (masked, but table indices stay valid).
-    for (int64_t c = nk; c < st.kt; ++c) st.kpt[c] = st.kpt[0];
+    for (int64_t c = nk; c < kt; ++c) kpt[c] = kpt[0];
     // ALiBi / T5 over consecutive key positions: the tile's biases (and their gradients) are
     // a contiguous run of the per-distance row, index dmax - pos_q + pos_k (the table has a
     // tile of padding past its last distance).
     const bool bias_run = p_.bias != nullptr && consec;
-    float *kp = st.kp_s, *ktr = st.ktr_s, *vtr = st.vtr_s, *dkt = st.dkt_s, *dvt = st.dvt_s;
-    if (st.cached) {
-      kp = st.kp_all + j0 * st.dp;
-      ktr = st.kt_all + t * dim_ * st.kt;
-      vtr = st.vt_all + t * dim_ * st.kt;
-      dkt = st.dk_all + t * st.dp * st.kt;
-      dvt = st.dv_all + t * st.dp * st.kt;
+    float *kp = kp_s, *ktr = ktr_s, *vtr = vtr_s, *dkt = dkt_s, *dvt = dvt_s;
+    if (cached) {
+      kp = kp_all + j0 * dp;
+      ktr = kt_all + t * dim_ * kt;
+      vtr = vt_all + t * dim_ * kt;
+      dkt = dk_all + t * dp * kt;
+      dvt = dv_all + t * dp * kt;
     } else {
-      std::fill(kp, kp + st.n_ktile, 0.0f);
-      TileOperands(st.bb, st.kbase, st.vbase, j0, nk, kp, ktr, vtr);
-      std::fill(dkt, dkt + st.n_ktile, 0.0f);
-      std::fill(dvt, dvt + st.n_ktile, 0.0f);
+      std::fill(kp, kp + n_ktile, 0.0f);
+      TileOperands(bb, kbase, vbase, j0, nk, kp, ktr, vtr);
+      std::fill(dkt, dkt + n_ktile, 0.0f);
+      std::fill(dvt, dvt + n_ktile, 0.0f);
     }
-    ScoresTile(st.qb, dim_, ktr, rp, st.s, st.kt, st.dp);
-    ScoresTile(st.dob, dim_, vtr, rp, st.dps, st.kt, st.dp);
+    ScoresTile(qb, dim_, ktr, rp, s, kt, dp);
+    ScoresTile(dob, dim_, vtr, rp, dps, kt, dp);
     if (deberta_) {
       std::fill(st.p2c_u.begin(), st.p2c_u.end(), -1);
       std::fill(st.p2c_run.begin(), st.p2c_run.end(), -1);
@@ -1107,12 +1149,35 @@ class BackwardKernel {
   // Row r of the block on a tile: the scheme's terms added to its scores, and the mask. Returns
   // false for a row that sees no key (its P and dS rows zeroed).
   bool TileRowScores(ItemState& st, const Tile& tile, int64_t r, RowAt& at) {
+    // The item's scalars and pointers as locals: vector stores may alias any memory, so
+    // values read through `st` would be reloaded after each one.
+    const auto s = st.s;
+    const auto kt = st.kt;
+    const auto dps = st.dps;
+    const auto lse = st.lse;
+    const auto scale = st.scale;
+    const auto kpt = st.kpt;
+    const auto bb = st.bb;
+    const auto p2c_tiles = st.p2c_tiles;
+    const auto nb = st.nb;
+    const auto hk = st.hk;
+    const auto cs = st.cs;
+    const auto kpq_all = st.kpq_all;
+    const auto wpq_all = st.wpq_all;
+    const auto rel1 = st.rel1;
+    const auto gd_all = st.gd_all;
+    const auto addr2 = st.addr2;
+    const auto addr = st.addr;
+    const auto rel2 = st.rel2;
+    const auto cell_terms = st.cell_terms;
+    const auto kposb = st.kposb;
+    const auto dp = st.dp;
     const DF d;
-    float* srow = st.s + r * st.kt;
-    float* drow = st.dps + r * st.kt;
-    if (st.lse[r] == -std::numeric_limits<float>::infinity()) {
-      std::fill(srow, srow + st.kt, 0.0f);
-      std::fill(drow, drow + st.kt, 0.0f);
+    float* srow = s + r * kt;
+    float* drow = dps + r * kt;
+    if (lse[r] == -std::numeric_limits<float>::infinity()) {
+      std::fill(srow, srow + kt, 0.0f);
+      std::fill(drow, drow + kt, 0.0f);
       return false;
     }
     const int64_t h = st.head[static_cast<size_t>(r)];
@@ -1120,58 +1185,57 @@ class BackwardKernel {
     // Scale and mask, vectorized over the tile's keys (kpt: their positions).
     {
       const DI di;
-      const auto vs = hn::Set(d, st.scale), vninf = hn::Set(d, kNegInf);
+      const auto vs = hn::Set(d, scale), vninf = hn::Set(d, kNegInf);
       const RowMask row_mask(p_.mask, pq);
-      for (int64_t c = 0; c < st.kt; c += lanes_) {
-        const auto vis = row_mask.Visible(d, hn::Load(di, st.kpt + c));
+      for (int64_t c = 0; c < kt; c += lanes_) {
+        const auto vis = row_mask.Visible(d, hn::Load(di, kpt + c));
         const auto x = hn::Mul(hn::Load(d, srow + c), vs);
         hn::Store(hn::IfThenElse(vis, x, vninf), d, srow + c);
       }
-      for (int64_t c = tile.nk; c < st.kt; ++c) srow[c] = kNegInf;
+      for (int64_t c = tile.nk; c < kt; ++c) srow[c] = kNegInf;
     }
     // XL over consecutive keys whose distances all lie in the table (no clamping): the
     // row's table rows are u0 + c, so each vector's addresses are known without index
     // vectors: one run, or two across a row-chunk boundary.
-    const int64_t xl_u0 = xl_ ? int64_t{p_.xl_dmax} - pq + st.kpt[0] : 0;
-    const bool xl_fast = xl_ && tile.consec && xl_u0 >= 0 && xl_u0 + st.kt <= p_.xl_len;
+    const int64_t xl_u0 = xl_ ? int64_t{p_.xl_dmax} - pq + kpt[0] : 0;
+    const bool xl_fast = xl_ && tile.consec && xl_u0 >= 0 && xl_u0 + kt <= p_.xl_len;
     // DeBERTa over consecutive keys whose distances share one c2p row and one p2c row (far
     // keys: saturated buckets, most cells of a long causal sequence): one broadcast c2p
     // value, one contiguous run of the tile's p2c products, no index vectors. The same
     // arithmetic as the general path below.
-    const int64_t deb_at0 = deberta_ ? int64_t{p_.deberta_dmax[st.bb]} - pq + st.kpt[0] : 0;
-    const bool deb_one = st.p2c_tiles && tile.consec && deb_at0 >= 0 &&
-                         deb_at0 + st.kt <= p_.deberta_len &&
-                         deb_run_end_[static_cast<size_t>(deb_at0)] >= deb_at0 + st.kt;
+    const int64_t deb_at0 = deberta_ ? int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] : 0;
+    const bool deb_one = p2c_tiles && tile.consec && deb_at0 >= 0 &&
+                         deb_at0 + kt <= p_.deberta_len &&
+                         deb_run_end_[static_cast<size_t>(deb_at0)] >= deb_at0 + kt;
     // DeBERTa over consecutive keys whose p2c rows all lie on the linear stretch: the p2c
     // products from the tile's diagonal copy (one run), W's from its gradient.
-    const bool deb_diag = st.p2c_tiles && tile.consec && !deb_one && st.nb > 0 && deb_at0 >= 0 &&
-                          deb_at0 + st.kt <= p_.deberta_len &&
+    const bool deb_diag = p2c_tiles && tile.consec && !deb_one && nb > 0 && deb_at0 >= 0 &&
+                          deb_at0 + kt <= p_.deberta_len &&
                           deb_lin_[static_cast<size_t>(deb_at0)] != 0;
-    const int64_t deb_g = deb_diag ? ((h - st.hk * group_) * ntiles_ + tile.t) * st.nb * st.kt +
-                                         (p_.deberta_p2c[deb_at0] - deb_b_lo_) * st.kt
+    const int64_t deb_g = deb_diag ? ((h - hk * group_) * ntiles_ + tile.t) * nb * kt +
+                                         (p_.deberta_p2c[deb_at0] - deb_b_lo_) * kt
                                    : 0;
     int64_t deb_a = 0;              // the c2p row's address in rel1 / w1
     const float* deb_pq = nullptr;  // the p2c row of the tile's kpq
     float* deb_w = nullptr;         // and of its W
     if (deb_one) {
       const int64_t u = p_.deberta_c2p[deb_at0], u2 = p_.deberta_p2c[deb_at0];
-      deb_a = (u / st.kt) * st.cs + r * st.kt + u % st.kt;
-      const int64_t at = ((h - st.hk * group_) * ntiles_ + tile.t) * span2s_ * st.kt + u2 * st.kt;
-      deb_pq = st.kpq_all + at;
-      deb_w = st.wpq_all + at;
-      const auto vc = hn::Set(d, st.rel1[deb_a]);
-      for (int64_t c = 0; c < st.kt; c += lanes_) {
+      deb_a = (u / kt) * cs + r * kt + u % kt;
+      const int64_t at = ((h - hk * group_) * ntiles_ + tile.t) * span2s_ * kt + u2 * kt;
+      deb_pq = kpq_all + at;
+      deb_w = wpq_all + at;
+      const auto vc = hn::Set(d, rel1[deb_a]);
+      for (int64_t c = 0; c < kt; c += lanes_) {
         const auto x = hn::Add(hn::Load(d, srow + c), hn::LoadU(d, deb_pq + c));
         hn::Store(hn::Add(x, vc), d, srow + c);
       }
     }
     if (xl_fast) {
-      for (int64_t c = 0; c < st.kt; c += lanes_) {
-        const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, st.cs);
-        auto v = hn::LoadU(d, st.rel1 + a0);
+      for (int64_t c = 0; c < kt; c += lanes_) {
+        const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
+        auto v = hn::LoadU(d, rel1 + a0);
         if (k < lanes_) {
-          v = hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(k)), v,
-                             hn::LoadU(d, st.rel1 + a1 - k));
+          v = hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(k)), v, hn::LoadU(d, rel1 + a1 - k));
         }
         hn::Store(hn::Add(hn::Load(d, srow + c), v), d, srow + c);
       }
@@ -1181,13 +1245,12 @@ class BackwardKernel {
       const DI di;
       const auto vpq = hn::Set(di, pq);
       const float* kpq =
-          st.p2c_tiles ? st.kpq_all + ((h - st.hk * group_) * ntiles_ + tile.t) * span2s_ * st.kt
-                       : nullptr;
-      const auto vrow = hn::Set(di, static_cast<int32_t>(r * st.kt));
-      const auto vcs = hn::Set(di, static_cast<int32_t>(st.cs));
-      const auto v63 = hn::Set(di, static_cast<int32_t>(st.kt - 1));
-      for (int64_t c = 0; c < st.kt; c += lanes_) {
-        const auto kpv = hn::Load(di, st.kpt + c);
+          p2c_tiles ? kpq_all + ((h - hk * group_) * ntiles_ + tile.t) * span2s_ * kt : nullptr;
+      const auto vrow = hn::Set(di, static_cast<int32_t>(r * kt));
+      const auto vcs = hn::Set(di, static_cast<int32_t>(cs));
+      const auto v63 = hn::Set(di, static_cast<int32_t>(kt - 1));
+      for (int64_t c = 0; c < kt; c += lanes_) {
+        const auto kpv = hn::Load(di, kpt + c);
         hn::Vec<DI> u;
         if (shaw_) {
           const auto k = hn::Set(di, static_cast<int32_t>(p_.shaw_k));
@@ -1199,64 +1262,60 @@ class BackwardKernel {
                               hn::Zero(di)),
                       hn::Set(di, static_cast<int32_t>(p_.xl_len - 1)));
         } else {
-          const auto at =
-              hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[st.bb] - pq)));
+          const auto at = hn::Add(kpv, hn::Set(di, static_cast<int32_t>(p_.deberta_dmax[bb] - pq)));
           // Consecutive key positions read the index tables contiguously (past the tile's
           // last key too: the tables have a tile of padding, and those keys are masked).
-          const int64_t at0 = int64_t{p_.deberta_dmax[st.bb]} - pq + st.kpt[0] + c;
+          const int64_t at0 = int64_t{p_.deberta_dmax[bb]} - pq + kpt[0] + c;
           u = tile.consec ? hn::LoadU(di, p_.deberta_c2p + at0)
                           : hn::GatherIndex(di, p_.deberta_c2p, at);
           if (deb_diag) {
-            hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, st.gd_all + deb_g + c)), d,
+            hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, gd_all + deb_g + c)), d,
                       srow + c);
-          } else if (st.p2c_tiles) {
+          } else if (p2c_tiles) {
             // p2c: kpq[u2][c], address u2 * kTileK + c.
             const auto u2 = tile.consec ? hn::LoadU(di, p_.deberta_p2c + at0)
                                         : hn::GatherIndex(di, p_.deberta_p2c, at);
             const auto a2 = hn::Add(hn::ShiftLeft<6>(u2), hn::Iota(di, static_cast<int32_t>(c)));
-            hn::Store(a2, di, st.addr2 + c);
-            hn::Store(hn::Add(hn::Load(d, srow + c), GatherTileRows(kpq, st.addr2 + c)), d,
-                      srow + c);
+            hn::Store(a2, di, addr2 + c);
+            hn::Store(hn::Add(hn::Load(d, srow + c), GatherTileRows(kpq, addr2 + c)), d, srow + c);
           }
         }
         static_assert(kTileK == 64, "row-chunk addresses: u >> 6, u & 63");
         const auto a = hn::Add(hn::Add(hn::Mul(hn::ShiftRight<6>(u), vcs), vrow), hn::And(u, v63));
-        hn::Store(a, di, st.addr + c);
-        hn::Store(hn::Add(hn::Load(d, srow + c), GatherRows(st.rel1, st.addr + c, !deberta_)), d,
+        hn::Store(a, di, addr + c);
+        hn::Store(hn::Add(hn::Load(d, srow + c), GatherRows(rel1, addr + c, !deberta_)), d,
                   srow + c);
         if (shaw_ && p_.shaw_rel_v != nullptr) {
-          hn::Store(hn::Add(hn::Load(d, drow + c), GatherRows(st.rel2, st.addr + c)), d, drow + c);
+          hn::Store(hn::Add(hn::Load(d, drow + c), GatherRows(rel2, addr + c)), d, drow + c);
         }
       }
     }
     const int64_t bias_at =
-        st.bb * p_.bias_batch_stride + h * p_.bias_len +
-        ((p_.bias_dmax != nullptr ? int64_t{p_.bias_dmax[st.bb]} : 0) - pq + st.kpt[0]);
+        bb * p_.bias_batch_stride + h * p_.bias_len +
+        ((p_.bias_dmax != nullptr ? int64_t{p_.bias_dmax[bb]} : 0) - pq + kpt[0]);
     if (tile.bias_run) {
       const float* brow = p_.bias + bias_at;
-      for (int64_t c = 0; c < st.kt; c += lanes_) {
+      for (int64_t c = 0; c < kt; c += lanes_) {
         hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, brow + c)), d, srow + c);
       }
     }
-    for (int64_t c = 0; st.cell_terms && !tile.bias_run && c < tile.nk; ++c) {
+    for (int64_t c = 0; cell_terms && !tile.bias_run && c < tile.nk; ++c) {
       if (srow[c] == kNegInf) continue;
-      const int32_t pk = st.kposb[tile.j0 + c];
+      const int32_t pk = kposb[tile.j0 + c];
       const int64_t delta = int64_t{pq} - pk;
       float x = srow[c];
       if (p_.bias != nullptr) {
-        x +=
-            p_.bias[st.bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[st.bb] - delta)];
+        x += p_.bias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)];
       } else if (deberta_) {
-        const int64_t at = p_.deberta_dmax[st.bb] - delta;
+        const int64_t at = p_.deberta_dmax[bb] - delta;
         // k_c . pos_query[u, h]: consecutive rows of a column often share u (clipped or
         // log-bucketed distances), so the last product per (key, head) is kept.
         const int32_t u = p_.deberta_p2c[at];
-        const size_t key = static_cast<size_t>(c * group_ + (h - st.hk * group_));
+        const size_t key = static_cast<size_t>(c * group_ + (h - hk * group_));
         if (st.p2c_u[key] != u) {
           st.p2c_u[key] = u;
-          st.p2c_val[key] =
-              st.scale *
-              Dot(tile.kp + c * st.dp, p_.deberta_pos_query + (u * p_.heads_q + h) * dim_, dim_);
+          st.p2c_val[key] = scale * Dot(tile.kp + c * dp,
+                                        p_.deberta_pos_query + (u * p_.heads_q + h) * dim_, dim_);
         }
         x += st.p2c_val[key];
       }
@@ -1269,6 +1328,22 @@ class BackwardKernel {
   // P = exp(S - lse) and dS = P (dP - D) of row r, the per-cell and per-bucket gradients of the
   // scheme's terms; scale * dS left in the dP row.
   void TileRowGrads(ItemState& st, const Tile& tile, int64_t r, const RowAt& at) {
+    const auto lse = st.lse;
+    const auto dsum = st.dsum;
+    const auto kt = st.kt;
+    const auto cell_grads = st.cell_grads;
+    const auto kposb = st.kposb;
+    const auto scale = st.scale;
+    const auto bb = st.bb;
+    const auto hk = st.hk;
+    const auto cs = st.cs;
+    const auto w1 = st.w1;
+    const auto addr = st.addr;
+    const auto w2 = st.w2;
+    const auto wgd_all = st.wgd_all;
+    const auto p2c_tiles = st.p2c_tiles;
+    const auto wpq_all = st.wpq_all;
+    const auto addr2 = st.addr2;
     const DF d;
     const auto srow = at.srow;
     const auto drow = at.drow;
@@ -1282,8 +1357,8 @@ class BackwardKernel {
     const auto deb_a = at.deb_a;
     const auto deb_w = at.deb_w;
     const auto bias_at = at.bias_at;
-    const auto vl = hn::Set(d, st.lse[r]), vd = hn::Set(d, st.dsum[r]);
-    for (int64_t c = 0; c < st.kt; c += lanes_) {
+    const auto vl = hn::Set(d, lse[r]), vd = hn::Set(d, dsum[r]);
+    for (int64_t c = 0; c < kt; c += lanes_) {
       const auto pv = hn::Exp(d, hn::Sub(hn::Load(d, srow + c), vl));  // exp(-inf) = 0
       hn::Store(pv, d, srow + c);
       hn::Store(hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd)), d, drow + c);
@@ -1291,26 +1366,25 @@ class BackwardKernel {
     // Per-cell gradients of the scheme's terms (dS unscaled for biases, scaled below).
     if (tile.bias_run && b_.dbias != nullptr) {
       float* dbrow = b_.dbias + bias_at;
-      for (int64_t c = 0; c < st.kt; c += lanes_) {
+      for (int64_t c = 0; c < kt; c += lanes_) {
         hn::StoreU(hn::Add(hn::LoadU(d, dbrow + c), hn::Load(d, drow + c)), d, dbrow + c);
       }
     }
-    for (int64_t c = 0; st.cell_grads && !tile.bias_run && c < tile.nk; ++c) {
+    for (int64_t c = 0; cell_grads && !tile.bias_run && c < tile.nk; ++c) {
       const float ds = drow[c];
       const float pr = srow[c];
       if (ds == 0.0f && pr == 0.0f) continue;
-      const int32_t pk = st.kposb[tile.j0 + c];
+      const int32_t pk = kposb[tile.j0 + c];
       const int64_t delta = int64_t{pq} - pk;
-      const float sds = st.scale * ds;
+      const float sds = scale * ds;
       if (b_.dbias != nullptr) {
-        b_.dbias[st.bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[st.bb] - delta)] +=
-            ds;
+        b_.dbias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)] += ds;
       } else if (deberta_) {
-        const int64_t at = p_.deberta_dmax[st.bb] - delta;
+        const int64_t at = p_.deberta_dmax[bb] - delta;
         // dK_j += scale dS pos_query[p2c] and dpos_query[p2c] += scale dS k_j: summed
         // over runs of equal u per (key, head) first, applied after the tile's products.
         const int64_t u = p_.deberta_p2c[at];
-        const size_t key = static_cast<size_t>(c * group_ + (h - st.hk * group_));
+        const size_t key = static_cast<size_t>(c * group_ + (h - hk * group_));
         int32_t& run = st.p2c_run[key];
         if (run >= 0 && st.pq_cells[static_cast<size_t>(run)].u == u) {
           st.pq_cells[static_cast<size_t>(run)].sds += sds;
@@ -1321,35 +1395,34 @@ class BackwardKernel {
       }
     }
     // scale * dS from here on; Shaw's and DeBERTa's c2p bucket sums.
-    const auto vs = hn::Set(d, st.scale);
-    for (int64_t c = 0; c < st.kt; c += lanes_) {
+    const auto vs = hn::Set(d, scale);
+    for (int64_t c = 0; c < kt; c += lanes_) {
       const auto sds = hn::Mul(hn::Load(d, drow + c), vs);
       hn::Store(sds, d, drow + c);
       if (xl_fast) {
-        const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, st.cs);
+        const auto [a0, a1, k] = XlRuns(xl_u0 + c, r, cs);
         if (k >= lanes_) {
-          hn::StoreU(hn::Add(hn::LoadU(d, st.w1 + a0), sds), d, st.w1 + a0);
+          hn::StoreU(hn::Add(hn::LoadU(d, w1 + a0), sds), d, w1 + a0);
         } else {  // each element gets the same single addition
           const auto m = hn::FirstN(d, static_cast<size_t>(k));
-          hn::BlendedStore(hn::Add(hn::LoadU(d, st.w1 + a0), sds), m, d, st.w1 + a0);
-          float* t2 = st.w1 + a1 - k;
+          hn::BlendedStore(hn::Add(hn::LoadU(d, w1 + a0), sds), m, d, w1 + a0);
+          float* t2 = w1 + a1 - k;
           hn::BlendedStore(hn::Add(hn::LoadU(d, t2), sds), hn::Not(m), d, t2);
         }
       } else if (deb_one) {  // ScatterAdd's single-address case
-        st.w1[deb_a] += hn::GetLane(hn::SumOfLanes(d, sds));
+        w1[deb_a] += hn::GetLane(hn::SumOfLanes(d, sds));
         hn::StoreU(hn::Add(hn::LoadU(d, deb_w + c), sds), d, deb_w + c);
       } else if (shaw_ || deberta_ || xl_) {
-        ScatterAdd(st.w1, st.addr + c, sds, xl_, /*rising=*/!deberta_);
+        ScatterAdd(w1, addr + c, sds, xl_, /*rising=*/!deberta_);
       }
-      if (shaw_ && b_.shaw_drel_v != nullptr)
-        ScatterAdd(st.w2, st.addr + c, hn::Load(d, srow + c), true);
+      if (shaw_ && b_.shaw_drel_v != nullptr) ScatterAdd(w2, addr + c, hn::Load(d, srow + c), true);
       if (deb_diag) {
-        float* at = st.wgd_all + deb_g + c;
+        float* at = wgd_all + deb_g + c;
         hn::StoreU(hn::Add(hn::LoadU(d, at), sds), d, at);
-      } else if (st.p2c_tiles && !deb_one) {
+      } else if (p2c_tiles && !deb_one) {
         // The tile's keys are distinct lanes: no two lanes share an address.
-        float* wpq = st.wpq_all + ((h - st.hk * group_) * ntiles_ + tile.t) * span2s_ * st.kt;
-        ScatterAddTileRows(wpq, st.addr2 + c, sds);
+        float* wpq = wpq_all + ((h - hk * group_) * ntiles_ + tile.t) * span2s_ * kt;
+        ScatterAddTileRows(wpq, addr2 + c, sds);
       }
     }
   }
@@ -1357,92 +1430,127 @@ class BackwardKernel {
   // The tile's products: dV^T += dO^T P, dK^T += Q^T (scale dS), dQ += (scale dS) K; DeBERTa's
   // p2c cells; dK, dV added to the outputs unless the item holds them.
   void FinishTile(ItemState& st, const Block& blk, const Tile& tile) {
+    const auto dotr = st.dotr;
+    const auto s = st.s;
+    const auto dimr = st.dimr;
+    const auto kt = st.kt;
+    const auto qtr = st.qtr;
+    const auto dps = st.dps;
+    const auto dp = st.dp;
+    const auto dqb = st.dqb;
+    const auto hk = st.hk;
+    const auto dkx = st.dkx;
+    const auto part = st.part;
+    const auto cached = st.cached;
+    const auto bb = st.bb;
+    const auto n_ktile = st.n_ktile;
     const int64_t rp = blk.rp;
     const int64_t j0 = tile.j0, nk = tile.nk;
     const float* kp = tile.kp;
     float *dkt = tile.dkt, *dvt = tile.dvt;
-    ScoresTile(st.dotr, rp, st.s, st.dimr, dvt, st.kt, rp, true);   // dV^T += dO^T P
-    ScoresTile(st.qtr, rp, st.dps, st.dimr, dkt, st.kt, rp, true);  // dK^T += Q^T (scale dS)
-    AccumulateTile(st.dps, nk, kp, st.dp, st.dp, rp, st.dqb);       // dQ += scale dS K
-    for (const auto& cell : st.pq_cells) {                          // DeBERTa p2c
-      const int64_t g = cell.h - st.hk * group_;
+    ScoresTile(dotr, rp, s, dimr, dvt, kt, rp, true);   // dV^T += dO^T P
+    ScoresTile(qtr, rp, dps, dimr, dkt, kt, rp, true);  // dK^T += Q^T (scale dS)
+    AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);       // dQ += scale dS K
+    for (const auto& cell : st.pq_cells) {              // DeBERTa p2c
+      const int64_t g = cell.h - hk * group_;
       Axpy(cell.sds, p_.deberta_pos_query + (cell.u * p_.heads_q + cell.h) * dim_,
-           st.dkx + cell.c * st.dp, dim_);
-      Axpy(cell.sds, kp + cell.c * st.dp, st.part + part_pq_ + (g * span2s_ + cell.u) * st.dp,
-           dim_);
+           dkx + cell.c * dp, dim_);
+      Axpy(cell.sds, kp + cell.c * dp, part + part_pq_ + (g * span2s_ + cell.u) * dp, dim_);
     }
     st.pq_cells.clear();
-    for (int64_t c = 0; !st.cached && c < nk; ++c) {
-      AddColumn(dkt, c, OutRow(b_.dk, b_.dk_stride, st.bb, j0 + c, st.hk));
-      AddColumn(dvt, c, OutRow(b_.dv, b_.dv_stride, st.bb, j0 + c, st.hk));
-      if (deberta_)
-        AddRow(st.dkx + c * st.dp, OutRow(b_.dk, b_.dk_stride, st.bb, j0 + c, st.hk), dim_);
+    for (int64_t c = 0; !cached && c < nk; ++c) {
+      AddColumn(dkt, c, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk));
+      AddColumn(dvt, c, OutRow(b_.dv, b_.dv_stride, bb, j0 + c, hk));
+      if (deberta_) AddRow(dkx + c * dp, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk), dim_);
     }
-    if (deberta_ && !st.cached) std::fill(st.dkx, st.dkx + st.n_ktile, 0.0f);
+    if (deberta_ && !cached) std::fill(dkx, dkx + n_ktile, 0.0f);
   }
 
   // The block's per-row terms (Shaw, DeBERTa c2p, XL's r part) and its dQ rows written out.
   void FinishBlock(ItemState& st, const Block& blk) {
+    const auto w1 = st.w1;
+    const auto dqb = st.dqb;
+    const auto qtr = st.qtr;
+    const auto part = st.part;
+    const auto w2 = st.w2;
+    const auto dotr = st.dotr;
+    const auto dqr = st.dqr;
+    const auto qxtr = st.qxtr;
+    const auto hk = st.hk;
+    const auto dp = st.dp;
+    const auto bb = st.bb;
     const int64_t i0 = blk.i0, nq = blk.nq, rows = blk.rows;
     const BlockRows& br = blk.br;
     // Per-row terms, once per block.
     if (shaw_) {
-      BackQ(relk_, st.w1, st.dqb, br);
-      BackTable(st.w1, st.qtr, st.part + part_relk_, shaw_k_heads_, br);
-      if (b_.shaw_drel_v != nullptr)
-        BackTable(st.w2, st.dotr, st.part + part_relv_, shaw_v_heads_, br);
+      BackQ(relk_, w1, dqb, br);
+      BackTable(w1, qtr, part + part_relk_, shaw_k_heads_, br);
+      if (b_.shaw_drel_v != nullptr) BackTable(w2, dotr, part + part_relv_, shaw_v_heads_, br);
     } else if (deberta_) {
-      BackQ(relk_, st.w1, st.dqb, br);
-      BackTable(st.w1, st.qtr, st.part, group_, br);
+      BackQ(relk_, w1, dqb, br);
+      BackTable(w1, qtr, part, group_, br);
     } else if (xl_) {
-      BackQ(relk_, st.w1, st.dqr, br);  // dQ's r(delta) part
-      BackTable(st.w1, st.qxtr, st.part + 2 * group_ * dim_, group_, br);
+      BackQ(relk_, w1, dqr, br);  // dQ's r(delta) part
+      BackTable(w1, qxtr, part + 2 * group_ * dim_, group_, br);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = st.head[static_cast<size_t>(r)], g = h - st.hk * group_;
-      float* dq_r = st.dqb + r * st.dp;
+      const int64_t h = st.head[static_cast<size_t>(r)], g = h - hk * group_;
+      float* dq_r = dqb + r * dp;
       if (xl_) {
-        Axpy(1.0f, dq_r, st.part + g * dim_, dim_);                                // du: the k part
-        Axpy(1.0f, st.dqr + r * st.dp, st.part + group_ * dim_ + g * dim_, dim_);  // dv: the r part
-        Axpy(1.0f, st.dqr + r * st.dp, dq_r, dim_);
+        Axpy(1.0f, dq_r, part + g * dim_, dim_);                          // du: the k part
+        Axpy(1.0f, dqr + r * dp, part + group_ * dim_ + g * dim_, dim_);  // dv: the r part
+        Axpy(1.0f, dqr + r * dp, dq_r, dim_);
       }
       const int64_t i = i0 + r % nq;
-      std::memcpy(b_.dq + st.bb * b_.dq_stride[0] + i * b_.dq_stride[1] + h * b_.dq_stride[2], dq_r,
+      std::memcpy(b_.dq + bb * b_.dq_stride[0] + i * b_.dq_stride[1] + h * b_.dq_stride[2], dq_r,
                   static_cast<size_t>(dim_) * sizeof(float));
     }
   }
 
   // DeBERTa's p2c products once per key tile, and the item's dK, dV written out.
   void FinishItem(ItemState& st) {
+    const auto p2c_tiles = st.p2c_tiles;
+    const auto kt = st.kt;
+    const auto wpq_all = st.wpq_all;
+    const auto wgd_all = st.wgd_all;
+    const auto nb = st.nb;
+    const auto hk = st.hk;
+    const auto dk_all = st.dk_all;
+    const auto dp = st.dp;
+    const auto kp_all = st.kp_all;
+    const auto part = st.part;
+    const auto cached = st.cached;
+    const auto bb = st.bb;
+    const auto dv_all = st.dv_all;
     // DeBERTa p2c, once per key tile: dK^T += pos_query^T W, dpos_query += W K.
-    for (int64_t t = 0; st.p2c_tiles && t < ntiles_; ++t) {
-      const int64_t nk = std::min(st.kt, p_.seq_k - t * st.kt);
+    for (int64_t t = 0; p2c_tiles && t < ntiles_; ++t) {
+      const int64_t nk = std::min(kt, p_.seq_k - t * kt);
       const auto [ulo, uhi] = st.p2c_rows[static_cast<size_t>(t)];
       if (ulo > uhi) continue;
       for (int64_t g = 0; g < group_; ++g) {
         // The diagonal gradients folded back: W[b + step c][c] += WG[b][c].
-        float* wq = st.wpq_all + (g * ntiles_ + t) * span2s_ * st.kt;
-        const float* wgd = st.wgd_all + (g * ntiles_ + t) * st.nb * st.kt;
-        for (int64_t b = 0; b < st.nb; ++b)
-          for (int64_t c = 0; c < st.kt; ++c) {
+        float* wq = wpq_all + (g * ntiles_ + t) * span2s_ * kt;
+        const float* wgd = wgd_all + (g * ntiles_ + t) * nb * kt;
+        for (int64_t b = 0; b < nb; ++b)
+          for (int64_t c = 0; c < kt; ++c) {
             const int64_t u = deb_b_lo_ + b + deb_step_ * c;
-            if (u >= ulo && u <= uhi) wq[u * st.kt + c] += wgd[b * st.kt + c];
+            if (u >= ulo && u <= uhi) wq[u * kt + c] += wgd[b * kt + c];
           }
         // W's rows past uhi are zero: rounding the rows up to 4 adds nothing.
-        const float* wpq = st.wpq_all + (g * ntiles_ + t) * span2s_ * st.kt + ulo * st.kt;
-        ScoresTile(pq_t_.get() + (st.hk * group_ + g) * dimr_ * span2r_ + ulo, uhi - ulo + 1, wpq,
-                   dimr_, st.dk_all + t * st.dp * st.kt, st.kt, span2r_, true);
-        AccumulateTile(wpq, nk, st.kp_all + t * st.kt * st.dp, st.dp, st.dp,
-                       RoundUp(uhi - ulo + 1, 4), st.part + part_pq_ + (g * span2s_ + ulo) * st.dp);
+        const float* wpq = wpq_all + (g * ntiles_ + t) * span2s_ * kt + ulo * kt;
+        ScoresTile(pq_t_.get() + (hk * group_ + g) * dimr_ * span2r_ + ulo, uhi - ulo + 1, wpq,
+                   dimr_, dk_all + t * dp * kt, kt, span2r_, true);
+        AccumulateTile(wpq, nk, kp_all + t * kt * dp, dp, dp, RoundUp(uhi - ulo + 1, 4),
+                       part + part_pq_ + (g * span2s_ + ulo) * dp);
       }
     }
-    for (int64_t j = 0; st.cached && j < p_.seq_k; ++j) {
-      const int64_t t = j / st.kt, c = j % st.kt;
-      float* dkr = OutRow(b_.dk, b_.dk_stride, st.bb, j, st.hk);
-      float* dvr = OutRow(b_.dv, b_.dv_stride, st.bb, j, st.hk);
+    for (int64_t j = 0; cached && j < p_.seq_k; ++j) {
+      const int64_t t = j / kt, c = j % kt;
+      float* dkr = OutRow(b_.dk, b_.dk_stride, bb, j, hk);
+      float* dvr = OutRow(b_.dv, b_.dv_stride, bb, j, hk);
       for (int64_t x = 0; x < dim_; ++x) {
-        dkr[x] = st.dk_all[(t * st.dp + x) * st.kt + c];
-        dvr[x] = st.dv_all[(t * st.dp + x) * st.kt + c];
+        dkr[x] = dk_all[(t * dp + x) * kt + c];
+        dvr[x] = dv_all[(t * dp + x) * kt + c];
       }
     }
   }

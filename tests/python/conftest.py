@@ -125,6 +125,17 @@ def _t(a):
     return torch.from_numpy(np.asarray(a))
 
 
+def load_config(name, **overrides):
+    """A config.json of tests/configs as a dict, with keys overridden (in text_config when the
+    config has one)."""
+    import json
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", name)
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.get("text_config", cfg).update(overrides)
+    return cfg
+
+
 def variants(scheme):
     return {"rope": 4, "alibi": 2, "shaw": 2, "deberta": 3}.get(scheme, 1)
 

@@ -4,7 +4,6 @@ mixed float32-q path, strided inputs without copies, thread-count invariance, th
 against a pure-NumPy reference, posenc.torch with bf16 / f16 tensors (with and without
 gradients), and the errors."""
 
-import json
 import os
 import struct
 
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 import posenc
-from conftest import SCHEMES, Case, variants
+from conftest import SCHEMES, Case, load_config, variants
 
 DTYPES = ("bfloat16", "float16")
 
@@ -48,14 +47,6 @@ def half_case(case, dtype):
     """(q, k, v) of a Case in dtype and their widened float32 values."""
     h = [to_half(x, dtype) for x in case.inputs(np.float32)]
     return h, [widen(x, dtype) for x in h]
-
-
-def load_config(name, **overrides):
-    path = os.path.join(os.path.dirname(__file__), "..", "configs", name)
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg.get("text_config", cfg).update(overrides)
-    return cfg
 
 
 # ---- attention: the rounding guarantee ----------------------------------------------------------

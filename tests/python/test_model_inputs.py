@@ -2,14 +2,11 @@
 point: value heads narrower than q and k (DeepSeek's multi-head latent attention) and the query
 temperature of Llama 4's NoPE layers. The Python functions behave as the CLI does."""
 
-import json
-import os
-
 import numpy as np
 import pytest
 
 import posenc
-from conftest import Case
+from conftest import Case, load_config
 
 WIDTH = 5  # v's head dim under q and k's 8
 
@@ -18,14 +15,6 @@ def _pad(x, width):
     out = np.zeros(x.shape[:3] + (width,), x.dtype)
     out[..., :x.shape[3]] = x
     return out
-
-
-def _config(name, **overrides):
-    path = os.path.join(os.path.dirname(__file__), "..", "configs", name)
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg.get("text_config", cfg).update(overrides)
-    return cfg
 
 
 @pytest.mark.parametrize("scheme", ["none", "rope", "alibi", "t5", "xl", "deberta"])
@@ -78,7 +67,7 @@ def test_narrow_values_against_the_oracle_and_in_half_precision():
 
 
 def test_deepseek_config_takes_its_narrower_value_heads():
-    cfg = _config("deepseek-v2-lite.json", num_attention_heads=2, num_key_value_heads=2,
+    cfg = load_config("deepseek-v2-lite.json", num_attention_heads=2, num_key_value_heads=2,
                   qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
     rng = np.random.default_rng(33)
     q = rng.standard_normal((1, 5, 2, 12)).astype(np.float32)
@@ -116,7 +105,7 @@ def test_value_head_errors():
 
 
 def test_llama4_temperature_in_every_precision():
-    cfg = _config("llama-4-scout-17b-16e-instruct.json", num_attention_heads=2,
+    cfg = load_config("llama-4-scout-17b-16e-instruct.json", num_attention_heads=2,
                   num_key_value_heads=1, head_dim=8, floor_scale=2, attn_scale=0.5)
     rng = np.random.default_rng(36)
     q = rng.standard_normal((1, 4, 2, 8)).astype(np.float32)

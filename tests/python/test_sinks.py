@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import posenc
-from conftest import SCHEMES, Case, variants
+from conftest import SCHEMES, Case, load_config, variants
 
 torch = pytest.importorskip("torch")
 import posenc.torch as pt  # noqa: E402
@@ -127,17 +127,8 @@ def test_positional_attention_owns_learnable_sinks():
     assert pt.PositionalAttention("none", 4, 2, 8).sinks is None
 
 
-def _config(name, **overrides):
-    path = os.path.join(os.path.dirname(__file__), "..", "configs", name)
-    with open(path) as f:
-        cfg = json.load(f)
-    target = cfg.get("text_config", cfg)
-    target.update(overrides)
-    return cfg
-
-
 def test_gpt_oss_layer_needs_sinks_and_uses_its_window():
-    cfg = _config("gpt-oss-20b.json", num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    cfg = load_config("gpt-oss-20b.json", num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   sliding_window=3)
     rng = np.random.default_rng(11)
     q = rng.standard_normal((1, 6, 4, 8)).astype(np.float32)
@@ -164,7 +155,7 @@ def test_gpt_oss_layer_needs_sinks_and_uses_its_window():
 
 
 def test_llama4_nope_layer_scales_queries_by_the_temperature():
-    cfg = _config("llama-4-scout-17b-16e-instruct.json", num_attention_heads=2,
+    cfg = load_config("llama-4-scout-17b-16e-instruct.json", num_attention_heads=2,
                   num_key_value_heads=1, head_dim=8, floor_scale=4, attn_scale=0.5)
     rng = np.random.default_rng(12)
     q = rng.standard_normal((1, 3, 2, 8))
@@ -230,7 +221,7 @@ def test_cli_sinks_chunk_and_layer(cli, tmp_path):
     r = run("attention", *io, "--scheme", "none", "--chunk", 0, "--out", tmp_path / "o.npy")
     assert r.returncode == 2 and "--chunk" in r.stderr
     # --layer: needs --config; required when layers differ; gpt-oss layers need sinks.
-    cfg = _config("gpt-oss-20b.json", num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    cfg = load_config("gpt-oss-20b.json", num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   sliding_window=3)
     with open(tmp_path / "oss.json", "w") as f:
         json.dump(cfg, f)
