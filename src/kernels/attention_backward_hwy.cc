@@ -698,6 +698,15 @@ class BackwardKernel {
     const int32_t tmax = tile_max_[static_cast<size_t>(st.bb * ntiles_ + t)];
     return !p_.mask.hides_block(qmin, qmax, tmin, tmax);
   }
+  // Widens [dlo, dhi] by the distances pos_q - pos_k between a query block with positions
+  // [qmin, qmax] and tile t, when the block sees the tile.
+  void AddDistances(const ItemState& st, int32_t qmin, int32_t qmax, int64_t t, int64_t& dlo,
+                    int64_t& dhi) const {
+    if (!Visits(st, qmin, qmax, t)) return;
+    const auto at = static_cast<size_t>(st.bb * ntiles_ + t);
+    dlo = std::min<int64_t>(dlo, int64_t{qmin} - tile_max_[at]);
+    dhi = std::max<int64_t>(dhi, int64_t{qmax} - tile_min_[at]);
+  }
   // Rows [lo, hi] of a bucket table indexed at dmax - delta, for delta in [dlo, dhi] (narrowed
   // by the caller to the distances a mask can leave visible: masked cells still read their table
   // rows, which then hold finite values from earlier blocks or zeros, and add their dS = 0).
@@ -888,11 +897,7 @@ class BackwardKernel {
       for (int64_t bi = 0; bi < nblocks; ++bi) {
         const int32_t qmin = bq_min[static_cast<size_t>(bi)],
                       qmax = bq_max[static_cast<size_t>(bi)];
-        if (!Visits(st, qmin, qmax, t)) continue;
-        dlo = std::min<int64_t>(dlo,
-                                int64_t{qmin} - tile_max_[static_cast<size_t>(bb * ntiles_ + t)]);
-        dhi = std::max<int64_t>(dhi,
-                                int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
+        AddDistances(st, qmin, qmax, t, dlo, dhi);
       }
       p_.mask.clip_distances(dlo, dhi);
       p2c_rows[static_cast<size_t>(t)] =
@@ -1039,11 +1044,7 @@ class BackwardKernel {
       // Only the chunks of table rows this block's cells can reach.
       int64_t dlo = std::numeric_limits<int64_t>::max(), dhi = std::numeric_limits<int64_t>::min();
       for (int64_t t = 0; t < ntiles_; ++t) {
-        if (!Visits(st, qmin, qmax, t)) continue;
-        dlo = std::min<int64_t>(dlo,
-                                int64_t{qmin} - tile_max_[static_cast<size_t>(bb * ntiles_ + t)]);
-        dhi = std::max<int64_t>(dhi,
-                                int64_t{qmax} - tile_min_[static_cast<size_t>(bb * ntiles_ + t)]);
+        AddDistances(st, qmin, qmax, t, dlo, dhi);
       }
       p_.mask.clip_distances(dlo, dhi);
       if (dlo > dhi) {
