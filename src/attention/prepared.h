@@ -87,10 +87,14 @@ Prepared<T> prepare(const PositionScheme& scheme, const AttentionOptions& opt, c
                     const ref::SchemeTables* tables = nullptr) {
   Prepared<T> p;
   if (tables) check_tables_belong(scheme, *tables);
-  const double default_scale =
-      1.0 / std::sqrt(static_cast<double>(std::holds_alternative<DeBERTa>(scheme) ? 3 : 1) *
-                      static_cast<double>(d.head_dim));
-  p.scale = opt.scale.value_or(default_scale);
+  // 1 / sqrt(terms * head_dim): the score sums `terms` dot products of that length.
+  const int terms = std::visit(
+      [](const auto& s) {
+        using S = std::decay_t<decltype(s)>;
+        return std::variant_alternative_t<variant_index<S>(), SchemeTerm<T>>::kScoreTerms;
+      },
+      scheme);
+  p.scale = opt.scale.value_or(1.0 / std::sqrt(terms * static_cast<double>(d.head_dim)));
   if (tables != nullptr && tables->sinks.data != nullptr) {
     require_table_shape(tables->sinks, {d.heads_q}, "attention: sinks (float64) [heads_q]");
     for (int64_t h = 0; h < d.heads_q; ++h) p.sinks.push_back(static_cast<T>(tables->sinks(h)));

@@ -1,7 +1,7 @@
 // src/kernels/rope_kernels.h - the float32 RoPE kernel's parameters and entry point (rope_hwy.cc).
 //
-// src/rope.cc validates the views and fills a RopeParams; the kernel assumes valid input. No
-// Highway type crosses this header: rope_f32 dispatches once per call to the best SIMD target.
+// src/schemes/rope.cc validates the views and fills a RopeParams; the kernel assumes valid input.
+// No Highway type crosses this header: rope_f32 dispatches once per call to the best SIMD target.
 #pragma once
 
 #include <cstdint>

@@ -1,9 +1,12 @@
-// src/alibi.cc - ALiBi slopes (Press, Smith, Lewis 2022, "Train Short, Test Long"; docs/alibi.md).
+// src/schemes/alibi.cc - ALiBi slopes (Press, Smith, Lewis 2022, "Train Short, Test Long";
+// docs/alibi.md).
 #include "posenc/alibi.h"
 
 #include <cmath>
 
 #include "common.h"
+#include "schemes/alibi_term.h"
+#include "schemes/build.h"
 
 namespace posenc {
 
@@ -28,5 +31,37 @@ std::vector<double> alibi_slopes(const AlibiConfig& cfg) {
   }
   return slopes;
 }
+
+namespace attn {
+
+// The scheme from its settings, parameters and model config (build_scheme).
+void build_alibi(detail::SchemeBuild& b, const ModelLayer*) {
+  Alibi alibi;
+  const ParamTensor* slopes = b.get("slopes", {1}, "[heads]", false);
+  if (b.model) {
+    if (b.dims.heads_q != b.model->alibi.heads) {
+      detail::fail<ShapeError>(b.settings.q_name + ": heads_q " + std::to_string(b.dims.heads_q) +
+                               " does not match " + b.model_name() + ": " +
+                               std::to_string(b.model->alibi.heads) + " ALiBi heads");
+    }
+    b.conflict(b.settings.max_bias.has_value(), "max_bias");
+    if (slopes) {
+      detail::fail(b.pname("slopes") + " conflicts with " + b.settings.config_name +
+                   " (the config's slopes are used)");
+    }
+    alibi.max_bias = b.model->alibi.max_bias;
+    alibi.slopes = alibi_slopes(b.model->alibi);
+  } else {
+    alibi.max_bias = b.settings.max_bias.value_or(8.0);
+    if (slopes) {
+      alibi.slopes = detail::param_values<double>(
+          *slopes);  // the attention call checks the count against heads_q
+      b.learned("slopes", *slopes, {b.dims.heads_q});
+    }
+  }
+  b.out.scheme = std::move(alibi);
+}
+
+}  // namespace attn
 
 }  // namespace posenc

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "schemes/bias_table.h"
@@ -11,8 +12,12 @@
 
 namespace posenc::attn {
 
+// Builds the scheme (src/schemes/alibi.cc).
+void build_alibi(detail::SchemeBuild& b, const ModelLayer* layer);
+
 template <class T>
 struct AlibiTerm : NoTerm<T> {
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_alibi(b, layer); }
   static constexpr bool kDistanceTables = true;
   std::vector<double> slopes;
 
@@ -39,6 +44,10 @@ struct AlibiTerm : NoTerm<T> {
     g.g.dslopes(c.h) -= ds * static_cast<T>(rel < 0 ? -rel : rel);
   }
 
+  // Its learned tables by parameter name, and their gradient fields (bind_param_grad).
+  static auto grad_fields(AttentionGradsOf<T>& g) {
+    return std::make_tuple(std::pair{"slopes", &g.dslopes});
+  }
   void check_grads(const AttentionGradsOf<T>& g, GradCheck<T>& chk) const {
     chk.own(g.dslopes, {static_cast<int64_t>(slopes.size())}, "dslopes [heads_q]");
   }

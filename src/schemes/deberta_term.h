@@ -4,14 +4,20 @@
 #pragma once
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "schemes/term.h"
 
 namespace posenc::attn {
 
+// Builds the scheme (src/schemes/deberta.cc).
+void build_deberta(detail::SchemeBuild& b, const ModelLayer* layer);
+
 template <class T>
 struct DebertaTerm : NoTerm<T> {
+  static constexpr int kScoreTerms = 3;  // c2c, c2p, p2c
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_deberta(b, layer); }
   static constexpr bool kDistanceTables = true;
   View<const T, 3> pos_key, pos_query;  // [2K, heads_q, head_dim]
   DebertaBuckets buckets;
@@ -55,6 +61,11 @@ struct DebertaTerm : NoTerm<T> {
     }
   }
 
+  // Its learned tables by parameter name, and their gradient fields (bind_param_grad).
+  static auto grad_fields(AttentionGradsOf<T>& g) {
+    return std::make_tuple(std::pair{"pos_key", &g.dpos_key},
+                           std::pair{"pos_query", &g.dpos_query});
+  }
   void check_grads(const AttentionGradsOf<T>& g, GradCheck<T>& chk) const {
     chk.own(g.dpos_key, pos_key.shape, "dpos_key");
     chk.own(g.dpos_query, pos_query.shape, "dpos_query");

@@ -1,4 +1,4 @@
-// src/learned.cc - learned absolute position embeddings (GPT-2, BERT; docs/learned.md).
+// src/schemes/learned.cc - learned absolute position embeddings (GPT-2, BERT; docs/learned.md).
 #include "posenc/learned.h"
 
 #include "common.h"

@@ -15,8 +15,12 @@
 
 namespace posenc::attn {
 
+// Builds the scheme (src/schemes/rope_frequencies.cc).
+void build_rope(detail::SchemeBuild& b, const ModelLayer* layer);
+
 template <class T>
 struct RopeTerm : NoTerm<T> {
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_rope(b, layer); }
   const Rope* rope = nullptr;
 
   void prepare(const Rope& r, TermInputs<T>& in) {

@@ -4,14 +4,19 @@
 #pragma once
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "schemes/term.h"
 
 namespace posenc::attn {
 
+// Builds the scheme (src/schemes/shaw.cc).
+void build_shaw(detail::SchemeBuild& b, const ModelLayer* layer);
+
 template <class T>
 struct ShawTerm : NoTerm<T> {
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_shaw(b, layer); }
   static constexpr bool kValues = true;
   View<const T, 3> rel_k, rel_v;  // [2K+1, 1 or heads_q, head_dim]; rel_v may be empty
   int64_t kk = 0;                 // K
@@ -79,6 +84,10 @@ struct ShawTerm : NoTerm<T> {
     }
   }
 
+  // Its learned tables by parameter name, and their gradient fields (bind_param_grad).
+  static auto grad_fields(AttentionGradsOf<T>& g) {
+    return std::make_tuple(std::pair{"rel_k", &g.drel_k}, std::pair{"rel_v", &g.drel_v});
+  }
   void check_grads(const AttentionGradsOf<T>& g, GradCheck<T>& chk) const {
     if (g.drel_v.data != nullptr && rel_v.data == nullptr) {
       fail(chk.where + "drel_v given but the scheme has no rel_v");

@@ -1,5 +1,5 @@
-// src/sinusoidal.cc - sinusoidal absolute encodings (Vaswani et al. 2017, "Attention Is All You
-// Need", §3.5; docs/sinusoidal.md).
+// src/schemes/sinusoidal.cc - sinusoidal absolute encodings (Vaswani et al. 2017, "Attention Is All
+// You Need", §3.5; docs/sinusoidal.md).
 //
 // Precision: p * w_i is formed in double (relative error 2^-53: about 1e-8 rad at p = 2^28) and
 // sin/cos are evaluated in double, then rounded once to float32.

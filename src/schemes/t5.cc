@@ -1,4 +1,4 @@
-// src/t5.cc - T5 relative position buckets (Raffel et al. 2020, "Exploring the Limits of
+// src/schemes/t5.cc - T5 relative position buckets (Raffel et al. 2020, "Exploring the Limits of
 // Transfer Learning", §2.1; docs/t5.md).
 //
 // The logarithmic part is evaluated in float32 exactly as the reference models do (the float32
@@ -9,6 +9,8 @@
 #include <cmath>
 
 #include "common.h"
+#include "schemes/build.h"
+#include "schemes/t5_term.h"
 
 namespace posenc {
 namespace {
@@ -121,5 +123,43 @@ int64_t t5_bucket_f64(int64_t rel, const T5BucketConfig& cfg) {
   return bucket_impl<false>(rel, cfg);
 }
 }  // namespace ref
+
+namespace attn {
+
+// The scheme from its settings, parameters and model config (build_scheme).
+void build_t5(detail::SchemeBuild& b, const ModelLayer*) {
+  const ParamTensor* t = b.get("relative_attention_bias", {2}, "[num_buckets, heads]", true);
+  T5Bias bias;
+  bias.bidirectional = b.settings.bidirectional;
+  if (b.model) {
+    b.conflict(b.settings.num_buckets.has_value(), "num_buckets");
+    b.conflict(b.settings.max_distance.has_value(), "max_distance");
+    if (b.model->t5.num_buckets != t->shape[0]) {
+      detail::fail<ShapeError>(b.pname("relative_attention_bias") + " has " +
+                               std::to_string(t->shape[0]) + " buckets, but " +
+                               b.settings.config_name + " says relative_attention_num_buckets " +
+                               std::to_string(b.model->t5.num_buckets));
+    }
+    bias.max_distance = b.model->t5.max_distance;
+    b.out.scale = 1.0;  // T5 does not scale its scores
+  } else {
+    if (b.settings.num_buckets && *b.settings.num_buckets != t->shape[0]) {
+      detail::fail<ShapeError>("num_buckets " + std::to_string(*b.settings.num_buckets) +
+                               " does not match " + b.pname("relative_attention_bias") + " with " +
+                               std::to_string(t->shape[0]) + " buckets");
+    }
+    bias.max_distance = b.settings.max_distance.value_or(128);
+  }
+  if (b.f64) {
+    bias.table = View<const float, 2>{nullptr, {t->shape[0], t->shape[1]}, {}};
+    b.out.tables64.relative_attention_bias = b.view<double, 2>(*t);
+  } else {
+    bias.table = b.view<float, 2>(*t);
+  }
+  b.learned("relative_attention_bias", *t, t->shape);
+  b.out.scheme = bias;
+}
+
+}  // namespace attn
 
 }  // namespace posenc

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "schemes/bias_table.h"
@@ -11,8 +12,12 @@
 
 namespace posenc::attn {
 
+// Builds the scheme (src/schemes/t5.cc).
+void build_t5(detail::SchemeBuild& b, const ModelLayer* layer);
+
 template <class T>
 struct T5Term : NoTerm<T> {
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_t5(b, layer); }
   static constexpr bool kDistanceTables = true;
   T5BucketConfig cfg;
   View<const T, 2> table;  // [num_buckets, heads_q]
@@ -40,6 +45,10 @@ struct T5Term : NoTerm<T> {
     }
   }
 
+  // Its learned tables by parameter name, and their gradient fields (bind_param_grad).
+  static auto grad_fields(AttentionGradsOf<T>& g) {
+    return std::make_tuple(std::pair{"relative_attention_bias", &g.drelative_attention_bias});
+  }
   void check_grads(const AttentionGradsOf<T>& g, GradCheck<T>& chk) const {
     chk.own(g.drelative_attention_bias, table.shape, "drelative_attention_bias");
   }

@@ -5,6 +5,9 @@
 // validated and precomputed for one call. The reference loops (src/attention/reference.cc) and
 // the fused glue (src/attention/fused.cc) are written once and call these members:
 //
+//   static void build(SchemeBuild&, const ModelLayer*)
+//                                                    the scheme from settings, named parameter
+//                                                    tensors and a model config (build_scheme)
 //   void prepare(const Scheme&, TermInputs<T>&)      validate the scheme's settings and tables
 //                                                    against the call, precompute O(L) / O(L·K)
 //   void score(const Cell<T>&, T& content, T& bias)  the term of one cell: content is scaled
@@ -17,6 +20,8 @@
 //   void finish_grads(const Problem<T>&, const AttentionGradsOf<T>&, dq, dk)
 //                                                    what accumulates past the cells (XL's
 //                                                    dr_net, RoPE's rotation back)
+//   static auto grad_fields(AttentionGradsOf<T>&)   its learned tables by name and their gradient
+//                                                    fields: tuple of {name, &g.d<name>}
 //   void check_grads(const AttentionGradsOf<T>&, GradCheck<T>&)
 //                                                    the shapes of its parameter gradients
 // and, for T = float, the fused kernels' side:
@@ -31,12 +36,14 @@
 #include <cstdint>
 #include <deque>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention/problem.h"
 #include "hwy/aligned_allocator.h"
 #include "kernels/attention_kernels.h"
 #include "posenc/attention.h"
+#include "schemes/build.h"
 
 namespace posenc::attn {
 
@@ -145,6 +152,11 @@ struct KernelGrads {
 template <class T>
 struct NoTerm {
   static constexpr bool kDistanceTables = false;  // kernel tables indexed by distance
+  // Dot products of head_dim summed in a score: the default scale is 1 / sqrt(terms head_dim).
+  static constexpr int kScoreTerms = 1;
+  // The scheme's PositionScheme alternative from the settings, parameters and model config
+  // (src/schemes/build.h; layer: the model layer chosen, nullable).
+  static void build(detail::SchemeBuild& b, const ModelLayer*) { b.out.scheme = NoPositions{}; }
   void prepare(const NoPositions&, TermInputs<T>&) {}
   void score(const Cell<T>&, T&, T&) const {}
   T key_query(const Cell<T>& c, int64_t x) const { return c.q(x); }
@@ -154,6 +166,7 @@ struct NoTerm {
   void grad(const Cell<T>&, T, T, T, CellGrads<T>&) const {}
   void finish_grads(const Problem<T>&, const AttentionGradsOf<T>&, View<const T, 4>,
                     View<const T, 4>) const {}
+  static auto grad_fields(AttentionGradsOf<T>&) { return std::tuple<>{}; }
   void check_grads(const AttentionGradsOf<T>&, GradCheck<T>&) const {}
   bool fill_kernel(KernelInputs&) const { return true; }
   void bind_grads(KernelGrads&) const {}

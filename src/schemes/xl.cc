@@ -1,9 +1,12 @@
-// src/xl.cc - Transformer-XL relative sinusoid R(delta) (Dai et al. 2019; docs/transformer-xl.md).
+// src/schemes/xl.cc - Transformer-XL relative sinusoid R(delta) (Dai et al. 2019;
+// docs/transformer-xl.md).
 #include "posenc/xl.h"
 
 #include <cmath>
 
 #include "common.h"
+#include "schemes/build.h"
+#include "schemes/xl_term.h"
 
 namespace posenc {
 
@@ -23,5 +26,31 @@ std::vector<double> xl_sinusoid(int64_t delta, int64_t d_model, double base) {
   }
   return r;
 }
+
+namespace attn {
+
+// The scheme from its settings, parameters and model config (build_scheme).
+void build_xl(detail::SchemeBuild& b, const ModelLayer*) {
+  const ParamTensor* u = b.get("r_w_bias", {2}, "[heads, head_dim]", true);
+  const ParamTensor* v = b.get("r_r_bias", {2}, "[heads, head_dim]", true);
+  const ParamTensor* r = b.get("r_net", {2}, "[heads * head_dim, d_model]", true);
+  TransformerXL xl;
+  xl.base = b.settings.base.value_or(1e4);
+  if (b.f64) {
+    b.out.tables64.r_w_bias = b.view<double, 2>(*u);
+    b.out.tables64.r_r_bias = b.view<double, 2>(*v);
+    b.out.tables64.r_net = b.view<double, 2>(*r);
+  } else {
+    xl.r_w_bias = b.view<float, 2>(*u);
+    xl.r_r_bias = b.view<float, 2>(*v);
+    xl.r_net = b.view<float, 2>(*r);
+  }
+  b.learned("r_w_bias", *u, u->shape);
+  b.learned("r_r_bias", *v, v->shape);
+  b.learned("r_net", *r, r->shape);
+  b.out.scheme = xl;
+}
+
+}  // namespace attn
 
 }  // namespace posenc

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -15,8 +16,12 @@
 
 namespace posenc::attn {
 
+// Builds the scheme (src/schemes/xl.cc).
+void build_xl(detail::SchemeBuild& b, const ModelLayer* layer);
+
 template <class T>
 struct XlTerm : NoTerm<T> {
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_xl(b, layer); }
   static constexpr bool kDistanceTables = true;
   View<const T, 2> u, v, rnet;  // u, v [heads_q, head_dim]; W_r [heads_q * head_dim, d_model]
   double base = 1e4;
@@ -113,6 +118,11 @@ struct XlTerm : NoTerm<T> {
     }
   }
 
+  // Its learned tables by parameter name, and their gradient fields (bind_param_grad).
+  static auto grad_fields(AttentionGradsOf<T>& g) {
+    return std::make_tuple(std::pair{"r_w_bias", &g.dr_w_bias}, std::pair{"r_r_bias", &g.dr_r_bias},
+                           std::pair{"r_net", &g.dr_net});
+  }
   void check_grads(const AttentionGradsOf<T>& g, GradCheck<T>& chk) const {
     chk.own(g.dr_w_bias, u.shape, "dr_w_bias");
     chk.own(g.dr_r_bias, v.shape, "dr_r_bias");
