@@ -47,6 +47,7 @@
 #include "hwy/highway.h"
 #include "kernels/attention-inl.h"
 #include "kernels/mask-inl.h"
+#include "kernels/terms/distance_bias-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
@@ -94,8 +95,8 @@ class BackwardKernel {
     deberta_ = p_.deberta_pos_key != nullptr;
     span2_ = deberta_ ? 2 * p_.deberta_span : 0;
     xl_ = p_.xl_sin != nullptr;
-    has_cell_terms_ = p_.bias != nullptr || deberta_;
-    has_cell_grads_ = b_.dbias != nullptr || deberta_;
+    has_cell_terms_ = deberta_;  // per-cell terms past the vector ones: DeBERTa's p2c
+    has_cell_grads_ = deberta_;
     hd_ = p_.heads_q * dim_;
     dimr_ = RoundUp(dim_, 4);
     hdp_ = RoundUp(hd_, kTileK);
@@ -688,7 +689,7 @@ class BackwardKernel {
   // A key tile of an item: keys [j0, j0 + nk), their operands and dK^T, dV^T tiles.
   struct Tile {
     int64_t t, j0, nk;
-    bool consec, bias_run;
+    bool consec;
     float *kp, *ktr, *vtr, *dkt, *dvt;
   };
 
@@ -1104,10 +1105,6 @@ class BackwardKernel {
     }
     // Keys past the tile's end: a position of the tile (masked, but table indices stay valid).
     for (int64_t c = nk; c < kt; ++c) kpt[c] = kpt[0];
-    // ALiBi / T5 over consecutive key positions: the tile's biases (and their gradients) are
-    // a contiguous run of the per-distance row, index dmax - pos_q + pos_k (the table has a
-    // tile of padding past its last distance).
-    const bool bias_run = p_.bias != nullptr && consec;
     float *kp = kp_s, *ktr = ktr_s, *vtr = vtr_s, *dkt = dkt_s, *dvt = dvt_s;
     if (cached) {
       kp = kp_all + j0 * dp;
@@ -1127,7 +1124,7 @@ class BackwardKernel {
       std::fill(st.p2c_u.begin(), st.p2c_u.end(), -1);
       std::fill(st.p2c_run.begin(), st.p2c_run.end(), -1);
     }
-    return Tile{t, j0, nk, consec, bias_run, kp, ktr, vtr, dkt, dvt};
+    return Tile{t, j0, nk, consec, kp, ktr, vtr, dkt, dvt};
   }
 
   // What TileRowScores leaves for TileRowGrads: the row's score and dP rows and where its terms
@@ -1144,7 +1141,6 @@ class BackwardKernel {
     int64_t deb_g;
     int64_t deb_a;
     float* deb_w;
-    int64_t bias_at;
   };
 
   // Row r of the block on a tile: the scheme's terms added to its scores, and the mask. Returns
@@ -1291,23 +1287,19 @@ class BackwardKernel {
         }
       }
     }
-    const int64_t bias_at =
-        bb * p_.bias_batch_stride + h * p_.bias_len +
-        ((p_.bias_dmax != nullptr ? int64_t{p_.bias_dmax[bb]} : 0) - pq + kpt[0]);
-    if (tile.bias_run) {
-      const float* brow = p_.bias + bias_at;
+    // ALiBi / T5 (masked cells stay -inf).
+    const DistanceBiasRow<const float> bias(p_, p_.bias, bb, h, pq);
+    if (bias.row != nullptr) {
       for (int64_t c = 0; c < kt; c += lanes_) {
-        hn::Store(hn::Add(hn::Load(d, srow + c), hn::LoadU(d, brow + c)), d, srow + c);
+        hn::Store(bias.Add(d, hn::Load(d, srow + c), kpt, c, tile.consec), d, srow + c);
       }
     }
-    for (int64_t c = 0; cell_terms && !tile.bias_run && c < tile.nk; ++c) {
+    for (int64_t c = 0; cell_terms && c < tile.nk; ++c) {
       if (srow[c] == kNegInf) continue;
       const int32_t pk = kposb[tile.j0 + c];
       const int64_t delta = int64_t{pq} - pk;
       float x = srow[c];
-      if (p_.bias != nullptr) {
-        x += p_.bias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)];
-      } else if (deberta_) {
+      {
         const int64_t at = p_.deberta_dmax[bb] - delta;
         // k_c . pos_query[u, h]: consecutive rows of a column often share u (clipped or
         // log-bucketed distances), so the last product per (key, head) is kept.
@@ -1322,7 +1314,7 @@ class BackwardKernel {
       }
       srow[c] = x;
     }
-    at = RowAt{srow, drow, h, pq, xl_u0, xl_fast, deb_one, deb_diag, deb_g, deb_a, deb_w, bias_at};
+    at = RowAt{srow, drow, h, pq, xl_u0, xl_fast, deb_one, deb_diag, deb_g, deb_a, deb_w};
     return true;
   }
 
@@ -1357,7 +1349,6 @@ class BackwardKernel {
     const auto deb_g = at.deb_g;
     const auto deb_a = at.deb_a;
     const auto deb_w = at.deb_w;
-    const auto bias_at = at.bias_at;
     const auto vl = hn::Set(d, lse[r]), vd = hn::Set(d, dsum[r]);
     for (int64_t c = 0; c < kt; c += lanes_) {
       const auto pv = hn::Exp(d, hn::Sub(hn::Load(d, srow + c), vl));  // exp(-inf) = 0
@@ -1365,22 +1356,18 @@ class BackwardKernel {
       hn::Store(hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd)), d, drow + c);
     }
     // Per-cell gradients of the scheme's terms (dS unscaled for biases, scaled below).
-    if (tile.bias_run && b_.dbias != nullptr) {
-      float* dbrow = b_.dbias + bias_at;
-      for (int64_t c = 0; c < kt; c += lanes_) {
-        hn::StoreU(hn::Add(hn::LoadU(d, dbrow + c), hn::Load(d, drow + c)), d, dbrow + c);
-      }
+    if (b_.dbias != nullptr) {
+      DistanceBiasRow<float>(p_, b_.dbias, bb, h, pq)
+          .AddGrads(d, drow, st.kpt, tile.nk, kt, tile.consec);
     }
-    for (int64_t c = 0; cell_grads && !tile.bias_run && c < tile.nk; ++c) {
+    for (int64_t c = 0; cell_grads && c < tile.nk; ++c) {
       const float ds = drow[c];
       const float pr = srow[c];
       if (ds == 0.0f && pr == 0.0f) continue;
       const int32_t pk = kposb[tile.j0 + c];
       const int64_t delta = int64_t{pq} - pk;
       const float sds = scale * ds;
-      if (b_.dbias != nullptr) {
-        b_.dbias[bb * p_.bias_batch_stride + h * p_.bias_len + (p_.bias_dmax[bb] - delta)] += ds;
-      } else if (deberta_) {
+      {
         const int64_t at = p_.deberta_dmax[bb] - delta;
         // dK_j += scale dS pos_query[p2c] and dpos_query[p2c] += scale dS k_j: summed
         // over runs of equal u per (key, head) first, applied after the tile's products.

@@ -51,6 +51,7 @@
 #include "kernels/attention-inl.h"
 #include "kernels/decode-inl.h"
 #include "kernels/mask-inl.h"
+#include "kernels/terms/distance_bias-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
@@ -983,12 +984,7 @@ class ForwardKernel {
     const int32_t qp = QPos(it, r);
     const auto vscale = hn::Set(d, p_.scale);
     const int32_t* kp = sc.kpos.get();
-    const float* bias = nullptr;
-    int32_t bias_off = 0;  // bias index of key c: bias_off + kp[c]
-    if (p_.bias != nullptr) {
-      bias = p_.bias + it.b * p_.bias_batch_stride + h * p_.bias_len;
-      bias_off = p_.bias_dmax[it.b] - qp;
-    }
+    const DistanceBiasRow<const float> bias(p_, p_.bias, it.b, h, qp);
     int32_t deb_off = 0;
     const float* kpq_bh = nullptr;  // row u0 of the (b, h) p2c table
     const float* diag_bh = nullptr;
@@ -1021,14 +1017,7 @@ class ForwardKernel {
     const auto lane_iota = hn::Iota(di, 0);
     for (int64_t c = 0; c < kTileK; c += n) {
       auto sv = hn::Mul(hn::Load(d, s + c), vscale);
-      if (bias != nullptr) {
-        if (consec) {
-          sv = hn::Add(sv, hn::LoadU(d, bias + bias_off + kp[0] + c));
-        } else {
-          const auto idx = hn::Add(hn::Load(di, kp + c), hn::Set(di, bias_off));
-          sv = hn::Add(sv, hn::GatherIndex(d, bias, idx));
-        }
-      }
+      if (bias.row != nullptr) sv = bias.Add(d, sv, kp, c, consec);
       if (p_.xl_sin != nullptr) {
         // XL: scale * (q + v) . r(delta) from the item's band, (q + u) . k is already in sv.
         const float* g = sc.extra.get() + r * rt.xl_ld;

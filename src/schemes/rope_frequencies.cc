@@ -5,8 +5,6 @@
 //
 // Precision: inverse frequencies are double, or float32 as the reference code computes them
 // (RopeAngles::kFloat32).
-#include "posenc/rope.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +13,7 @@
 #include <vector>
 
 #include "common.h"
+#include "posenc/rope.h"
 #include "schemes/build.h"
 #include "schemes/rope_term.h"
 
@@ -341,16 +340,17 @@ namespace attn {
 void build_rope(detail::SchemeBuild& b, const ModelLayer* layer) {
   if (layer != nullptr && !layer->rope) {  // a NoPE layer (Llama 4)
     if (b.settings.freqs)
-      detail::fail("freqs conflicts with a NoPE layer (layer " + std::to_string(layer->index) + ")");
+      detail::fail("freqs conflicts with a NoPE layer (layer " + std::to_string(layer->index) +
+                   ")");
     b.out.scheme = NoPositions{};
     b.out.name = "none";
     return;
   }
   if (b.settings.freqs) {
     if (b.model) b.conflict(b.settings.style.has_value(), "style");
-    b.out.scheme = Rope{*b.settings.freqs, layer    ? layer->rope_config.style
-                                  : b.model ? b.model->rope.style
-                                           : b.settings.style.value_or(RopeStyle::kHalf)};
+    b.out.scheme = Rope{*b.settings.freqs, layer     ? layer->rope_config.style
+                                           : b.model ? b.model->rope.style
+                                                     : b.settings.style.value_or(RopeStyle::kHalf)};
     return;
   }
   if (b.model) {
@@ -369,21 +369,23 @@ void build_rope(detail::SchemeBuild& b, const ModelLayer* layer) {
           b.out.scale = b.model->layers[0].softmax_scale;  // 1 / sqrt(qk_head_dim) x mscale^2
         }
       } else if (b.dims.head_dim != b.model->rope.head_dim) {
-        detail::fail<ShapeError>(b.settings.q_name + ": head_dim " + std::to_string(b.dims.head_dim) + " fits " +
-                         b.settings.config_name + " (model_type '" + b.model->model_type +
-                         "') neither as full heads (qk_nope_head_dim + qk_rope_head_dim = " +
-                         std::to_string(full) + ") nor as their rotary parts (" +
-                         std::to_string(b.model->rope.head_dim) + ")");
+        detail::fail<ShapeError>(
+            b.settings.q_name + ": head_dim " + std::to_string(b.dims.head_dim) + " fits " +
+            b.settings.config_name + " (model_type '" + b.model->model_type +
+            "') neither as full heads (qk_nope_head_dim + qk_rope_head_dim = " +
+            std::to_string(full) + ") nor as their rotary parts (" +
+            std::to_string(b.model->rope.head_dim) + ")");
       }
     }
     if (layer != nullptr) {
-      b.out.scheme = Rope{layer_rope_frequencies(*b.model, layer->index, b.dims.seq_len, b.settings.angles),
-                         layer->rope_config.style, offset};
+      b.out.scheme =
+          Rope{layer_rope_frequencies(*b.model, layer->index, b.dims.seq_len, b.settings.angles),
+               layer->rope_config.style, offset};
       return;
     }
     // M-RoPE configs: text positions (t = h = w) make M-RoPE plain RoPE with these frequencies.
-    b.out.scheme =
-        Rope{model_rope_frequencies(*b.model, b.dims.seq_len, b.settings.angles), b.model->rope.style, offset};
+    b.out.scheme = Rope{model_rope_frequencies(*b.model, b.dims.seq_len, b.settings.angles),
+                        b.model->rope.style, offset};
     return;
   }
   RopeConfig cfg;
