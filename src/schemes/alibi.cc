@@ -35,7 +35,8 @@ std::vector<double> alibi_slopes(const AlibiConfig& cfg) {
 namespace attn {
 
 // The scheme from its settings, parameters and model config (build_scheme).
-void build_alibi(detail::SchemeBuild& b, const ModelLayer*) {
+template <class T>
+void AlibiTerm<T>::build(detail::SchemeBuild& b, const ModelLayer*) {
   Alibi alibi;
   const ParamTensor* slopes = b.get("slopes", {1}, "[heads]", false);
   if (b.model) {
@@ -61,6 +62,7 @@ void build_alibi(detail::SchemeBuild& b, const ModelLayer*) {
   }
   b.out.scheme = std::move(alibi);
 }
+template void AlibiTerm<float>::build(detail::SchemeBuild&, const ModelLayer*);
 
 }  // namespace attn
 

@@ -12,12 +12,8 @@
 
 namespace posenc::attn {
 
-// Builds the scheme (src/schemes/alibi.cc).
-void build_alibi(detail::SchemeBuild& b, const ModelLayer* layer);
-
 template <class T>
 struct AlibiTerm : NoTerm<T> {
-  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_alibi(b, layer); }
   static constexpr bool kDistanceTables = true;
   std::vector<double> slopes;
 
@@ -74,6 +70,9 @@ struct AlibiTerm : NoTerm<T> {
         },
         View<float, 2>{ds.data, {1, ds.shape[0]}, {0, ds.stride[0]}});
   }
+
+  // The scheme from settings, parameter tensors and a model config (schemes/alibi.cc).
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer);
 };
 
 }  // namespace posenc::attn

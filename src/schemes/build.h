@@ -1,9 +1,9 @@
 // src/schemes/build.h - what a scheme's builder gets: the settings, the named parameter tensors,
 // the model config and the BuiltScheme it fills (build_scheme in src/scheme.cc).
 //
-// Each scheme builds its PositionScheme alternative in its own file (build_<scheme> in
-// src/schemes/<scheme>.cc, reached through its term's static build()): which tensors it reads
-// and their ranks, which settings a model config fixes, and the model's values.
+// Each scheme builds its PositionScheme alternative in its own file (its term's static build(),
+// defined in src/schemes/<scheme>.cc): which tensors it reads and their ranks, which settings a
+// model config fixes, and the model's values.
 #pragma once
 
 #include <algorithm>

@@ -78,7 +78,8 @@ int64_t deberta_p2c_index(int64_t pos_q, int64_t pos_k, const DebertaBuckets& cf
 namespace attn {
 
 // The scheme from its settings, parameters and model config (build_scheme).
-void build_deberta(detail::SchemeBuild& b, const ModelLayer*) {
+template <class T>
+void DebertaTerm<T>::build(detail::SchemeBuild& b, const ModelLayer*) {
   DebertaBuckets buckets;
   if (b.model) {
     b.conflict(b.settings.position_buckets.has_value(), "position_buckets");
@@ -126,6 +127,7 @@ void build_deberta(detail::SchemeBuild& b, const ModelLayer*) {
   b.learned("pos_query", *pq, pq->shape);
   b.out.scheme = db;
 }
+template void DebertaTerm<float>::build(detail::SchemeBuild&, const ModelLayer*);
 
 }  // namespace attn
 

@@ -11,13 +11,9 @@
 
 namespace posenc::attn {
 
-// Builds the scheme (src/schemes/deberta.cc).
-void build_deberta(detail::SchemeBuild& b, const ModelLayer* layer);
-
 template <class T>
 struct DebertaTerm : NoTerm<T> {
   static constexpr int kScoreTerms = 3;  // c2c, c2p, p2c
-  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_deberta(b, layer); }
   static constexpr bool kDistanceTables = true;
   View<const T, 3> pos_key, pos_query;  // [2K, heads_q, head_dim]
   DebertaBuckets buckets;
@@ -105,6 +101,9 @@ struct DebertaTerm : NoTerm<T> {
     copy_dense(kg.bp.deberta_dpos_key, kg.g.dpos_key);
     copy_dense(kg.bp.deberta_dpos_query, kg.g.dpos_query);
   }
+
+  // The scheme from settings, parameter tensors and a model config (schemes/deberta.cc).
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer);
 };
 
 }  // namespace posenc::attn

@@ -337,7 +337,8 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len, RopeAng
 namespace attn {
 
 // The scheme from its settings, parameters and model config (build_scheme).
-void build_rope(detail::SchemeBuild& b, const ModelLayer* layer) {
+template <class T>
+void RopeTerm<T>::build(detail::SchemeBuild& b, const ModelLayer* layer) {
   if (layer != nullptr && !layer->rope) {  // a NoPE layer (Llama 4)
     if (b.settings.freqs)
       detail::fail("freqs conflicts with a NoPE layer (layer " + std::to_string(layer->index) +
@@ -396,6 +397,7 @@ void build_rope(detail::SchemeBuild& b, const ModelLayer* layer) {
   validate(cfg);
   b.out.scheme = Rope{rope_frequencies(cfg, b.dims.seq_len, b.settings.angles), cfg.style};
 }
+template void RopeTerm<float>::build(detail::SchemeBuild&, const ModelLayer*);
 
 }  // namespace attn
 

@@ -15,12 +15,8 @@
 
 namespace posenc::attn {
 
-// Builds the scheme (src/schemes/rope_frequencies.cc).
-void build_rope(detail::SchemeBuild& b, const ModelLayer* layer);
-
 template <class T>
 struct RopeTerm : NoTerm<T> {
-  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_rope(b, layer); }
   const Rope* rope = nullptr;
 
   void prepare(const Rope& r, TermInputs<T>& in) {
@@ -118,6 +114,9 @@ struct RopeTerm : NoTerm<T> {
     rotate_heads<float>(*rope, View<const float, 4>(kg.g.dk), kg.g.dk, &pr.kp, Direction::kInverse,
                         pr.opt.num_threads);
   }
+
+  // The scheme from settings, parameter tensors and a model config (schemes/rope_frequencies.cc).
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer);
 };
 
 }  // namespace posenc::attn

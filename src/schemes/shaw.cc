@@ -12,16 +12,17 @@
 namespace posenc::attn {
 
 // The scheme from its settings and parameters (build_scheme).
-void build_shaw(detail::SchemeBuild& b, const ModelLayer*) {
+template <class T>
+void ShawTerm<T>::build(detail::SchemeBuild& b, const ModelLayer*) {
   const std::string layout = "[2K+1, head_dim] or [2K+1, heads, head_dim]";
   const ParamTensor* rk = b.get("rel_k", {2, 3}, layout, true);
   const ParamTensor* rv = b.get("rel_v", {2, 3}, layout, false);
   // [2K+1, D] is a table shared by the heads: [2K+1, 1, D] with a zero head stride.
   auto as3 = [&](const ParamTensor& t, auto tag) {
-    using T = decltype(tag);
-    if (t.shape.size() == 3) return b.view<T, 3>(t);
-    const View<const T, 2> v2 = b.view<T, 2>(t);
-    return View<const T, 3>{
+    using E = decltype(tag);
+    if (t.shape.size() == 3) return b.view<E, 3>(t);
+    const View<const E, 2> v2 = b.view<E, 2>(t);
+    return View<const E, 3>{
         v2.data, {v2.shape[0], 1, v2.shape[1]}, {v2.stride[0], 0, v2.stride[1]}};
   };
   auto heads = [](const ParamTensor& t) { return t.shape.size() == 3 ? t.shape[1] : int64_t{1}; };
@@ -52,5 +53,6 @@ void build_shaw(detail::SchemeBuild& b, const ModelLayer*) {
   if (rv) b.learned("rel_v", *rv, grad_shape(*rv), mixed && heads(*rv) == 1);
   b.out.scheme = shaw;
 }
+template void ShawTerm<float>::build(detail::SchemeBuild&, const ModelLayer*);
 
 }  // namespace posenc::attn

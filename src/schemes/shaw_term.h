@@ -11,12 +11,8 @@
 
 namespace posenc::attn {
 
-// Builds the scheme (src/schemes/shaw.cc).
-void build_shaw(detail::SchemeBuild& b, const ModelLayer* layer);
-
 template <class T>
 struct ShawTerm : NoTerm<T> {
-  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_shaw(b, layer); }
   static constexpr bool kValues = true;
   View<const T, 3> rel_k, rel_v;  // [2K+1, 1 or heads_q, head_dim]; rel_v may be empty
   int64_t kk = 0;                 // K
@@ -119,6 +115,9 @@ struct ShawTerm : NoTerm<T> {
     copy_dense(kg.bp.shaw_drel_k, kg.g.drel_k);
     if (kg.bp.shaw_drel_v != nullptr) copy_dense(kg.bp.shaw_drel_v, kg.g.drel_v);
   }
+
+  // The scheme from settings, parameter tensors and a model config (schemes/shaw.cc).
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer);
 };
 
 }  // namespace posenc::attn

@@ -127,7 +127,8 @@ int64_t t5_bucket_f64(int64_t rel, const T5BucketConfig& cfg) {
 namespace attn {
 
 // The scheme from its settings, parameters and model config (build_scheme).
-void build_t5(detail::SchemeBuild& b, const ModelLayer*) {
+template <class T>
+void T5Term<T>::build(detail::SchemeBuild& b, const ModelLayer*) {
   const ParamTensor* t = b.get("relative_attention_bias", {2}, "[num_buckets, heads]", true);
   T5Bias bias;
   bias.bidirectional = b.settings.bidirectional;
@@ -159,6 +160,7 @@ void build_t5(detail::SchemeBuild& b, const ModelLayer*) {
   b.learned("relative_attention_bias", *t, t->shape);
   b.out.scheme = bias;
 }
+template void T5Term<float>::build(detail::SchemeBuild&, const ModelLayer*);
 
 }  // namespace attn
 

@@ -12,12 +12,8 @@
 
 namespace posenc::attn {
 
-// Builds the scheme (src/schemes/t5.cc).
-void build_t5(detail::SchemeBuild& b, const ModelLayer* layer);
-
 template <class T>
 struct T5Term : NoTerm<T> {
-  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_t5(b, layer); }
   static constexpr bool kDistanceTables = true;
   T5BucketConfig cfg;
   View<const T, 2> table;  // [num_buckets, heads_q]
@@ -70,6 +66,9 @@ struct T5Term : NoTerm<T> {
         },
         kg.g.drelative_attention_bias);
   }
+
+  // The scheme from settings, parameter tensors and a model config (schemes/t5.cc).
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer);
 };
 
 }  // namespace posenc::attn

@@ -30,7 +30,8 @@ std::vector<double> xl_sinusoid(int64_t delta, int64_t d_model, double base) {
 namespace attn {
 
 // The scheme from its settings, parameters and model config (build_scheme).
-void build_xl(detail::SchemeBuild& b, const ModelLayer*) {
+template <class T>
+void XlTerm<T>::build(detail::SchemeBuild& b, const ModelLayer*) {
   const ParamTensor* u = b.get("r_w_bias", {2}, "[heads, head_dim]", true);
   const ParamTensor* v = b.get("r_r_bias", {2}, "[heads, head_dim]", true);
   const ParamTensor* r = b.get("r_net", {2}, "[heads * head_dim, d_model]", true);
@@ -50,6 +51,7 @@ void build_xl(detail::SchemeBuild& b, const ModelLayer*) {
   b.learned("r_net", *r, r->shape);
   b.out.scheme = xl;
 }
+template void XlTerm<float>::build(detail::SchemeBuild&, const ModelLayer*);
 
 }  // namespace attn
 

@@ -16,12 +16,8 @@
 
 namespace posenc::attn {
 
-// Builds the scheme (src/schemes/xl.cc).
-void build_xl(detail::SchemeBuild& b, const ModelLayer* layer);
-
 template <class T>
 struct XlTerm : NoTerm<T> {
-  static void build(detail::SchemeBuild& b, const ModelLayer* layer) { build_xl(b, layer); }
   static constexpr bool kDistanceTables = true;
   View<const T, 2> u, v, rnet;  // u, v [heads_q, head_dim]; W_r [heads_q * head_dim, d_model]
   double base = 1e4;
@@ -199,6 +195,9 @@ struct XlTerm : NoTerm<T> {
     copy_dense(kg.bp.xl_dv, kg.g.dr_r_bias);
     if (kg.bp.xl_drnet != nullptr) copy_dense(kg.bp.xl_drnet, kg.g.dr_net);
   }
+
+  // The scheme from settings, parameter tensors and a model config (schemes/xl.cc).
+  static void build(detail::SchemeBuild& b, const ModelLayer* layer);
 };
 
 }  // namespace posenc::attn
