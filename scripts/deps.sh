@@ -4,15 +4,13 @@ set -euo pipefail
 pkgs=(g++ cmake ninja-build ccache pkg-config libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev
       libhwy-dev libopenblas-dev libcairo2-dev
       fonts-dejavu-core
-      # The Python package (python/, docs/python.md): pybind11, the interpreter's headers, a venv
-      # with pip, setuptools and wheel for `pip install --no-build-isolation`, NumPy, PyTorch and
-      # pytest for the Python tests.
-      python3-dev pybind11-dev python3-pybind11 python3-venv python3-setuptools python3-wheel
-      python3-numpy python3-torch python3-pytest
+      # The Python package (python/, docs/python.md): the interpreter's headers and venv with pip;
+      # torch, NumPy, pybind11 and the rest come from the Python package index into .venv
+      # (scripts/python-env.sh).
+      python3-dev python3-venv
       # The extrapolation experiment (docs/extrapolation.md): its corpus, the King James Bible
-      # (the text, bible-kjv-text, and the program that prints it, bible-kjv), and matplotlib for
-      # its figures.
-      bible-kjv-text bible-kjv python3-matplotlib)
+      # (the text, bible-kjv-text, and the program that prints it, bible-kjv).
+      bible-kjv-text bible-kjv)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

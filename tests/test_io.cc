@@ -618,11 +618,13 @@ TEST(NpyTest, ReadErrorsNameThePath) {
   EXPECT_IO_ERROR(read_npy(bad), bad + ": not a .npy file");
 }
 
-// Round trips through NumPy itself when the system Python has it.
-bool have_numpy() { return std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") == 0; }
+// Round trips through NumPy itself, with the interpreter the Python tests use.
+bool have_numpy() {
+  return std::system(POSENC_TEST_PYTHON " -c 'import numpy' >/dev/null 2>&1") == 0;
+}
 
 TEST(NpyTest, InteropWithNumPy) {
-  if (!have_numpy()) GTEST_SKIP() << "/usr/bin/python3 with numpy not available";
+  if (!have_numpy()) GTEST_SKIP() << POSENC_TEST_PYTHON " with numpy not available";
   TempDir dir;
   // Ours -> numpy.load.
   write_npy(dir.file("a.npy"), Tensor::from_f32({2, 3}, {0, 1, 2, 3, 4, 5}));
@@ -659,7 +661,7 @@ np.save(d + '/l.npy', np.arange(3, dtype='>f4'))
 np.lib.format.write_array(open(d + '/m.npy', 'wb'), np.arange(3, dtype='<i8'), version=(2, 0))
 np.lib.format.write_array(open(d + '/n.npy', 'wb'), np.arange(3, dtype='<i8'), version=(3, 0))
 )";
-  const std::string cmd = "/usr/bin/python3 " + check + " " + dir.path().string();
+  const std::string cmd = POSENC_TEST_PYTHON " " + check + " " + dir.path().string();
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
 
   const Tensor g = read_npy(dir.file("g.npy"));

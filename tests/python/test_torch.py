@@ -96,7 +96,7 @@ def test_modules_own_tables_train_and_read_configs(configs_dir):
         loss = ((layer(q, q, q) - target) ** 2).mean()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0]
 
 
