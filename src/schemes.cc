@@ -36,7 +36,9 @@ std::vector<SchemeInfo> make_registry() {
                  "accurate (angles in double) or float32 (the frameworks' float32 recipe)"},
                 {"seq_len", "--seq-len",
                  "sequence length for length-dependent scaling (default: max position + 1)"},
-                {"freqs", "", "inverse frequencies given directly (a RopeFrequencies)"}},
+                {"freqs", "", "inverse frequencies given directly (a RopeFrequencies)"},
+                {"scaling", "",
+                 "frequency scaling (a Hugging Face rope_scaling dict) at the sequence's length"}},
                false,
                false});
   r.push_back({SchemeKind::kAlibi,

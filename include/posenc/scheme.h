@@ -63,6 +63,9 @@ struct SchemeSettings {
   // rope: frequencies given directly (an injected inv_freq table); replaces base, rotary_dim,
   // scaling and the model's frequencies. The style still comes from `style` or the model.
   std::optional<RopeFrequencies> freqs;
+  // rope: a frequency scaling (Hugging Face rope_scaling: linear, dynamic NTK, YaRN, Llama 3,
+  // LongRoPE), evaluated at the sequence's length (SchemeDims::seq_len).
+  std::optional<RopeScaling> scaling;
   std::optional<double> max_bias;                 // alibi: B when slopes are computed (default 8)
   std::optional<int64_t> num_buckets;             // t5: must equal the table's rows when given
   std::optional<int64_t> max_distance;            // t5: default 128

@@ -29,37 +29,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _posenc
+from . import _ops, _posenc
 
 __all__ = [
-    "attention", "rope", "apply_rope", "SinusoidalPositions", "LearnedPositions", "Rope", "Alibi",
+    "attention", "rope", "apply_rope", "rerotate_rope", "attention_merge", "add_learned",
+    "add_sinusoidal", "SinusoidalPositions", "LearnedPositions", "Rope", "Alibi",
     "T5RelativeBias", "ShawRelative", "XLRelative", "DebertaRelative", "NoPositions",
     "PositionalAttention",
 ]
 
-
-def _np(t, what="tensor"):
-    """A CPU tensor as a NumPy array sharing its memory (no copy)."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    try:
-        return t.detach().numpy()
-    except (TypeError, RuntimeError) as e:  # not on the CPU, complex, ...
-        raise ValueError(f"{what}: posenc takes real CPU tensors ({e})") from None
-
-
-_HALF = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def _bits(t, what="tensor"):
-    """A bf16 / f16 CPU tensor's bits as an int16 NumPy array sharing its memory (no copy, any
-    strides)."""
-    return _np(t.detach().view(torch.int16), what)
-
-
-def _from_bits(a, dtype):
-    """The half bindings' uint16 bits as a tensor of `dtype` sharing their memory."""
-    return torch.from_numpy(a.view(np.int16)).view(dtype)
+_HALF = _ops._HALF
+_require_cpu = _ops.require_cpu
 
 
 def _widen(t):
@@ -67,9 +47,27 @@ def _widen(t):
     return t.float() if t.dtype in _HALF else t
 
 
-def _np_kw(kw):
-    """Keyword arguments with tensors (positions) converted to NumPy."""
-    return {k: (_np(v, k) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+def _tensor_arg(value, what):
+    """A positions argument: a tensor (an int64 CPU tensor for the op), or None / an int (kept in
+    the options)."""
+    if value is None or isinstance(value, (int, np.integer)):
+        return None
+    if isinstance(value, torch.Tensor):
+        _require_cpu(value, what)
+        return value
+    return torch.as_tensor(np.asarray(value))
+
+
+def _split_positions(kwargs, *names):
+    """Moves tensor-valued positions out of kwargs: (kwargs without them, [tensor or None])."""
+    kw = dict(kwargs)
+    tensors = []
+    for n in names:
+        t = _tensor_arg(kw.get(n), n)
+        if t is not None:
+            del kw[n]
+        tensors.append(t)
+    return kw, tensors
 
 
 def _split_params(params):
@@ -84,136 +82,138 @@ def _split_params(params):
     raise TypeError("params: a dict {name: tensor}")
 
 
-class _AttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, kw, names, q, k, v, *tables):
-        params = {n: _np(t, n) for n, t in zip(names, tables)} or None
-        out, lse = _posenc.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"), params=params,
-                                     return_lse=True, **kw)
-        out_t = torch.from_numpy(out)
-        lse_t = torch.from_numpy(lse)
-        ctx.kw = kw
-        ctx.names = names
-        ctx.save_for_backward(q, k, v, out_t, lse_t, *tables)
-        ctx.mark_non_differentiable(lse_t)
-        return out_t, lse_t
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *tables = ctx.saved_tensors
-        if dout.stride(-1) != 1:  # e.g. the expanded ones of .sum(): the fused kernel wants rows
-            dout = dout.contiguous()
-        params = {n: _np(t, n) for n, t in zip(ctx.names, tables)} or None
-        g = _posenc.attention_grad(_np(q), _np(k), _np(v), _np(dout, "dout"), params=params,
-                                   out=_np(out), lse=_np(lse), **ctx.kw)
-
-        def back(name, like):
-            return torch.from_numpy(g[name]).to(like.dtype)
-
-        grads = [None, None, back("dq", q), back("dk", k), back("dv", v)]
-        grads += [back("d" + n, t) if t.requires_grad else None
-                  for n, t in zip(ctx.names, tables)]
-        return tuple(grads)
-
-
-def attention(q, k, v, scheme=None, *, params=None, return_lse=False, **kwargs):
+def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_options=None,
+              **kwargs):
     """Attention with a positional scheme, differentiable (see posenc.attention for keywords).
 
     params: {name: tensor} (docs/attention.md, Parameter names); tables with requires_grad get
-    gradients. Returns out [batch, seq_q, heads_q, head_dim] (and lse [batch, heads_q, seq_q], not
-    differentiable, with return_lse=True). q's dtype decides: float32 runs the fused kernels,
-    float64 the float64 reference. Tensors must be on the CPU.
+    gradients. Returns out [batch, seq_q, heads_q, v_dim] (and lse [batch, heads_q, seq_q],
+    float32, not differentiable, with return_lse=True). q's dtype decides: float32 runs the fused
+    kernels, float64 the float64 reference. Tensors must be on the CPU (another device raises
+    ValueError naming it). The op is torch.ops.posenc.attention (torch.compile keeps it in the
+    graph; its backward is torch.ops.posenc.attention_backward).
 
     Half precision: a torch.bfloat16 / torch.float16 q gives out of q's dtype (lse float32), the
     float32 result of the widened inputs rounded once. Without gradients, q, k, v of one half
-    dtype run the native half kernel on their memory (no copies), and a float32 q with half k, v
-    the mixed kernel (float32 out); with gradients (or return_lse) the inputs are widened to
-    float32 (differentiably), the float32 path runs and out is cast to q's dtype, so gradients
-    come back in each input's dtype. Tables may be half too (widened to float32). Before half
-    support such inputs were computed in float32 and out was float32: out now has q's dtype, as
-    torch's own ops do.
+    dtype run the native half kernel on their memory (no copies, torch.ops.posenc.attention_half),
+    and a float32 q with half k, v the mixed kernel (float32 out); with gradients (or return_lse)
+    the inputs are widened to float32 (differentiably), the float32 path runs and out is cast to
+    q's dtype, so gradients come back in each input's dtype. Tables may be half too (widened).
     """
-    if "out" in kwargs:
-        raise TypeError("attention() got an unexpected keyword argument 'out'")
-    kw = _np_kw(kwargs)
+    for bad in ("out", "lse"):
+        if bad in kwargs:
+            raise TypeError(f"attention() got an unexpected keyword argument '{bad}'")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError("q: a torch.Tensor (use posenc.attention for NumPy arrays)")
+    for t, what in ((q, "q"), (k, "k"), (v, "v")):
+        _require_cpu(t, what)
+    kw, (qpos, kpos) = _split_positions(kwargs, "query_positions", "key_positions")
     if scheme is not None:
         kw["scheme"] = scheme
     names, tables = _split_params(params)
-    if not isinstance(q, torch.Tensor):
-        raise TypeError("q: a torch.Tensor (use posenc.attention for NumPy arrays)")
-    tables = tuple(_widen(t) for t in tables)
+    for n, t in zip(names, tables):
+        _require_cpu(t, n)
+    kw["\x00names"] = list(names)
+    options = _ops.encode(kw, _base_options)
+    tables = [_widen(t) for t in tables]
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or any(t.requires_grad for t in tables))
     half_q = q.dtype in _HALF
     if (not grad and not return_lse and k.dtype in _HALF and v.dtype == k.dtype
             and q.dtype in (k.dtype, torch.float32)):
-        # The native half kernels (float32 q: the mixed one), on the tensors' memory.
-        params = {n: _np(t, n) for n, t in zip(names, tables)} or None
-        out = _posenc._attention_half(_bits(q, "q") if half_q else _np(q, "q"), _bits(k, "k"),
-                                      _bits(v, "v"), params=params, dtype=_HALF[k.dtype], **kw)
-        return _from_bits(out, q.dtype) if half_q else torch.from_numpy(out)
-    out_dtype = q.dtype if half_q else None
-    dtype = q.dtype
-    if dtype not in (torch.float32, torch.float64):
-        q = q.float()
-        dtype = torch.float32
-    k = k.to(dtype)
-    v = v.to(dtype)
-    if not grad:
-        # Nothing to differentiate: the forward alone, without autograd's bookkeeping.
-        params = {n: _np(t, n) for n, t in zip(names, tables)} or None
-        r = _posenc.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"), params=params,
-                              return_lse=return_lse, **kw)
-        out, lse = (torch.from_numpy(r[0]), torch.from_numpy(r[1])) if return_lse else \
-            (torch.from_numpy(r), None)
-    else:
-        out, lse = _AttentionFunction.apply(kw, names, q, k, v, *tables)
-    if out_dtype is not None:
+        tables = [t.float() if t.dtype != torch.float32 else t for t in tables]
+        return _ops.attention_half(q, k, v, tables, qpos, kpos, options)
+    out_dtype = q.dtype
+    dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    tables = [t.to(dtype) for t in tables]
+    out, lse = _ops.attention(q, k, v, tables, qpos, kpos, options)
+    if half_q:
         out = out.to(out_dtype)  # rounded once (autograd casts the gradient back to float32)
+    lse = lse.detach()
     return (out, lse) if return_lse else out
 
 
-class _RopeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, kw, x):
-        y = _posenc.apply_rope(_np(x, "x"), **kw)
-        ctx.kw = kw
-        return torch.from_numpy(y)
-
-    @staticmethod
-    def backward(ctx, dy):
-        kw = dict(ctx.kw)
-        kw["inverse"] = not kw.get("inverse", False)
-        return None, torch.from_numpy(_posenc.apply_rope(_np(dy.contiguous(), "dy"), **kw))
-
-
-def rope(x, freqs=None, **kwargs):
+def rope(x, freqs=None, *, _base_options=None, **kwargs):
     """RoPE of x [batch, seq, heads, head_dim] (or [seq, heads, head_dim]), differentiable: the
     keywords of posenc.apply_rope (style, positions, inverse, rotary_dim, base, scaling, seq_len,
     angles, config). The backward is the inverse rotation (its exact transpose). float32 runs
-    the SIMD kernel, float64 the reference.
+    the SIMD kernel, float64 the reference (torch.ops.posenc.rope).
 
-    Half precision: a torch.bfloat16 / torch.float16 x gives a result of x's dtype (before half
-    support: float32), the float32 rotation of the widened x rounded once; without gradients by
-    the native half kernel on x's memory, with gradients through the float32 path on the
-    widened x, cast back (the gradient comes back in x's dtype)."""
+    Half precision: a torch.bfloat16 / torch.float16 x gives a result of x's dtype, the float32
+    rotation of the widened x rounded once; without gradients by the native half kernel on x's
+    memory (torch.ops.posenc.rope_half), with gradients through the float32 path on the widened
+    x, cast back (the gradient comes back in x's dtype)."""
     for bad in ("inplace", "out"):
         if bad in kwargs:
             raise TypeError(f"rope() got an unexpected keyword argument '{bad}'")
-    kw = _np_kw(kwargs)
+    _require_cpu(x, "x")
+    kw, (positions,) = _split_positions(kwargs, "positions")
     if freqs is not None:
         kw["freqs"] = freqs
+    options = _ops.encode(kw, _base_options)
     if x.dtype in _HALF:
         if not (torch.is_grad_enabled() and x.requires_grad):
-            y = _posenc._apply_rope_half(_bits(x, "x"), dtype=_HALF[x.dtype], **kw)
-            return _from_bits(y, x.dtype)
-        return _RopeFunction.apply(kw, x.float()).to(x.dtype)
+            return _ops.rope_half(x, positions, options)
+        return _ops.rope(x.float(), positions, options).to(x.dtype)
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
-    return _RopeFunction.apply(kw, x)
+    return _ops.rope(x, positions, options)
 
 
 apply_rope = rope
+
+
+def rerotate_rope(k, from_freqs, to_freqs, *, style="half", positions=None):
+    """Keys cached as rope(k, p; from_freqs) moved to rope(k, p; to_freqs) exactly (dynamic NTK
+    growth, LongRoPE crossing its original length), differentiable (the gradient rotates back).
+    k float32 or float64 [batch, seq, heads, head_dim] (torch.ops.posenc.rerotate_rope)."""
+    _require_cpu(k, "k")
+    kw, (pos,) = _split_positions({"positions": positions}, "positions")
+    kw.update(from_freqs=from_freqs, to_freqs=to_freqs, style=style)
+    if k.dtype not in (torch.float32, torch.float64):
+        return _ops.rerotate_rope(k.float(), pos, _ops.encode(kw)).to(k.dtype)
+    return _ops.rerotate_rope(k, pos, _ops.encode(kw))
+
+
+def attention_merge(out_a, lse_a, out_b, lse_b):
+    """(out, lse): the attention over the union of two disjoint key sets from two partial
+    attentions over them (out [batch, seq_q, heads, v_dim], lse [batch, heads, seq_q] as
+    attention(..., return_lse=True) gives them), differentiable in all four (float32;
+    torch.ops.posenc.attention_merge)."""
+    for t, what in ((out_a, "out_a"), (lse_a, "lse_a"), (out_b, "out_b"), (lse_b, "lse_b")):
+        _require_cpu(t, what)
+    return _ops.attention_merge(out_a.float(), lse_a.float(), out_b.float(), lse_b.float())
+
+
+def add_learned(x, table, positions=None):
+    """x + table[position] (learned absolute positions), differentiable in x and table; x
+    [batch, seq, dim] or [seq, dim], table [max_positions, dim]; positions None (0, 1, ...), an
+    int offset, or ids [seq] / [batch, seq]. A position outside the table raises ValueError (a
+    learned table cannot extrapolate). Computed in float32, returned in x's dtype
+    (torch.ops.posenc.add_learned)."""
+    _require_cpu(x, "x")
+    _require_cpu(table, "table")
+    kw, (pos,) = _split_positions({"positions": positions}, "positions")
+    y = _ops.add_learned(x.float(), table.float(), pos, _ops.encode(kw))
+    return y.to(x.dtype)
+
+
+def add_sinusoidal(x, positions=None, *, base=1e4, layout="interleaved", denominator="dim",
+                   origin=0, odd_dim="error"):
+    """x + PE[position] (fixed sinusoidal positions), differentiable in x; the table's settings as
+    posenc.add_sinusoidal. float32 x: one fused pass (torch.ops.posenc.add_sinusoidal); other
+    dtypes add the float32 table (torch.ops.posenc.sinusoidal_encode) in x's dtype."""
+    _require_cpu(x, "x")
+    cfg = dict(base=base, layout=layout, denominator=denominator, origin=origin, odd_dim=odd_dim)
+    kw, (pos,) = _split_positions({"positions": positions}, "positions")
+    if x.dtype == torch.float32:
+        return _ops.add_sinusoidal(x, pos, _ops.encode({**cfg, **kw}))
+    if pos is None:
+        start = origin if positions is None else int(positions)
+        pos = torch.arange(start, start + x.shape[-2], dtype=torch.int64)
+    pe = _ops.sinusoidal_encode(pos.to(torch.int64), x.shape[-1], _ops.encode(cfg))
+    return x + pe.to(x.dtype)
 
 
 # ---- modules ----------------------------------------------------------------------------------
@@ -232,6 +232,17 @@ class _Scheme(nn.Module):
         super().__init__()
         self._settings = {}
 
+    # The settings and, made when they are set, their options string (posenc._ops.encode): the
+    # forward passes that string, so a compiled graph holds the settings as constants.
+    @property
+    def _settings(self):
+        return self.__dict__["_settings_dict"]
+
+    @_settings.setter
+    def _settings(self, value):
+        self.__dict__["_settings_dict"] = dict(value)
+        self.__dict__["_settings_options"] = _ops.encode(self.settings())
+
     def settings(self):
         """Keyword arguments for posenc attention (scheme settings, not tables)."""
         return dict(self._settings)
@@ -243,11 +254,10 @@ class _Scheme(nn.Module):
     def forward(self, q, k, v, *, params=None, **kwargs):
         """attention(q, k, v) with this scheme; kwargs: causal, scale, window, chunk, positions,
         ...; params: extra tensors by name (e.g. sinks) beside the scheme's tables."""
-        kw = self.settings()
-        kw.update(kwargs)
         tables = self.tables()
         tables.update(params or {})
-        return attention(q, k, v, self.scheme, params=tables or None, **kw)
+        return attention(q, k, v, self.scheme, params=tables or None,
+                         _base_options=self.__dict__["_settings_options"], **kwargs)
 
     def extra_repr(self):
         return ", ".join(f"{k}={v!r}" for k, v in self._settings.items())
@@ -262,7 +272,8 @@ class Rope(_Scheme):
 
     Rope(head_dim, rotary_dim=0, base=1e4, style='half', scaling=None) or Rope.from_config(
     config): the model's theta, rotary dim, style and scaling (frequencies at the sequence's
-    length: dynamic NTK and LongRoPE follow the positions).
+    length, the largest position + 1: dynamic NTK and LongRoPE follow the positions; computed
+    inside the op, so a compiled graph follows them too).
     """
 
     scheme = "rope"
@@ -274,50 +285,29 @@ class Rope(_Scheme):
         if config is not None:
             self._settings = {"config": _config(config), "angles": angles}
         else:
-            self._settings = {"rotary_dim": rotary_dim, "base": base, "style": style,
-                              "angles": angles}
-        # Scaled frequencies depend on the sequence length: computed per call (forward, rotate).
-        self._scaling = None if config is not None else scaling
+            s = {"rotary_dim": rotary_dim, "base": base, "style": style, "angles": angles}
+            if scaling is not None:
+                s["scaling"] = dict(scaling)
+            self._settings = s
+        # apply_rope's keywords for rotate(): a config's style named (attention takes it from the
+        # config); encoded now, outside any compiled region.
+        s = self.settings()
+        if "config" in s:
+            s["style"] = s["config"].rope["style"]
+        self.__dict__["_rotate_options"] = _ops.encode(s)
 
     @classmethod
     def from_config(cls, config, **kwargs):
         cfg = _config(config)
         return cls(cfg.head_dim, config=cfg, **kwargs)
 
-    def _freqs(self, seq_len):
-        s = self._settings
-        if "config" in s:
-            return _posenc.rope_frequencies(config=s["config"], seq_len=seq_len,
-                                            angles=s["angles"])
-        return _posenc.rope_frequencies(self.head_dim, rotary_dim=s["rotary_dim"],
-                                        base=s["base"], scaling=self._scaling, seq_len=seq_len,
-                                        angles=s["angles"])
-
-    def settings(self):
-        s = dict(self._settings)
-        if self._scaling is not None:
-            s.pop("rotary_dim"), s.pop("base")
-        return s
-
-    def forward(self, q, k, v, *, params=None, **kwargs):
-        kw = self.settings()
-        if self._scaling is not None and "freqs" not in kwargs:
-            seq = max(q.shape[1], k.shape[1])
-            kw["freqs"] = self._freqs(kwargs.pop("seq_len", seq))
-        kw.update(kwargs)
-        return attention(q, k, v, "rope", params=params or None, **kw)
-
     def rotate(self, x, positions=None, *, inverse=False):
         """RoPE of x [batch, seq, heads, head_dim], differentiable."""
-        seq = x.shape[-3]
-        style = self._settings.get("style")
-        freqs = self._freqs(seq if positions is None else int(torch.as_tensor(positions).max()) + 1)
-        kw = {"positions": positions, "inverse": inverse}
-        if style is not None:
-            kw["style"] = style
-        elif "config" in self._settings:
-            kw["style"] = self._settings["config"].rope["style"]
-        return rope(x, freqs, **kw)
+        if "config" not in self._settings and self.head_dim != x.shape[-1]:
+            raise ValueError(f"x: head_dim {x.shape[-1]}, this Rope was made for "
+                             f"{self.head_dim}")
+        return rope(x, positions=positions, inverse=inverse,
+                    _base_options=self.__dict__["_rotate_options"])
 
 
 class Alibi(_Scheme):
@@ -360,9 +350,10 @@ class T5RelativeBias(_Scheme):
                  scale=1.0, init_std=0.02):
         super().__init__()
         self.relative_attention_bias = nn.Parameter(torch.randn(num_buckets, heads) * init_std)
-        self._settings = {"max_distance": max_distance, "scale": scale}
+        s = {"max_distance": max_distance, "scale": scale}
         if bidirectional is not None:
-            self._settings["bidirectional"] = bidirectional
+            s["bidirectional"] = bidirectional
+        self._settings = s
 
     @classmethod
     def from_config(cls, config, **kwargs):
@@ -431,25 +422,6 @@ class DebertaRelative(_Scheme):
         return cls(cfg.heads_q, cfg.head_dim, config=cfg, **kwargs)
 
 
-class _AddPositions(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, positions, x, table):
-        y = _posenc.add_learned(_np(x, "x"), _np(table, "table"), positions=positions)
-        ctx.positions = positions
-        ctx.table_rows = table.shape[0]
-        ctx.table_dtype = table.dtype
-        return torch.from_numpy(y).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        dtable = None
-        if ctx.needs_input_grad[2]:
-            dtable = torch.from_numpy(
-                _posenc.learned_backward(_np(dy, "dy"), ctx.table_rows,
-                                         positions=ctx.positions)).to(ctx.table_dtype)
-        return None, dy, dtable
-
-
 class LearnedPositions(nn.Module):
     """Learned absolute positions (GPT-2 wpe, BERT): x + weight[position], weight
     [max_positions, dim]. A position outside the table raises (no silent clamp)."""
@@ -465,9 +437,7 @@ class LearnedPositions(nn.Module):
 
     def forward(self, x, positions=None):
         """x [batch, seq, dim] or [seq, dim]; positions None (0, 1, ...), an int offset, or ids."""
-        if isinstance(positions, torch.Tensor):
-            positions = _np(positions, "positions")
-        return _AddPositions.apply(positions, x, self.weight)
+        return add_learned(x, self.weight, positions)
 
 
 class SinusoidalPositions(nn.Module):
@@ -484,21 +454,15 @@ class SinusoidalPositions(nn.Module):
 
     def encodings(self, positions):
         """PE at the given positions: float32 [n, dim]."""
-        pos = np.asarray(_np(positions), dtype=np.int64).reshape(-1)
-        return torch.from_numpy(_posenc.sinusoidal_encode(pos, self.dim, **self._cfg))
+        pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        return _ops.sinusoidal_encode(pos, self.dim, _ops.encode(self._cfg))
 
     def forward(self, x, positions=None):
         """x [batch, seq, dim] or [seq, dim]; positions None (origin, origin + 1, ...), an int
         offset, ids [seq] or [batch, seq]."""
-        seq = x.shape[-2]
-        if positions is None:
-            positions = self._cfg["origin"]
-        if isinstance(positions, int):
-            pe = self.encodings(np.arange(positions, positions + seq))
-        else:
-            ids = np.asarray(_np(positions), dtype=np.int64)
-            pe = self.encodings(ids).reshape(ids.shape + (self.dim,))
-        return x + pe.to(x.dtype)
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x: last dimension {x.shape[-1]}, expected dim {self.dim}")
+        return add_sinusoidal(x, positions, **self._cfg)
 
     def extra_repr(self):
         return f"dim={self.dim}, " + ", ".join(f"{k}={v!r}" for k, v in self._cfg.items())

@@ -182,6 +182,8 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
       value.cast<int64_t>();  // read below, once positions are known
     } else if (name == "freqs") {
       c.settings.freqs = value.cast<RopeFrequencies>();
+    } else if (name == "scaling") {
+      c.settings.scaling = scaling_arg(value);
     } else if (name == "max_bias") {
       c.settings.max_bias = value.cast<double>();
     } else if (name == "num_buckets") {

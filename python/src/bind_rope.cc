@@ -13,13 +13,7 @@
 
 namespace posenc::py {
 
-namespace {
-
-using pb::arg;
-using namespace pybind11::literals;
-
-// ---- RoPE ------------------------------------------------------------------------------------
-
+// A Hugging Face rope_scaling dict (None: no scaling); py_common.h.
 RopeScaling scaling_arg(const pb::handle& obj) {
   RopeScaling s;
   if (obj.is_none()) return s;
@@ -78,6 +72,14 @@ RopeScaling scaling_arg(const pb::handle& obj) {
   }
   return s;
 }
+
+namespace {
+
+using pb::arg;
+using namespace pybind11::literals;
+
+// ---- RoPE ------------------------------------------------------------------------------------
+
 
 // Frequencies from the keyword arguments: a config, or head_dim + rotary_dim + base + scaling.
 RopeFrequencies make_freqs(const pb::object& config, std::optional<int64_t> head_dim,

@@ -122,6 +122,10 @@ std::optional<Positions> positions_arg(const pb::handle& obj, const char* what);
 // ModelConfig.
 ModelConfig model_config_arg(const pb::handle& obj);
 
+// A Hugging Face rope_scaling dict (rope_type and its fields) as RopeScaling; None: no scaling
+// (bind_rope.cc).
+RopeScaling scaling_arg(const pb::handle& obj);
+
 // Enum spellings (ValueError listing the choices).
 // The enums' names: posenc/names.h (parse_rope_style, parse_rope_angles, parse_sin_layout, ...).
 inline RopeStyle parse_style(const std::string& s) { return parse_rope_style(s, "style"); }

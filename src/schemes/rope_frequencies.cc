@@ -357,6 +357,7 @@ void RopeTerm<T>::build(detail::SchemeBuild& b, const ModelLayer* layer) {
   if (b.model) {
     b.conflict(b.settings.base.has_value(), "base");
     b.conflict(b.settings.rotary_dim.has_value(), "rotary_dim");
+    b.conflict(b.settings.scaling.has_value(), "scaling");
     b.conflict(b.settings.style.has_value(), "style");
     // DeepSeek's decoupled RoPE: heads [qk_nope | qk_rope] rotate from rope_offset on; q and k
     // may also be the rotary parts alone. Pairs rotate as the model's code pairs them (its
@@ -393,6 +394,7 @@ void RopeTerm<T>::build(detail::SchemeBuild& b, const ModelLayer* layer) {
   cfg.head_dim = b.dims.head_dim;
   cfg.rotary_dim = b.settings.rotary_dim.value_or(0);
   cfg.base = b.settings.base.value_or(1e4);
+  if (b.settings.scaling) cfg.scaling = *b.settings.scaling;
   cfg.style = b.settings.style.value_or(RopeStyle::kHalf);
   validate(cfg);
   b.out.scheme = Rope{rope_frequencies(cfg, b.dims.seq_len, b.settings.angles), cfg.style};

@@ -479,7 +479,7 @@ def test_torch_half_strided_tensors_are_not_copied(dtype):
     addr = posenc._posenc._viewed_address_half
     for x, base in ((q, qb), (k, kb)):
         assert not x.is_contiguous()
-        assert addr(pt._bits(x), dtype) == base.data_ptr()
+        assert addr(posenc._ops._bits(x, "x"), dtype) == base.data_ptr()
     out = pt.attention(q, k, v, "alibi", causal=True)
     want = pt.attention(q.contiguous(), k.contiguous(), v.contiguous(), "alibi", causal=True)
     assert out.dtype == td and torch.equal(out.view(torch.int16), want.view(torch.int16))

@@ -529,7 +529,8 @@ def test_scheme_registry_is_the_one_list():
     values = {"base": 1e4, "rotary_dim": 8, "style": "half", "angles": "accurate", "seq_len": 10,
               "max_bias": 8.0, "position_buckets": 0, "max_relative_positions": 4,
               "deberta_p2c": "model", "deberta_float64_log": False, "num_buckets": 32,
-              "max_distance": 128, "bidirectional": True}
+              "max_distance": 128, "bidirectional": True,
+              "scaling": {"rope_type": "linear", "factor": 2.0}}
     rng = np.random.default_rng(1)
     tables = {"t5": {"relative_attention_bias": rng.standard_normal((32, 2)).astype(np.float32)},
               "xl": {"r_w_bias": np.zeros((2, 8), np.float32),

@@ -1,0 +1,280 @@
+"""posenc's torch.library custom ops (posenc._ops): opcheck for every op and scheme,
+torch.compile (fullgraph, dynamic shapes) and torch.export of a decoder block for every scheme,
+the device check, and the no-copy path to the kernels."""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
+    pytest.skip("torch >= 2.4 (torch.library.custom_op)", allow_module_level=True)
+
+from torch import nn  # noqa: E402
+
+import posenc  # noqa: E402
+import posenc.torch as pt  # noqa: E402
+from posenc import _ops  # noqa: E402
+
+SCHEMES = ("none", "rope", "alibi", "t5", "shaw", "xl", "deberta")
+ops = torch.ops.posenc
+
+
+def tables_for(scheme, heads, dim, gen, dtype=torch.float32):
+    """Random learnable tables of a scheme (requires_grad)."""
+    def r(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.3).to(dtype).requires_grad_()
+    return {
+        "none": {}, "rope": {},
+        "alibi": {"slopes": r(heads)},
+        "t5": {"relative_attention_bias": r(32, heads)},
+        "shaw": {"rel_k": r(9, heads, dim), "rel_v": r(9, heads, dim)},
+        "xl": {"r_w_bias": r(heads, dim), "r_r_bias": r(heads, dim), "r_net": r(heads * dim, 6)},
+        "deberta": {"pos_key": r(8, heads, dim), "pos_query": r(8, heads, dim)},
+    }[scheme]
+
+
+SETTINGS = {"shaw": {}, "deberta": {"max_relative_positions": 4}, "t5": {"max_distance": 40}}
+
+
+def attention_args(scheme, dtype=torch.float32, seed=0, positions=False):
+    g = torch.Generator().manual_seed(seed)
+    b, lq, lk, h, d = 2, 5, 7, 2, 8
+    q = torch.randn(b, lq, h, d, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(b, lk, h, d, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(b, lk, h, d, generator=g).to(dtype).requires_grad_()
+    tables = tables_for(scheme, h, d, g, dtype)
+    names = sorted(tables)
+    kw = dict(SETTINGS.get(scheme, {}), scheme=scheme, causal=True)
+    kw["\x00names"] = names
+    qp = kp = None
+    if positions:
+        qp = torch.tensor([[3, 4, 5, 6, 7], [9, 10, 11, 12, 13]])
+        kp = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [7, 8, 9, 10, 11, 12, 13]])
+    return (q, k, v, [tables[n] for n in names], qp, kp, _ops.encode(kw))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck_attention(scheme, dtype):
+    args = attention_args(scheme, dtype, positions=scheme in ("rope", "t5"))
+    torch.library.opcheck(ops.attention.default, args)
+    q, k, v, tables, qp, kp, options = args
+    out, lse = ops.attention(*args)
+    dout = torch.randn_like(out)
+    bargs = (q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dout,
+             [t.detach() for t in tables], qp, kp, options)
+    torch.library.opcheck(ops.attention_backward.default, bargs)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_attention_op_gradients_match_the_float64_reference(scheme):
+    q, k, v, tables, qp, kp, options = attention_args(scheme, torch.float64, seed=3)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, *t: ops.attention(q, k, v, list(t), qp, kp, options)[0],
+        (q, k, v, *tables), atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme", ["none", "rope", "alibi", "t5"])
+def test_opcheck_attention_half(scheme, dtype):
+    q, k, v, tables, qp, kp, options = attention_args(scheme)
+    half = [x.detach().to(dtype) for x in (q, k, v)]
+    tables = [t.detach() for t in tables]
+    torch.library.opcheck(ops.attention_half.default, (*half, tables, qp, kp, options))
+    # The mixed kernel: float32 q, half k and v.
+    torch.library.opcheck(ops.attention_half.default,
+                          (q.detach(), half[1], half[2], tables, qp, kp, options))
+
+
+def test_opcheck_rope_and_rerotation():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 6, 3, 16, generator=g, requires_grad=True)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 9, 11, 13, 15, 17]])
+    for kw in ({"base": 100.0}, {"style": "interleaved", "rotary_dim": 8},
+               {"scaling": {"rope_type": "dynamic", "factor": 2.0,
+                            "original_max_position_embeddings": 8}}):
+        for positions in (None, pos):
+            torch.library.opcheck(ops.rope.default, (x, positions, _ops.encode(kw)))
+    x64 = x.detach().double().requires_grad_()
+    torch.library.opcheck(ops.rope.default, (x64, pos, _ops.encode({"inverse": True})))
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.library.opcheck(ops.rope_half.default,
+                              (x.detach().to(dtype), pos, _ops.encode({"base": 500.0})))
+    short = posenc.rope_frequencies(16)
+    long = posenc.rope_frequencies(16, scaling={"rope_type": "dynamic", "factor": 2.0,
+                                                "original_max_position_embeddings": 8},
+                                   seq_len=32)
+    options = _ops.encode({"from_freqs": short, "to_freqs": long, "style": "half"})
+    torch.library.opcheck(ops.rerotate_rope.default, (x, pos, options))
+
+
+def test_opcheck_absolute_positions_and_merge():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+    table = torch.randn(12, 8, generator=g, requires_grad=True)
+    ids = torch.tensor([[0, 1, 2, 3, 4], [11, 3, 3, 0, 7]])
+    torch.library.opcheck(ops.add_learned.default, (x, table, ids, _ops.encode({})))
+    torch.library.opcheck(ops.add_learned.default, (x, table, None, _ops.encode({"positions": 4})))
+    torch.library.opcheck(ops.learned_backward.default,
+                          (x.detach(), ids, 12, _ops.encode({})))
+    cfg = {"base": 1e4, "layout": "concat", "denominator": "dim", "origin": 0, "odd_dim": "error"}
+    torch.library.opcheck(ops.add_sinusoidal.default, (x, ids, _ops.encode(cfg)))
+    torch.library.opcheck(ops.add_sinusoidal.default,
+                          (x, None, _ops.encode({**cfg, "positions": 3})))
+    torch.library.opcheck(ops.sinusoidal_encode.default, (ids, 8, _ops.encode(cfg)))
+    # attention_merge of two partial attentions over disjoint key sets.
+    q = torch.randn(1, 4, 2, 8, generator=g)
+    k = torch.randn(1, 9, 2, 8, generator=g)
+    v = torch.randn(1, 9, 2, 8, generator=g)
+    oa, la = pt.attention(q, k[:, :5], v[:, :5], return_lse=True)
+    ob, lb = pt.attention(q, k[:, 5:], v[:, 5:], return_lse=True)
+    args = tuple(t.clone().requires_grad_() for t in (oa, la, ob, lb))
+    torch.library.opcheck(ops.attention_merge.default, args)
+    out, lse = pt.attention_merge(oa, la, ob, lb)
+    full, full_lse = pt.attention(q, k, v, return_lse=True)
+    assert torch.allclose(out, full, atol=2e-6) and torch.allclose(lse, full_lse, atol=2e-6)
+
+
+def test_attention_merge_gradient_matches_autograd_of_the_formula():
+    g = torch.Generator().manual_seed(7)
+    oa, ob = (torch.randn(1, 3, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    la, lb = (torch.randn(1, 2, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    la[0, 1, 2] = -float("inf")  # a part that saw no key in one row
+    args = [t.float().requires_grad_() for t in (oa, la, ob, lb)]
+    out, lse = pt.attention_merge(*args)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    (out * dout).sum().add((lse * dlse).sum()).backward()
+    ref = [t.clone().requires_grad_() for t in (oa, la, ob, lb)]
+    lse_r = torch.logaddexp(ref[1], ref[3])
+    wa = torch.exp(ref[1] - lse_r).transpose(1, 2).unsqueeze(-1)
+    wb = torch.exp(ref[3] - lse_r).transpose(1, 2).unsqueeze(-1)
+    out_r = wa * ref[0] + wb * ref[2]
+    (out_r * dout.double()).sum().add((lse_r * dlse.double()).sum()).backward()
+    for a, r in zip(args, ref):
+        assert torch.allclose(a.grad.double(), r.grad, atol=1e-5), (a.grad, r.grad)
+
+
+# ---- the ops on the way to the kernels --------------------------------------------------------
+
+def test_cpu_tensors_reach_the_kernels_without_copies(monkeypatch):
+    seen = {}
+    real = posenc._posenc.attention
+
+    def spy(q, k, v, **kw):
+        seen.update(q=q.__array_interface__["data"][0], k=k.__array_interface__["data"][0],
+                    v=v.__array_interface__["data"][0],
+                    t=kw["params"]["relative_attention_bias"].__array_interface__["data"][0])
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(posenc._posenc, "attention", spy)
+    g = torch.Generator().manual_seed(1)
+    qb, kb, vb = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))  # [b, h, l, d]
+    q, k, v = (x.transpose(1, 2) for x in (qb, kb, vb))  # strided views, no copy wanted
+    table = torch.randn(32, 2, generator=g)
+    out = pt.attention(q, k, v, "t5", params={"relative_attention_bias": table}, causal=True)
+    assert seen == {"q": qb.data_ptr(), "k": kb.data_ptr(), "v": vb.data_ptr(),
+                    "t": table.data_ptr()}
+    # Outputs are fresh tensors.
+    assert out.untyped_storage().data_ptr() not in {x.data_ptr() for x in (qb, kb, vb, table)}
+
+
+@pytest.mark.parametrize("device", ["meta"])
+def test_a_tensor_on_another_device_gets_one_clear_error(device):
+    x = torch.empty(1, 4, 2, 8, device=device)
+    c = torch.zeros(1, 4, 2, 8)
+    calls = [
+        lambda: pt.attention(x, c, c, "alibi", causal=True),
+        lambda: pt.attention(c, x, c),
+        lambda: pt.attention(c, c, c, "t5", params={"relative_attention_bias":
+                                                    torch.empty(32, 2, device=device)}),
+        lambda: pt.rope(x),
+        lambda: pt.rope(c, positions=torch.arange(4, device=device)),
+        lambda: pt.rerotate_rope(x, posenc.rope_frequencies(8), posenc.rope_frequencies(8)),
+        lambda: pt.attention_merge(x, torch.zeros(1, 2, 4), c, torch.zeros(1, 2, 4)),
+        lambda: pt.add_learned(x[0], torch.zeros(8, 8)),
+        lambda: pt.add_sinusoidal(x[0]),
+        lambda: pt.PositionalAttention("rope", 2, head_dim=8)(x, x, x),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=f"on device '{device}'.*CPU only"):
+            call()
+    # The ops' implementations check with the same function (on the meta device the ops run
+    # their shape functions instead, as torch.compile does).
+    with pytest.raises(ValueError, match=f"q is on device '{device}'"):
+        _ops.require_cpu(x, "q")
+
+
+# ---- torch.compile and torch.export -----------------------------------------------------------
+
+class DecoderBlock(nn.Module):
+    """Embedding, attention with a positional scheme (PositionalAttention), an MLP."""
+
+    def __init__(self, scheme, vocab=40, heads=2, head_dim=8):
+        super().__init__()
+        d = heads * head_dim
+        self.heads, self.head_dim = heads, head_dim
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        options = {"shaw": {"max_relative_position": 4, "shared": False},
+                   "deberta": {"max_relative_positions": 4}, "xl": {"d_model": 6},
+                   "alibi": {"learnable": True}}.get(scheme, {})
+        self.attn = pt.PositionalAttention(scheme, heads, heads, head_dim, causal=True,
+                                           **options)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        b, n = ids.shape
+        x = self.emb(ids)
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.head_dim).unbind(2)
+        x = x + self.proj(self.attn(q, k, v).reshape(b, n, -1))
+        x = x + self.mlp(x)
+        return self.out(x)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_decoder_block_compiles_without_graph_breaks(scheme):
+    torch.manual_seed(0)
+    model = DecoderBlock(scheme)
+    ids = [torch.randint(0, 40, (2, n)) for n in (7, 11, 5)]
+    explained = torch._dynamo.explain(model)(ids[0])
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    # The default backend compiles one scheme (it is slow on two cores); aot_eager (dynamo,
+    # AOTAutograd and the fake functions, no code generation) the others.
+    backend = "inductor" if scheme in ("alibi",) else "aot_eager"
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
+    for x in ids:  # several lengths: one dynamic graph
+        model.zero_grad()
+        want = model(x)
+        want.square().mean().backward()
+        want_grads = _grads(model)
+        model.zero_grad()
+        got = compiled(x)
+        got.square().mean().backward()
+        got_grads = _grads(model)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+        assert want_grads.keys() == got_grads.keys()
+        for n in want_grads:
+            assert torch.allclose(got_grads[n], want_grads[n], atol=1e-5, rtol=1e-4), n
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_decoder_block_exports(scheme):
+    torch.manual_seed(1)
+    model = DecoderBlock(scheme).eval()
+    ids = torch.randint(0, 40, (2, 9))
+    seq = torch.export.Dim("seq", min=2, max=64)
+    exported = torch.export.export(model, (ids,), dynamic_shapes={"ids": {1: seq}})
+    names = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert any("posenc.attention" in n for n in names), names
+    for n in (9, 17):
+        x = torch.randint(0, 40, (2, n))
+        assert torch.allclose(exported.module()(x), model(x), atol=1e-6)
