@@ -3,10 +3,11 @@
 attention (matmul, bias, softmax, matmul, autograd) at L = 4096, 8 heads, D = 128, causal,
 float32, forward + backward, for every scheme. Time and peak memory, measured in one run.
 
-    /usr/bin/python3 bench/python_attention.py [--seq 4096] [--heads 8] [--dim 128]
+    .venv/bin/python bench/python_attention.py [--seq 4096] [--heads 8] [--dim 128]
                                                [--threads N] [--reps 3] [--rounds 2]
                                                [--schemes a,b] [--json]
-(with the package importable: the .venv's python, or PYTHONPATH=<build>/python/stage).
+(.venv/ with torch and NumPy: made by scripts/python-env.sh or scripts/setup.sh; the package
+importable: installed in .venv, or PYTHONPATH=build-test/python/stage for the test build).
 
 Overhead: seconds per call of posenc.attention (and of posenc.torch.attention, forward only)
 on small shapes minus the seconds per call of the same C++ call timed in C++ (arguments parsed
@@ -99,7 +100,7 @@ def torch_ones_like(t):
 
 
 def materialized_step(scheme, q, k, v, params, kw):
-    """PyTorch 1.13 eager attention: [B, H, L, L] scores, bias, mask, softmax, matmul, autograd."""
+    """PyTorch eager attention: [B, H, L, L] scores, bias, mask, softmax, matmul, autograd."""
     import torch
     B, L, H, D = q.shape
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D]
