@@ -71,11 +71,33 @@ def _literal(value, name):
     raise TypeError(f"{name}: unsupported argument of type {type(value).__name__}")
 
 
+_ENCODED = {}
+
+
+def _encode_cached(kwargs):
+    # Eager calls repeat the same keywords: their strings are kept (hashable values only).
+    try:
+        key = tuple(sorted((k, v if not isinstance(v, list) else tuple(v))
+                           for k, v in kwargs.items()))
+        hash(key)
+    except TypeError:
+        return _literal(dict(kwargs), "options")
+    text = _ENCODED.get(key)
+    if text is None:
+        text = _literal(dict(kwargs), "options")
+        if len(_ENCODED) < 4096:
+            _ENCODED[key] = text
+    return text
+
+
 def encode(kwargs, base=None):
     """Keyword arguments as an options string (a Python dict literal, keys sorted). base: an
     options string made earlier (a module's settings, encoded once outside any compiled region,
     where its floats are plain constants) whose keywords `kwargs` extend or override."""
-    text = _literal(dict(kwargs), "options")
+    if torch.compiler.is_compiling():
+        text = _literal(dict(kwargs), "options")
+    else:
+        text = _encode_cached(kwargs)
     if not base or base == "{}":
         return text
     if text == "{}":
@@ -123,7 +145,7 @@ def with_option(options, **changes):
 
 def require_cpu(t, what):
     """ValueError unless t is a CPU tensor (posenc has no GPU path)."""
-    if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+    if isinstance(t, torch.Tensor) and not t.is_cpu:
         raise ValueError(f"posenc: {what} is on device '{t.device}'; posenc's kernels run on the "
                          f"CPU only (move it with .cpu())")
 
@@ -134,7 +156,7 @@ def _np(t, what):
     require_cpu(t, what)
     if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
         t = t.contiguous()
-    return t.detach().numpy()
+    return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
 def _bits(t, what):
@@ -176,10 +198,9 @@ def _out_shape(q, v):
 
 # ---- attention ---------------------------------------------------------------------------------
 
-@torch.library.custom_op("posenc::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
-              query_positions: Optional[Tensor], key_positions: Optional[Tensor],
-              options: str) -> tuple[Tensor, Tensor]:
+def attention_impl(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
+                   query_positions: Optional[Tensor], key_positions: Optional[Tensor],
+                   options: str) -> tuple[Tensor, Tensor]:
     """out [batch, seq_q, heads_q, v_dim] and lse [batch, heads_q, seq_q]: posenc.attention with
     return_lse (float32: the fused kernel; float64: the float64 reference)."""
     kw, names = _attention_kwargs(options, query_positions, key_positions)
@@ -188,13 +209,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
+attention = torch.library.custom_op("posenc::attention", attention_impl, mutates_args=())
+
+
 @attention.register_fake
 def _(q, k, v, tables, query_positions, key_positions, options):
     return q.new_empty(_out_shape(q, v)), q.new_empty((q.shape[0], q.shape[2], q.shape[1]))
 
 
-@torch.library.custom_op("posenc::attention_backward", mutates_args=())
-def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+def attention_backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                        tables: list[Tensor], query_positions: Optional[Tensor],
                        key_positions: Optional[Tensor], options: str) -> list[Tensor]:
     """[dq, dk, dv, d<table> for each table]: the fused backward (FlashAttention-2 recomputation
@@ -204,6 +227,10 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
                                params=_params(names, tables), out=_np(out, "out"),
                                lse=_np(lse, "lse"), **kw)
     return [torch.from_numpy(g[n]) for n in ["dq", "dk", "dv"] + ["d" + n for n in names]]
+
+
+attention_backward = torch.library.custom_op("posenc::attention_backward",
+                                             attention_backward_impl, mutates_args=())
 
 
 @attention_backward.register_fake
@@ -231,8 +258,7 @@ def _attention_grad(ctx, dout, _dlse):
 attention.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 
-@torch.library.custom_op("posenc::attention_half", mutates_args=())
-def attention_half(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
+def attention_half_impl(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
                    query_positions: Optional[Tensor], key_positions: Optional[Tensor],
                    options: str) -> Tensor:
     """The native half-precision forward: k, v bf16 or f16, q of their dtype (out of that dtype)
@@ -243,6 +269,10 @@ def attention_half(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
                                   _bits(v, "v"), params=_params(names, tables),
                                   dtype=_HALF[k.dtype], **kw)
     return _from_bits(out, q.dtype).clone() if half_q else torch.from_numpy(out)
+
+
+attention_half = torch.library.custom_op("posenc::attention_half", attention_half_impl,
+                                         mutates_args=())
 
 
 @attention_half.register_fake
@@ -296,14 +326,16 @@ attention_merge.register_autograd(_merge_grad, setup_context=_merge_setup)
 
 # ---- RoPE --------------------------------------------------------------------------------------
 
-@torch.library.custom_op("posenc::rope", mutates_args=())
-def rope(x: Tensor, positions: Optional[Tensor], options: str) -> Tensor:
+def rope_impl(x: Tensor, positions: Optional[Tensor], options: str) -> Tensor:
     """posenc.apply_rope (float32: the SIMD kernel; float64: the reference); options' inverse
     rotates back. Its gradient is the opposite rotation (its exact transpose)."""
     kw = decode(options)
     if positions is not None:
         kw["positions"] = _positions(positions, "positions")
     return torch.from_numpy(_posenc.apply_rope(_np(x, "x"), **kw))
+
+
+rope = torch.library.custom_op("posenc::rope", rope_impl, mutates_args=())
 
 
 @rope.register_fake
@@ -327,14 +359,16 @@ def _rope_grad(ctx, dy):
 rope.register_autograd(_rope_grad, setup_context=_rope_setup)
 
 
-@torch.library.custom_op("posenc::rope_half", mutates_args=())
-def rope_half(x: Tensor, positions: Optional[Tensor], options: str) -> Tensor:
+def rope_half_impl(x: Tensor, positions: Optional[Tensor], options: str) -> Tensor:
     """RoPE of a bf16 / f16 tensor by the native half kernel (result of x's dtype)."""
     kw = decode(options)
     if positions is not None:
         kw["positions"] = _positions(positions, "positions")
     y = _posenc._apply_rope_half(_bits(x, "x"), dtype=_HALF[x.dtype], **kw)
     return _from_bits(y, x.dtype).clone()
+
+
+rope_half = torch.library.custom_op("posenc::rope_half", rope_half_impl, mutates_args=())
 
 
 @rope_half.register_fake
@@ -452,3 +486,79 @@ def sinusoidal_encode(positions: Tensor, dim: int, options: str) -> Tensor:
 @sinusoidal_encode.register_fake
 def _(positions, dim, options):
     return positions.new_empty(tuple(positions.shape) + (dim,), dtype=torch.float32)
+
+
+# ---- eager calls -------------------------------------------------------------------------------
+# PyTorch's dispatch of a Python custom op costs about 0.1 ms a call. An eager call on plain CPU
+# tensors (no compiler, no tracing or dispatch mode, no tensor subclass) runs the same Python
+# implementation directly, through an autograd.Function with the same formulas when gradients
+# are wanted; anything else (torch.compile, export, opcheck, FakeTensor) goes through the ops.
+
+def _plain(*tensors):
+    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+class _EagerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, query_positions, key_positions, options, *tables):
+        out, lse = attention_impl(q, k, v, list(tables), query_positions, key_positions, options)
+        ctx.options = options
+        ctx.save_for_backward(q, k, v, out, lse, query_positions, key_positions, *tables)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, query_positions, key_positions, *tables = ctx.saved_tensors
+        g = attention_backward_impl(q, k, v, out, lse, dout.contiguous(), tables,
+                                    query_positions, key_positions, ctx.options)
+        return (g[0], g[1], g[2], None, None, None, *g[3:])
+
+
+def call_attention(q, k, v, tables, query_positions, key_positions, options):
+    """posenc::attention, or its implementation directly for an eager call (above)."""
+    if not _plain(q, k, v, query_positions, key_positions, *tables):
+        return attention(q, k, v, tables, query_positions, key_positions, options)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tables)):
+        return _EagerAttention.apply(q, k, v, query_positions, key_positions, options, *tables)
+    return attention_impl(q, k, v, tables, query_positions, key_positions, options)
+
+
+def call_attention_half(q, k, v, tables, query_positions, key_positions, options):
+    if not _plain(q, k, v, query_positions, key_positions, *tables):
+        return attention_half(q, k, v, tables, query_positions, key_positions, options)
+    return attention_half_impl(q, k, v, tables, query_positions, key_positions, options)
+
+
+class _EagerRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions, options):
+        ctx.options = options
+        ctx.save_for_backward(positions)
+        return rope_impl(x, positions, options)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (positions,) = ctx.saved_tensors
+        inverse = bool(_decode_cached(ctx.options).get("inverse"))
+        return rope_impl(dy.contiguous(), positions,
+                         with_option(ctx.options, inverse=not inverse)), None, None
+
+
+def call_rope(x, positions, options):
+    """posenc::rope, or its implementation directly for an eager call."""
+    if not _plain(x, positions):
+        return rope(x, positions, options)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _EagerRope.apply(x, positions, options)
+    return rope_impl(x, positions, options)
+
+
+def call_rope_half(x, positions, options):
+    if not _plain(x, positions):
+        return rope_half(x, positions, options)
+    return rope_half_impl(x, positions, options)

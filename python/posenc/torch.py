@@ -1,17 +1,23 @@
-"""posenc.torch: PyTorch autograd functions and modules over posenc's kernels (CPU tensors).
+"""posenc.torch: PyTorch operators, functions and modules over posenc's kernels (CPU tensors).
 
 ``attention(q, k, v, scheme=..., **kwargs)`` takes the keywords of ``posenc.attention``; the
-forward runs the fused kernel and saves its per-row log-sum-exp, the backward runs the fused
+forward runs the fused kernel and keeps its per-row log-sum-exp, the backward runs the fused
 backward (FlashAttention-2 recomputation), giving gradients for q, k, v and every parameter table
 passed in ``params`` (tensors with requires_grad). float64 tensors run the float64 reference
 end to end, so ``torch.autograd.gradcheck`` applies to every scheme. ``rope(x, ...)`` is RoPE
-with its exact transpose as backward.
+with its exact transpose as backward; ``rerotate_rope``, ``attention_merge``, ``add_learned``
+and ``add_sinusoidal`` are differentiable too.
+
+Every function calls a ``torch.library`` custom operator (``torch.ops.posenc.*``, defined in
+posenc._ops) with a shape function and its gradient, so ``torch.compile(fullgraph=True)`` and
+``torch.export`` keep posenc calls in their graphs. A tensor on another device raises
+ValueError naming it (posenc has no GPU path).
 
 Half precision: torch.bfloat16 / torch.float16 tensors give results of their dtype. Without
 gradients they run the native half kernels on the tensors' memory (float32 q with a half k, v:
-the mixed kernel, float32 out); with gradients the float32 autograd path runs on the widened
-tensors and the output is cast to q's dtype (autograd casts the gradients back). Either way the
-result is the float32 result of the widened inputs rounded once.
+the mixed kernel, float32 out); with gradients the float32 path runs on the widened tensors and
+the output is cast to q's dtype (autograd casts the gradients back). Either way the result is
+the float32 result of the widened inputs rounded once.
 
 Layout: q [batch, seq_q, heads_q, head_dim], k and v [batch, seq_k, heads_kv, head_dim]; any
 strides whose last dimension is contiguous are used without a copy (so ``x.transpose(1, 2)`` of
@@ -122,12 +128,12 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_opti
     if (not grad and not return_lse and k.dtype in _HALF and v.dtype == k.dtype
             and q.dtype in (k.dtype, torch.float32)):
         tables = [t.float() if t.dtype != torch.float32 else t for t in tables]
-        return _ops.attention_half(q, k, v, tables, qpos, kpos, options)
+        return _ops.call_attention_half(q, k, v, tables, qpos, kpos, options)
     out_dtype = q.dtype
     dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    tables = [t.to(dtype) for t in tables]
-    out, lse = _ops.attention(q, k, v, tables, qpos, kpos, options)
+    q, k, v = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v))
+    tables = [t if t.dtype == dtype else t.to(dtype) for t in tables]
+    out, lse = _ops.call_attention(q, k, v, tables, qpos, kpos, options)
     if half_q:
         out = out.to(out_dtype)  # rounded once (autograd casts the gradient back to float32)
     lse = lse.detach()
@@ -154,11 +160,11 @@ def rope(x, freqs=None, *, _base_options=None, **kwargs):
     options = _ops.encode(kw, _base_options)
     if x.dtype in _HALF:
         if not (torch.is_grad_enabled() and x.requires_grad):
-            return _ops.rope_half(x, positions, options)
-        return _ops.rope(x.float(), positions, options).to(x.dtype)
+            return _ops.call_rope_half(x, positions, options)
+        return _ops.call_rope(x.float(), positions, options).to(x.dtype)
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
-    return _ops.rope(x, positions, options)
+    return _ops.call_rope(x, positions, options)
 
 
 apply_rope = rope

@@ -56,6 +56,17 @@ def test_pytorch_decoder_example_trains():
     assert all(0 < x < 1.0 for x in losses.values()), losses  # from ~1.3 at the start
 
 
+def test_compile_and_export_example_runs():
+    torch = pytest.importorskip("torch")
+    code = block_starting("import torch\nimport posenc.torch as pt\n\nclass Block")
+    scope = {}
+    exec(compile(code, "docs/python.md (torch.compile)", "exec"), scope)
+    names = {str(n.target) for n in scope["exported"].graph.nodes if n.op == "call_function"}
+    assert any("posenc.attention" in n for n in names), names
+    ids = torch.randint(0, 100, (3, 20))
+    assert torch.allclose(scope["compiled"](ids), scope["model"](ids), atol=1e-5)
+
+
 @pytest.mark.parametrize("page", ["sinusoidal", "learned", "rope", "alibi", "t5", "shaw",
                                   "transformer-xl", "deberta"])
 def test_scheme_pages_python_sections_run(page, monkeypatch):
