@@ -1,5 +1,5 @@
 """The extrapolation experiment (posenc.experiments.extrapolation, docs/extrapolation.md): its
---quick run as docs/extrapolation.md gives it (every scheme trains, evaluation at 4 x L_train runs, the
+--quick run as that page gives it (every scheme trains, evaluation at 4 x L_train runs, the
 float32 fused training matches the float64 reference), the corpus split, and merging seeds.
 Nothing here asserts which scheme extrapolates best."""
 
