@@ -32,6 +32,9 @@ import subprocess
 import sys
 import time
 
+from procmem import peak_kib, reset_peak, rss_kib
+
+
 def scheme_names():
     """The registry's schemes (posenc.SCHEMES), read in a subprocess like every measurement."""
     out = subprocess.run([sys.executable, "-c", "import posenc; print(','.join(posenc.SCHEMES))"],
@@ -40,27 +43,6 @@ def scheme_names():
 
 
 # ---- one measurement, in a subprocess -----------------------------------------------------------
-
-def peak_kib():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmHWM")
-
-
-def rss_kib():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
 
 def make_problem(scheme, L, H, D, seed=0):
     import torch

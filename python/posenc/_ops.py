@@ -343,8 +343,9 @@ def _(x, positions, options):
     return x.new_empty(x.shape)
 
 
-def _rope_setup(ctx, inputs, output):
-    x, positions, options = inputs
+def _positions_setup(ctx, inputs, output):
+    # (x, positions, options): what the rotations' gradients need.
+    _, positions, options = inputs
     ctx.options = options
     ctx.save_for_backward(positions)
 
@@ -356,7 +357,7 @@ def _rope_grad(ctx, dy):
         None
 
 
-rope.register_autograd(_rope_grad, setup_context=_rope_setup)
+rope.register_autograd(_rope_grad, setup_context=_positions_setup)
 
 
 def rope_half_impl(x: Tensor, positions: Optional[Tensor], options: str) -> Tensor:
@@ -392,12 +393,6 @@ def _(k, positions, options):
     return k.new_empty(k.shape)
 
 
-def _rerotate_setup(ctx, inputs, output):
-    k, positions, options = inputs
-    ctx.options = options
-    ctx.save_for_backward(positions)
-
-
 def _rerotate_grad(ctx, dy):
     (positions,) = ctx.saved_tensors
     d = _decode_cached(ctx.options)
@@ -405,7 +400,7 @@ def _rerotate_grad(ctx, dy):
     return rerotate_rope(dy.contiguous(), positions, back), None, None
 
 
-rerotate_rope.register_autograd(_rerotate_grad, setup_context=_rerotate_setup)
+rerotate_rope.register_autograd(_rerotate_grad, setup_context=_positions_setup)
 
 
 # ---- absolute positions ------------------------------------------------------------------------
