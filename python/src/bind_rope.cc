@@ -80,7 +80,6 @@ using namespace pybind11::literals;
 
 // ---- RoPE ------------------------------------------------------------------------------------
 
-
 // Frequencies from the keyword arguments: a config, or head_dim + rotary_dim + base + scaling.
 RopeFrequencies make_freqs(const pb::object& config, std::optional<int64_t> head_dim,
                            int64_t rotary_dim, double base, const pb::object& scaling,
