@@ -485,14 +485,14 @@ def _(positions, dim, options):
 
 # ---- eager calls -------------------------------------------------------------------------------
 # PyTorch's dispatch of a Python custom op costs about 0.1 ms a call. An eager call on plain CPU
-# tensors (no compiler, no tracing or dispatch mode, no tensor subclass) runs the same Python
-# implementation directly, through an autograd.Function with the same formulas when gradients
+# tensors (no compiler, no tracing, dispatch or function mode, no profiler, no tensor subclass)
+# runs the same Python implementation directly, through an autograd.Function with the same formulas when gradients
 # are wanted; anything else (torch.compile, export, opcheck, FakeTensor) goes through the ops.
 
 def _plain(*tensors):
     if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
         return False
-    if torch._C._len_torch_dispatch_stack() > 0:
+    if torch._C._len_torch_dispatch_stack() > 0 or torch.autograd._profiler_enabled():
         return False
     return all(t is None or type(t) is torch.Tensor for t in tensors)
 

@@ -175,6 +175,30 @@ def test_eager_calls_and_the_operators_agree(scheme):
     assert torch.equal(r1, r2) and torch.equal(d1, d2)
 
 
+def test_the_operators_are_seen_by_dispatch_modes_and_the_profiler():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 4, 2, 8, requires_grad=True)
+    with Log() as log:
+        pt.attention(q, q, q, "alibi", causal=True).sum().backward()
+        pt.rope(q.detach())
+    assert {"posenc.attention.default", "posenc.attention_backward.default",
+            "posenc.rope.default"} <= set(log.ops), log.ops
+    with torch.profiler.profile() as prof:
+        pt.attention(q, q, q, "t5", causal=True,
+                     params={"relative_attention_bias": torch.zeros(32, 2)})
+    assert any("posenc::attention" in e.key for e in prof.key_averages())
+
+
 def test_cpu_tensors_reach_the_kernels_without_copies(monkeypatch):
     seen = {}
     real = posenc._posenc.attention
