@@ -53,7 +53,8 @@ def _literal(value, name):
             raise ValueError(f"{name}: must be finite (got {value})")
         return repr(value)
     if isinstance(value, dict):
-        items = [_literal(str(k), name) + ": " + _literal(value[k], f"{name}[{k!r}]")
+        items = [_literal(str(k), name) + ": " +
+                 _literal(value[k], f"{name}[{k!r}]" if name else str(k))
                  for k in sorted(value, key=str)]
         return "{" + ", ".join(items) + "}"
     if isinstance(value, (list, tuple)):
@@ -81,10 +82,10 @@ def _encode_cached(kwargs):
                            for k, v in kwargs.items()))
         hash(key)
     except TypeError:
-        return _literal(dict(kwargs), "options")
+        return _literal(dict(kwargs), "")
     text = _ENCODED.get(key)
     if text is None:
-        text = _literal(dict(kwargs), "options")
+        text = _literal(dict(kwargs), "")
         if len(_ENCODED) < 4096:
             _ENCODED[key] = text
     return text
@@ -95,7 +96,7 @@ def encode(kwargs, base=None):
     options string made earlier (a module's settings, encoded once outside any compiled region,
     where its floats are plain constants) whose keywords `kwargs` extend or override."""
     if torch.compiler.is_compiling():
-        text = _literal(dict(kwargs), "options")
+        text = _literal(dict(kwargs), "")
     else:
         text = _encode_cached(kwargs)
     if not base or base == "{}":
@@ -140,7 +141,7 @@ def with_option(options, **changes):
     """The options string with some keywords changed."""
     d = dict(_decode_cached(options))
     d.update(changes)
-    return _literal(d, "options")
+    return _literal(d, "")
 
 
 def require_cpu(t, what):
