@@ -1,22 +1,22 @@
 """The process's memory, for the Python benchmarks: peak resident set (VmHWM) and its reset."""
 
 
-def peak_kib():
-    """The process's peak resident set since the last reset_peak(), KiB."""
+def _status_kib(field):
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmHWM")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_kib():
+    """The process's peak resident set since the last reset_peak(), KiB."""
+    return _status_kib("VmHWM")
 
 
 def rss_kib():
     """The process's resident set now, KiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
+    return _status_kib("VmRSS")
 
 
 def reset_peak():
