@@ -269,7 +269,7 @@ def attention_half_impl(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
     out = _posenc._attention_half(_bits(q, "q") if half_q else _np(q, "q"), _bits(k, "k"),
                                   _bits(v, "v"), params=_params(names, tables),
                                   dtype=_HALF[k.dtype], **kw)
-    return _from_bits(out, q.dtype).clone() if half_q else torch.from_numpy(out)
+    return _from_bits(out, q.dtype) if half_q else torch.from_numpy(out)
 
 
 attention_half = torch.library.custom_op("posenc::attention_half", attention_half_impl,
@@ -351,11 +351,14 @@ def _positions_setup(ctx, inputs, output):
     ctx.save_for_backward(positions)
 
 
+def _reverse_rotation(options):
+    """The options of the opposite rotation (the gradient of a rotation)."""
+    return with_option(options, inverse=not bool(_decode_cached(options).get("inverse")))
+
+
 def _rope_grad(ctx, dy):
     (positions,) = ctx.saved_tensors
-    inverse = bool(_decode_cached(ctx.options).get("inverse"))
-    return rope(dy.contiguous(), positions, with_option(ctx.options, inverse=not inverse)), None, \
-        None
+    return rope(dy.contiguous(), positions, _reverse_rotation(ctx.options)), None, None
 
 
 rope.register_autograd(_rope_grad, setup_context=_positions_setup)
@@ -367,7 +370,7 @@ def rope_half_impl(x: Tensor, positions: Optional[Tensor], options: str) -> Tens
     if positions is not None:
         kw["positions"] = _positions(positions, "positions")
     y = _posenc._apply_rope_half(_bits(x, "x"), dtype=_HALF[x.dtype], **kw)
-    return _from_bits(y, x.dtype).clone()
+    return _from_bits(y, x.dtype)
 
 
 rope_half = torch.library.custom_op("posenc::rope_half", rope_half_impl, mutates_args=())
@@ -540,9 +543,7 @@ class _EagerRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (positions,) = ctx.saved_tensors
-        inverse = bool(_decode_cached(ctx.options).get("inverse"))
-        return rope_impl(dy.contiguous(), positions,
-                         with_option(ctx.options, inverse=not inverse)), None, None
+        return rope_impl(dy.contiguous(), positions, _reverse_rotation(ctx.options)), None, None
 
 
 def call_rope(x, positions, options):
