@@ -249,10 +249,20 @@ def main():
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    args.seq = [int(s) for s in args.seq.split(",") if s]
+    try:
+        args.seq = [int(s) for s in args.seq.split(",") if s]
+    except ValueError:
+        sys.exit(f"--seq: comma-separated lengths (got '{args.seq}')")
+    if any(n < 1 or n > 1 << 20 for n in args.seq):
+        sys.exit("--seq: lengths from 1 to 2^20")
     args.dtypes = [s for s in args.dtypes.split(",") if s]
     args.cases = [s for s in args.cases.split(",") if s]
     modes = [s for s in args.modes.split(",") if s]
+    for name, allowed in (("--dtypes", ("float32", "bfloat16", "float16")),
+                          ("--cases", ("none", "alibi", "t5", "rope", "decode"))):
+        for s in getattr(args, name[2:]):
+            if s not in allowed:
+                sys.exit(f"{name}: '{s}' ({', '.join(allowed)})")
     for m in modes:
         if m not in ("fwd", "fwdbwd"):
             sys.exit(f"--modes: '{m}' (fwd or fwdbwd)")
