@@ -21,6 +21,7 @@
 #include <thread>
 #include <utility>
 
+#include "engine.h"
 #include "kernels/bf16_dot.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
@@ -1054,6 +1055,16 @@ std::vector<Entry> suite(const SuiteOptions& options) {
     all.push_back({"peak_memory_attention_backward_" + attention_name(s, peak).substr(10),
                    [=] { return bench_peak_memory_attention_backward(peak, threads, s); }});
   }
+  // What engines feed attention (engine.h): packed sequences, soft-capping, document masks.
+  const int64_t varlen_docs = quick ? 8 : 16, varlen_len = quick ? 128 : 256;
+  all.push_back({"varlen_causal_" + std::to_string(varlen_docs) + "x" + std::to_string(varlen_len) +
+                     "_H8_D128",
+                 [=] { return bench_varlen(varlen_docs, varlen_len, threads, timing); }});
+  all.push_back({"attention_softcap_causal_L" + std::to_string(attn_seq) + "_H8_D128",
+                 [=] { return bench_softcap(attn_seq, threads, timing); }});
+  const int64_t mask_docs = quick ? 16 : 64;
+  all.push_back({"document_mask_" + std::to_string(mask_docs) + "x128_H2_D128",
+                 [=] { return bench_document_mask(mask_docs, 128, threads, timing); }});
 
   if (options.filter.empty()) return all;
   std::vector<Entry> kept;

@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <utility>
@@ -93,6 +94,21 @@ ParamMap load_params(const AttentionArgs& a, SchemeHolder& h) {
 
 }  // namespace
 
+namespace {
+// cu_seqlens from an .npy: int32 or int64, one dimension.
+std::vector<int64_t> read_offsets(const std::string& path, const char* flag) {
+  const NpyView t = map_npy(path);
+  if (t.dtype != DType::kI64 && t.dtype != DType::kI32) {
+    throw IoError(path + ": " + flag + " must hold int32 or int64 offsets, got " +
+                  dtype_name(t.dtype));
+  }
+  if (t.shape.size() != 1) {
+    throw ShapeError(path + ": " + flag + " must be [num_seqs + 1], got " + shape_string(t.shape));
+  }
+  return t.to_i64(path);
+}
+}  // namespace
+
 void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, AttentionInputs& in) {
   // With --config the scheme and its settings come from the model; flags it replaces conflict.
   in.args = args;
@@ -118,22 +134,37 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
                      "describe); pass --layer N");
   }
   if (a.chunk) require_at_least("--chunk", *a.chunk, 1);
+  if (a.softcap && !(std::isfinite(*a.softcap) && *a.softcap > 0)) {
+    throw UsageError("--softcap must be a finite number > 0 (got " + format_number(*a.softcap) +
+                     ")");
+  }
   if (a.out_dtype == "float64" && !a.reference) {
     throw UsageError("--out-dtype float64 needs --reference (the float32 path computes float32)");
   }
   if (a.threads < 0)
     throw UsageError("--threads must be >= 0 (got " + std::to_string(a.threads) + ")");
-  const char* layout_q = "[batch, seq_q, heads_q, head_dim]";
-  const char* layout_kv = "[batch, seq_k, heads_kv, head_dim]";
+  const bool varlen = !a.cu_seqlens_q.empty() || !a.cu_seqlens_k.empty();
+  if (varlen && (a.cu_seqlens_q.empty() || a.cu_seqlens_k.empty())) {
+    throw UsageError(std::string(a.cu_seqlens_q.empty() ? "--cu-seqlens-q" : "--cu-seqlens-k") +
+                     " is missing: packed sequences need --cu-seqlens-q and --cu-seqlens-k");
+  }
+  const char* layout_q =
+      varlen ? "[total_q, heads_q, head_dim]" : "[batch, seq_q, heads_q, head_dim]";
+  const char* layout_kv =
+      varlen ? "[total_k, heads_kv, head_dim]" : "[batch, seq_k, heads_kv, head_dim]";
+  const std::size_t rank = varlen ? 3 : 4;
   in.q_file = map_tensor_input(a.q, "q");
-  require_rank(in.q_file, 4, layout_q, a.q);
+  require_rank(in.q_file, rank, layout_q, a.q);
   in.k_file = map_tensor_input(a.k, "k");
-  require_rank(in.k_file, 4, layout_kv, a.k);
+  require_rank(in.k_file, rank, layout_kv, a.k);
   in.v_file = map_tensor_input(a.v, "v");
-  require_rank(in.v_file, 4, layout_kv, a.v);
+  require_rank(in.v_file, rank, layout_kv, a.v);
   in.q = to_float_input(in.q_file, a.q, true);
   in.k = to_float_input(in.k_file, a.k, true);
   in.v = to_float_input(in.v_file, a.v, true);
+  if (varlen) {
+    for (FloatInput* x : {&in.q, &in.k, &in.v}) x->shape.insert(x->shape.begin(), 1);
+  }
   const FloatInput& q = in.q;
   const FloatInput& k = in.k;
   const FloatInput& v = in.v;
@@ -145,6 +176,13 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
   std::optional<Positions>& pos_k = in.pos_k;
   if (!a.positions_q.empty()) pos_q = read_positions(a.positions_q, batch, seq_q);
   if (!a.positions_k.empty()) pos_k = read_positions(a.positions_k, batch, seq_k);
+  if (varlen) {
+    in.packed = pack_sequences(read_offsets(a.cu_seqlens_q, "--cu-seqlens-q"),
+                               read_offsets(a.cu_seqlens_k, "--cu-seqlens-k"), seq_q, seq_k,
+                               pos_q ? &*pos_q : nullptr, pos_k ? &*pos_k : nullptr);
+    pos_q = in.packed->query_positions;
+    pos_k = in.packed->key_positions;
+  }
   // Sequence length for length-dependent RoPE frequencies: the largest position + 1.
   const int64_t seq_len = a.seq_len.value_or(
       attention_seq_len(batch, seq_q, seq_k, pos_q ? &*pos_q : nullptr, pos_k ? &*pos_k : nullptr));
@@ -198,6 +236,8 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
   opt.scale = a.scale;
   opt.window = a.window;
   opt.chunk = a.chunk;
+  opt.softcap = a.softcap;
+  if (in.packed) opt = in.packed->options(opt);
   opt.allow_fully_masked = a.allow_fully_masked;
   opt.num_threads = a.threads;
   // T5 configs: scale 1 unless --scale; --layer: the layer's scale, window, chunk, sinks (from
@@ -281,6 +321,15 @@ void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHel
   app->add_option("--chunk", a.chunk,
                   "Chunked local attention c >= 1 (Llama 4): key visible only within the query's "
                   "chunk, floor(pos_k / c) == floor(pos_q / c), on top of the other masks");
+  app->add_option("--cu-seqlens-q", a.cu_seqlens_q,
+                  "Packed sequences: int32/int64 .npy [num_seqs + 1] query offsets (0 first, the "
+                  "total last); q, k, v are then [total, heads, head_dim] and out [total_q, "
+                  "heads_q, head_dim]; positions restart in each sequence, no attention across");
+  app->add_option("--cu-seqlens-k", a.cu_seqlens_k,
+                  "Packed sequences: int32/int64 .npy [num_seqs + 1] key offsets");
+  app->add_option("--softcap", a.softcap,
+                  "Logit soft-capping C > 0 (Gemma 2): each score s (scale and positional bias "
+                  "included) becomes C tanh(s / C) before the mask and softmax");
   app->add_flag("--allow-fully-masked", a.allow_fully_masked,
                 "A query row with no visible key outputs 0 instead of an error");
   app->add_flag("--reference", a.reference, help.reference);

@@ -52,6 +52,8 @@ struct AttentionArgs {
   std::string positions_q, positions_k;
   std::optional<int64_t> window;
   std::optional<int64_t> chunk;
+  std::optional<double> softcap;
+  std::string cu_seqlens_q, cu_seqlens_k;  // packed sequences (.npy int32 / int64)
   bool allow_fully_masked = false;
   bool reference = false;
   std::string out_dtype = "float32";  // empty: no default (the command decides)
@@ -92,6 +94,15 @@ struct AttentionInputs {
   // The head dim of v, which multi-head latent attention (DeepSeek) makes narrower than q's:
   // the output, dout and dv have it (the library pads and cuts, posenc/attention.h).
   int64_t v_dim = 0;
+  // Packed sequences (--cu-seqlens-q / --cu-seqlens-k): q, k, v read as [total, heads, D] and
+  // held as [1, total, heads, D]; `options` carry the documents, pos_q / pos_k the positions.
+  std::optional<PackedSequences> packed;
+
+  // An output's shape in the caller's layout (without the leading 1 of a packed call).
+  std::vector<int64_t> caller_shape(std::vector<int64_t> shape) const {
+    if (packed && !shape.empty()) shape.erase(shape.begin());
+    return shape;
+  }
 
   const PositionScheme& scheme() const { return holder.built.scheme; }
   const Positions* query_positions() const { return pos_q ? &*pos_q : nullptr; }

@@ -47,7 +47,7 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
                    View<double, 4>::contiguous(
                        out.data(), {out_shape[0], out_shape[1], out_shape[2], out_shape[3]}),
                    pq, pk);
-    write_output(a.out, dtype, out_shape, out);
+    write_output(a.out, dtype, in.caller_shape(out_shape), out);
     return 0;
   }
   FloatArray out;
@@ -55,7 +55,7 @@ int run_attention(const CLI::App& app, const AttentionArgs& args) {
   out.data.resize(q.size() / static_cast<std::size_t>(q.shape[3]) *
                   static_cast<std::size_t>(in.v_dim));
   attention(q.view<4>(), k.view<4>(), v.view<4>(), scheme, opt, out.mutable_view<4>(), pq, pk);
-  write_output(a.out, dtype, out_shape, out.data);
+  write_output(a.out, dtype, in.caller_shape(out_shape), out.data);
   return 0;
 }
 

@@ -129,15 +129,15 @@ void write_grads(const std::string& path, const AttentionInputs& in, const Grads
     return TensorRef{dtype, std::move(shape), data};
   };
   std::map<std::string, TensorRef> tensors;
-  tensors["dq"] = ref(in.q.shape, r.dq);
-  tensors["dk"] = ref(in.k.shape, r.dk);
-  tensors["dv"] = ref(in.v.shape, r.dv);
+  tensors["dq"] = ref(in.caller_shape(in.q.shape), r.dq);
+  tensors["dk"] = ref(in.caller_shape(in.k.shape), r.dk);
+  tensors["dv"] = ref(in.caller_shape(in.v.shape), r.dv);
   for (std::size_t i = 0; i < params.size(); ++i) {
     tensors["d" + params[i].name] = ref(params[i].shape, r.dparams[i]);
   }
   if (with_lse) {
     const auto qd = in.q.dims<4>();
-    tensors["lse"] = ref({qd[0], qd[2], qd[1]}, r.lse);
+    tensors["lse"] = ref(in.caller_shape({qd[0], qd[2], qd[1]}), r.lse);
   }
   write_safetensors(path, tensors, {{"scheme", scheme_name(in.scheme())}});
 }
@@ -148,16 +148,19 @@ int run_attention_grad(const CLI::App& app, const AttentionGradArgs& args) {
   const AttentionArgs& a = in.args;
 
   const NpyView dout_file = map_tensor_input(args.dout, "dout");
-  require_rank(dout_file, 4, "[batch, seq_q, heads_q, head_dim]", args.dout);
+  require_rank(dout_file, in.packed ? 3 : 4,
+               in.packed ? "[total_q, heads_q, head_dim]" : "[batch, seq_q, heads_q, head_dim]",
+               args.dout);
   std::vector<int64_t> out_shape = in.q.shape;  // the output's: v's head dim
   out_shape[3] = in.v_dim;
-  if (dout_file.shape != out_shape) {
-    throw ShapeError(
-        args.dout + ": dout " + shape_string(dout_file.shape) +
-        (in.v_dim == in.q.shape[3]
-             ? " must have the shape of q " + shape_string(in.q.shape) + " (" + a.q + ")"
-             : " must have the shape of the output " + shape_string(out_shape) + " (" + a.q +
-                   " with the head_dim of " + a.v + ")"));
+  if (dout_file.shape != in.caller_shape(out_shape)) {
+    throw ShapeError(args.dout + ": dout " + shape_string(dout_file.shape) +
+                     (in.v_dim == in.q.shape[3]
+                          ? " must have the shape of q " +
+                                shape_string(in.caller_shape(in.q.shape)) + " (" + a.q + ")"
+                          : " must have the shape of the output " +
+                                shape_string(in.caller_shape(out_shape)) + " (" + a.q +
+                                " with the head_dim of " + a.v + ")"));
   }
   // Float64 with --reference, else float32, unless --out-dtype says otherwise (float64 needs
   // --reference).

@@ -133,6 +133,8 @@ void print_table_row(const bench::Result& r, const Context& ctx) {
       line += "  " + key.substr(0, key.size() - 3) + " " + format_fixed(value, 1) + " MiB";
     } else if (key == "vs_none") {
       line += (ratios.empty() ? "  " : ", ") + format_fixed(value, 3) + " x none's time";
+    } else if (key == "vs_separate" || key == "vs_dense" || key == "vs_no_cap") {
+      line += (ratios.empty() ? "  " : ", ") + key + " " + format_fixed(value, 3);
     }
   }
   std::cout << line << std::endl;

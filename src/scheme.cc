@@ -148,6 +148,7 @@ const ModelLayer* Builder::resolve_layer() {
   const ModelLayer& l = model_layer(*b_.model, *s.layer);
   b_.out.window = l.sliding_window;
   b_.out.chunk = l.attention_chunk;
+  b_.out.softcap = l.softcap;
   if (l.softmax_scale > 0) b_.out.scale = l.softmax_scale;
   if (!l.rope) b_.out.query_temperature = l.temperature;
   return &l;

@@ -14,6 +14,7 @@
 #include "posenc/config.h"
 #include "posenc/error.h"
 #include "posenc/rope.h"
+#include "posenc/scheme.h"
 
 namespace posenc {
 namespace {
@@ -242,6 +243,42 @@ TEST(ModelConfig, GemmaExplicitHeadDim) {
   EXPECT_EQ(c.head_dim, 256);  // not 3072 / 16
   EXPECT_EQ(c.rope.rotary_dim, 256);
   EXPECT_EQ(c.max_position_embeddings, 8192);
+}
+
+// Gemma 2 soft-caps its attention logits (attn_logit_softcapping, default 50); Gemma 3 only when
+// the key is set; other families ignore the key, as their code does.
+TEST(ModelConfig, Gemma2Softcap) {
+  const ModelConfig c = load("gemma-2-2b.json");
+  ASSERT_EQ(c.layers.size(), 26u);
+  for (const ModelLayer& l : c.layers) {
+    ASSERT_TRUE(l.softcap.has_value());
+    EXPECT_EQ(*l.softcap, 50.0);
+  }
+  EXPECT_EQ(c.layers[0].sliding_window, 4096);
+  EXPECT_FALSE(c.layers[1].sliding_window.has_value());
+  const std::string base = R"({"model_type": "gemma2", "hidden_size": 64, "num_attention_heads": 2,
+                               "head_dim": 32, "num_hidden_layers": 2, "num_key_value_heads": 1)";
+  const ModelConfig d = parse_model_config(base + "}", "cfg.json");
+  EXPECT_EQ(d.layers[0].softcap, 50.0);  // the class default
+  const ModelConfig n =
+      parse_model_config(base + R"(, "attn_logit_softcapping": null})", "cfg.json");
+  EXPECT_FALSE(n.layers[0].softcap.has_value());
+  const ModelConfig e = parse_model_config(base + R"(, "attn_logit_softcapping": 20})", "cfg.json");
+  EXPECT_EQ(e.layers[1].softcap, 20.0);
+  EXPECT_THROW(parse_model_config(base + R"(, "attn_logit_softcapping": -1})", "cfg.json"),
+               IoError);
+  EXPECT_FALSE(load("gemma-3-1b-it.json").layers[0].softcap.has_value());  // null
+  const ModelConfig l = parse_model_config(
+      R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 2,
+          "attn_logit_softcapping": 30})",
+      "cfg.json");
+  EXPECT_FALSE(l.layers[0].softcap.has_value());
+  // The layer's options carry it into attention.
+  BuiltScheme b =
+      build_scheme({.scheme = "rope", .layer = 1}, {}, &c,
+                   SchemeDims{.heads_q = 8, .heads_kv = 4, .head_dim = 256, .seq_len = 16});
+  EXPECT_EQ(b.options({}).softcap, 50.0);
+  EXPECT_EQ(b.options({.softcap = 7.0}).softcap, 7.0);
 }
 
 TEST(ModelConfig, Qwen2VlSectionedMRope) {

@@ -71,6 +71,37 @@ struct AttentionTemperature {
 // The factor for a query at position `pos`, evaluated as the reference code does (float32).
 double attention_temperature(const AttentionTemperature& t, int64_t pos);
 
+// Block-sparse masks (docs/attention.md, Block masks), on top of causal, window and chunk. The
+// fused kernels evaluate them per tile of queries x keys: a tile no query of which sees any key
+// is skipped (never computed), a tile every cell of which is visible runs without a mask. Each
+// part is optional (an empty view: unset):
+//   documents  query i sees key j only when query_documents[b, i] == key_documents[b, j]
+//              ([batch, seq_q] and [batch, seq_k], both or neither): packed sequences;
+//   prefix     prefix-LM: keys at positions < prefix[...] are seen by every query (of their
+//              document), whatever causal, window and chunk say. [batch] (one prefix length per
+//              row), or, with documents, [num_documents] indexed by the key's document id (ids
+//              then in [0, num_documents));
+//   global     global tokens (Longformer, BigBird): a token at one of these positions sees every
+//              key and is seen by every query (of its document), whatever causal, window and
+//              chunk say;
+//   dense      an arbitrary boolean mask [batch or 1, seq_q, seq_k] (nonzero: may attend) ANDed
+//              with the rest. It costs one byte read per query-key pair (the mask itself,
+//              O(seq_q x seq_k) memory) on top of the attention; tiles it hides entirely are
+//              skipped.
+// visible(i, j) = same document and dense(i, j) and (global(i) or global(j) or prefix(j) or
+//                 causal / window / chunk say so).
+struct BlockMask {
+  View<const int32_t, 2> query_documents, key_documents;
+  View<const int64_t, 1> prefix;
+  std::vector<int64_t> global_positions;
+  View<const uint8_t, 3> dense;
+
+  bool empty() const {
+    return query_documents.data == nullptr && key_documents.data == nullptr &&
+           prefix.data == nullptr && global_positions.empty() && dense.data == nullptr;
+  }
+};
+
 struct AttentionOptions {
   bool causal = false;
   std::optional<double> scale;      // default 1/sqrt(D) (DeBERTa 1/sqrt(3D))
@@ -89,6 +120,12 @@ struct AttentionOptions {
   // float32 and half-precision paths, the widened query times the factor rounded to float32; in
   // float64 in the oracle). The backward's dq is with respect to the unscaled q.
   std::optional<AttentionTemperature> query_temperature;
+  // Logit soft-capping (Gemma 2, Grok): each score s = scale * (q.k + relative-content terms) +
+  // bias becomes softcap * tanh(s / softcap) before the mask and the softmax (sinks are not
+  // capped). softcap > 0; unset: no cap.
+  std::optional<double> softcap;
+  // Document, prefix-LM, global-token and dense masks (BlockMask).
+  BlockMask block_mask;
 };
 
 // Float32 attention, fused: a flash-attention kernel (Highway SIMD, OpenMP threads over
@@ -200,6 +237,51 @@ void attention_backward_naive(View<const float, 4> q, View<const float, 4> k,
                               const Positions* query_positions = nullptr,
                               const Positions* key_positions = nullptr);
 
+// Packed variable-length sequences (FlashAttention's varlen layout): q [total_q, heads_q, D],
+// k and v [total_k, heads_kv, D], sequence s holding queries [cu_seqlens_q[s], cu_seqlens_q[s+1])
+// and keys [cu_seqlens_k[s], cu_seqlens_k[s+1]) (cu_seqlens: num_seqs + 1 offsets, 0 first,
+// non-decreasing, the total last). No token attends across sequences. Positions restart in each
+// sequence: key j of a sequence at j, query i at len_k - len_q + i (the KV-cache convention), or
+// per token as given ([total] ids). A sequence with queries and no keys has fully masked rows
+// (an error unless allowed or with sinks); one with more queries than keys needs positions.
+//
+// PackedSequences turns the layout into one batch row with document ids (BlockMask), so every
+// attention function runs it: attention(as_batch(q), ..., packed.options(opt), as_batch(out),
+// &packed.query_positions, &packed.key_positions) (float32, half, the backward, lse
+// [1, heads_q, total_q]); the fused kernels skip the tiles between sequences, and the scheme's
+// table gradients are summed over all sequences.
+struct PackedSequences {
+  std::vector<int64_t> cu_seqlens_q, cu_seqlens_k;
+  Positions query_positions, key_positions;             // per token, [1, total]
+  std::vector<int32_t> query_documents, key_documents;  // sequence index per token
+  int64_t total_q = 0, total_k = 0;
+
+  // `base` with the documents set (views into this object, which must outlive the call).
+  AttentionOptions options(AttentionOptions base) const;
+};
+
+// Validates cu_seqlens (ValueError naming cu_seqlens_q / cu_seqlens_k and the entry) against the
+// totals and builds the packed layout. query_positions / key_positions: per-token positions
+// ([total] ids, Positions::shared) replacing the restarting defaults, or null.
+PackedSequences pack_sequences(std::vector<int64_t> cu_seqlens_q, std::vector<int64_t> cu_seqlens_k,
+                               int64_t total_q, int64_t total_k,
+                               const Positions* query_positions = nullptr,
+                               const Positions* key_positions = nullptr);
+
+// [total, heads, D] as [1, total, heads, D] (the same memory).
+template <class T>
+View<T, 4> as_batch(const View<T, 3>& x) {
+  return View<T, 4>{x.data,
+                    {1, x.shape[0], x.shape[1], x.shape[2]},
+                    {x.shape[0] * x.stride[0], x.stride[0], x.stride[1], x.stride[2]}};
+}
+
+// Float32 varlen attention (the packed layout above): out [total_q, heads_q, D], and lse
+// [heads_q, total_q] when it has data.
+void attention_varlen(View<const float, 3> q, View<const float, 3> k, View<const float, 3> v,
+                      const PackedSequences& packed, const PositionScheme& scheme,
+                      const AttentionOptions& options, View<float, 3> out, View<float, 2> lse = {});
+
 namespace ref {
 // Float64 parameter tables for the oracle, by parameter name (docs/attention.md, Parameter names).
 // A view with data replaces the scheme's float32 table of the same name (which may then be empty,
@@ -270,6 +352,14 @@ std::vector<double> attention_scores(View<const double, 4> q, View<const double,
                                      const SchemeTables& tables, int64_t batch_index, int64_t head,
                                      const Positions* query_positions = nullptr,
                                      const Positions* key_positions = nullptr);
+
+// The float64 varlen oracle, by definition: each sequence's attention on its own ([1, len, H, D]
+// slices, its positions), concatenated. out [total_q, heads_q, D], lse [heads_q, total_q] when
+// it has data. options.block_mask must be empty (prefix: one per sequence, `prefix` here).
+void attention_varlen(View<const double, 3> q, View<const double, 3> k, View<const double, 3> v,
+                      const PackedSequences& packed, const PositionScheme& scheme,
+                      const AttentionOptions& options, const SchemeTables& tables,
+                      View<double, 3> out, View<double, 2> lse = {});
 }  // namespace ref
 
 }  // namespace posenc

@@ -41,6 +41,9 @@ struct ModelLayer {
   double softmax_scale = 0;  // the score scale the model's code uses (1 / sqrt(D) unless noted)
   std::optional<AttentionTemperature> temperature;  // Llama 4 NoPE layers
   bool attention_sinks = false;  // gpt-oss: one learned logit per head in every softmax denominator
+  // Logit soft-capping (Gemma 2's attn_logit_softcapping; Gemma 3 when set): scores become
+  // softcap * tanh(s / softcap) (AttentionOptions::softcap).
+  std::optional<double> softcap;
 };
 
 struct ModelConfig {

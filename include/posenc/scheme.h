@@ -131,15 +131,18 @@ struct BuiltScheme {
   std::optional<int64_t> window, chunk;
   // Llama 4 NoPE layers: the queries' attention temperature (AttentionOptions::query_temperature).
   std::optional<AttentionTemperature> query_temperature;
+  // The model layer's logit soft-capping (Gemma 2).
+  std::optional<double> softcap;
 
-  // `base` with the model's scale, window, chunk, sinks and query temperature filled in where base
-  // leaves them unset.
+  // `base` with the model's scale, window, chunk, sinks, query temperature and soft-capping
+  // filled in where base leaves them unset.
   AttentionOptions options(AttentionOptions base) const {
     if (!base.scale) base.scale = scale;
     if (!base.window) base.window = window;
     if (!base.chunk) base.chunk = chunk;
     if (base.sinks.data == nullptr) base.sinks = sinks;
     if (!base.query_temperature) base.query_temperature = query_temperature;
+    if (!base.softcap) base.softcap = softcap;
     return base;
   }
 

@@ -183,9 +183,12 @@ def _params(names, tables):
     return {n: _np(t, n) for n, t in zip(names, tables)} or None
 
 
-def _attention_kwargs(options, query_positions, key_positions):
+def _attention_kwargs(options, query_positions, key_positions, masks=()):
     kw = decode(options)
     names = kw.pop("\x00names", [])
+    # Mask tensors (cu_seqlens, documents, prefix, dense mask): named by options' "\x00masks".
+    for name, t in zip(kw.pop("\x00masks", []), masks):
+        kw[name] = _np(t, name)
     if query_positions is not None:
         kw["query_positions"] = _positions(query_positions, "query_positions")
     if key_positions is not None:
@@ -194,17 +197,27 @@ def _attention_kwargs(options, query_positions, key_positions):
 
 
 def _out_shape(q, v):
+    if q.dim() == 3:  # packed sequences: [total_q, heads_q, v_dim]
+        return (q.shape[0], q.shape[1], v.shape[2])
     return (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+
+
+def _lse_shape(q):
+    if q.dim() == 3:  # packed sequences: [heads_q, total_q]
+        return (q.shape[1], q.shape[0])
+    return (q.shape[0], q.shape[2], q.shape[1])
 
 
 # ---- attention ---------------------------------------------------------------------------------
 
 def attention_impl(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
                    query_positions: Optional[Tensor], key_positions: Optional[Tensor],
-                   options: str) -> tuple[Tensor, Tensor]:
-    """out [batch, seq_q, heads_q, v_dim] and lse [batch, heads_q, seq_q]: posenc.attention with
-    return_lse (float32: the fused kernel; float64: the float64 reference)."""
-    kw, names = _attention_kwargs(options, query_positions, key_positions)
+                   masks: list[Tensor], options: str) -> tuple[Tensor, Tensor]:
+    """out [batch, seq_q, heads_q, v_dim] and lse [batch, heads_q, seq_q] (packed sequences:
+    [total_q, heads_q, v_dim] and [heads_q, total_q]): posenc.attention with return_lse
+    (float32: the fused kernel; float64: the float64 reference). masks: the integer / boolean
+    mask arguments named by the options."""
+    kw, names = _attention_kwargs(options, query_positions, key_positions, masks)
     out, lse = _posenc.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"),
                                  params=_params(names, tables), return_lse=True, **kw)
     return torch.from_numpy(out), torch.from_numpy(lse)
@@ -214,16 +227,17 @@ attention = torch.library.custom_op("posenc::attention", attention_impl, mutates
 
 
 @attention.register_fake
-def _(q, k, v, tables, query_positions, key_positions, options):
-    return q.new_empty(_out_shape(q, v)), q.new_empty((q.shape[0], q.shape[2], q.shape[1]))
+def _(q, k, v, tables, query_positions, key_positions, masks, options):
+    return q.new_empty(_out_shape(q, v)), q.new_empty(_lse_shape(q))
 
 
 def attention_backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                        tables: list[Tensor], query_positions: Optional[Tensor],
-                       key_positions: Optional[Tensor], options: str) -> list[Tensor]:
+                       key_positions: Optional[Tensor], masks: list[Tensor],
+                       options: str) -> list[Tensor]:
     """[dq, dk, dv, d<table> for each table]: the fused backward (FlashAttention-2 recomputation
     from out and lse; float64: the reference)."""
-    kw, names = _attention_kwargs(options, query_positions, key_positions)
+    kw, names = _attention_kwargs(options, query_positions, key_positions, masks)
     g = _posenc.attention_grad(_np(q, "q"), _np(k, "k"), _np(v, "v"), _np(dout, "dout"),
                                params=_params(names, tables), out=_np(out, "out"),
                                lse=_np(lse, "lse"), **kw)
@@ -235,25 +249,26 @@ attention_backward = torch.library.custom_op("posenc::attention_backward",
 
 
 @attention_backward.register_fake
-def _(q, k, v, out, lse, dout, tables, query_positions, key_positions, options):
+def _(q, k, v, out, lse, dout, tables, query_positions, key_positions, masks, options):
     return [x.new_empty(x.shape) for x in [q, k, v, *tables]]
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, tables, query_positions, key_positions, options = inputs
+    q, k, v, tables, query_positions, key_positions, masks, options = inputs
     out, lse = output
     ctx.options = options
     ctx.ntables = len(tables)
-    ctx.save_for_backward(q, k, v, out, lse, query_positions, key_positions, *tables)
+    ctx.save_for_backward(q, k, v, out, lse, query_positions, key_positions, *tables, *masks)
 
 
 def _attention_grad(ctx, dout, _dlse):
     # lse carries no gradient: posenc.torch.attention returns it detached.
-    q, k, v, out, lse, query_positions, key_positions, *tables = ctx.saved_tensors
+    q, k, v, out, lse, query_positions, key_positions, *rest = ctx.saved_tensors
+    tables, masks = rest[:ctx.ntables], rest[ctx.ntables:]
     dout = dout.contiguous()
     g = attention_backward(q, k, v, out, lse, dout, tables, query_positions, key_positions,
-                           ctx.options)
-    return g[0], g[1], g[2], list(g[3:]), None, None, None
+                           masks, ctx.options)
+    return g[0], g[1], g[2], list(g[3:]), None, None, [None] * len(masks), None
 
 
 attention.register_autograd(_attention_grad, setup_context=_attention_setup)
@@ -261,10 +276,10 @@ attention.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 def attention_half_impl(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
                    query_positions: Optional[Tensor], key_positions: Optional[Tensor],
-                   options: str) -> Tensor:
+                   masks: list[Tensor], options: str) -> Tensor:
     """The native half-precision forward: k, v bf16 or f16, q of their dtype (out of that dtype)
     or float32 (the mixed kernel, float32 out). No gradient."""
-    kw, names = _attention_kwargs(options, query_positions, key_positions)
+    kw, names = _attention_kwargs(options, query_positions, key_positions, masks)
     half_q = q.dtype in _HALF
     out = _posenc._attention_half(_bits(q, "q") if half_q else _np(q, "q"), _bits(k, "k"),
                                   _bits(v, "v"), params=_params(names, tables),
@@ -277,7 +292,7 @@ attention_half = torch.library.custom_op("posenc::attention_half", attention_hal
 
 
 @attention_half.register_fake
-def _(q, k, v, tables, query_positions, key_positions, options):
+def _(q, k, v, tables, query_positions, key_positions, masks, options):
     return q.new_empty(_out_shape(q, v), dtype=q.dtype if q.dtype in _HALF else torch.float32)
 
 
@@ -503,9 +518,11 @@ def _plain(*tensors):
 
 class _EagerAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, query_positions, key_positions, options, *tables):
-        out, lse = attention_impl(q, k, v, list(tables), query_positions, key_positions, options)
+    def forward(ctx, q, k, v, query_positions, key_positions, masks, options, *tables):
+        out, lse = attention_impl(q, k, v, list(tables), query_positions, key_positions, masks,
+                                  options)
         ctx.options = options
+        ctx.masks = masks
         ctx.save_for_backward(q, k, v, out, lse, query_positions, key_positions, *tables)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -514,23 +531,26 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, query_positions, key_positions, *tables = ctx.saved_tensors
         g = attention_backward_impl(q, k, v, out, lse, dout.contiguous(), tables,
-                                    query_positions, key_positions, ctx.options)
-        return (g[0], g[1], g[2], None, None, None, *g[3:])
+                                    query_positions, key_positions, ctx.masks, ctx.options)
+        return (g[0], g[1], g[2], None, None, None, None, *g[3:])
 
 
-def call_attention(q, k, v, tables, query_positions, key_positions, options):
+def call_attention(q, k, v, tables, query_positions, key_positions, options, masks=()):
     """posenc::attention, or its implementation directly for an eager call (above)."""
-    if not _plain(q, k, v, query_positions, key_positions, *tables):
-        return attention(q, k, v, tables, query_positions, key_positions, options)
+    masks = list(masks)
+    if not _plain(q, k, v, query_positions, key_positions, *tables, *masks):
+        return attention(q, k, v, tables, query_positions, key_positions, masks, options)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tables)):
-        return _EagerAttention.apply(q, k, v, query_positions, key_positions, options, *tables)
-    return attention_impl(q, k, v, tables, query_positions, key_positions, options)
+        return _EagerAttention.apply(q, k, v, query_positions, key_positions, masks, options,
+                                     *tables)
+    return attention_impl(q, k, v, tables, query_positions, key_positions, masks, options)
 
 
-def call_attention_half(q, k, v, tables, query_positions, key_positions, options):
-    if not _plain(q, k, v, query_positions, key_positions, *tables):
-        return attention_half(q, k, v, tables, query_positions, key_positions, options)
-    return attention_half_impl(q, k, v, tables, query_positions, key_positions, options)
+def call_attention_half(q, k, v, tables, query_positions, key_positions, options, masks=()):
+    masks = list(masks)
+    if not _plain(q, k, v, query_positions, key_positions, *tables, *masks):
+        return attention_half(q, k, v, tables, query_positions, key_positions, masks, options)
+    return attention_half_impl(q, k, v, tables, query_positions, key_positions, masks, options)
 
 
 class _EagerRope(torch.autograd.Function):

@@ -76,6 +76,31 @@ def _split_positions(kwargs, *names):
     return kw, tensors
 
 
+# Keywords whose values are integer / boolean arrays: they travel to the ops as tensors (the
+# `masks` argument), named in the options.
+_MASK_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "query_documents", "key_documents", "prefix",
+                  "mask")
+
+
+def _split_masks(kw):
+    """Moves the mask keywords' values out of kw: (names, tensors); their names go to the options
+    as "\x00masks"."""
+    names, tensors = [], []
+    for n in _MASK_KEYWORDS:
+        value = kw.pop(n, None)
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            _require_cpu(value, n)
+        else:
+            value = torch.as_tensor(np.asarray(value))
+        names.append(n)
+        tensors.append(value)
+    if names:
+        kw["\x00masks"] = names
+    return tensors
+
+
 def _split_params(params):
     """params dict -> (names, tensors) in a fixed order."""
     if params is None:
@@ -105,6 +130,12 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_opti
     and a float32 q with half k, v the mixed kernel (float32 out); with gradients (or return_lse)
     the inputs are widened to float32 (differentiably), the float32 path runs and out is cast to
     q's dtype, so gradients come back in each input's dtype. Tables may be half too (widened).
+
+    Packed sequences: q [total_q, heads_q, D], k and v [total_k, heads_kv, D] with cu_seqlens_q
+    and cu_seqlens_k (int tensors [num_seqs + 1]) give out [total_q, heads_q, v_dim] and lse
+    [heads_q, total_q]; positions restart in each sequence. Block masks: query_documents,
+    key_documents, prefix, global_positions, mask (see posenc.attention). Mask tensors travel to
+    the op as its `masks` argument (no gradient).
     """
     for bad in ("out", "lse"):
         if bad in kwargs:
@@ -114,6 +145,7 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_opti
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
         _require_cpu(t, what)
     kw, (qpos, kpos) = _split_positions(kwargs, "query_positions", "key_positions")
+    masks = _split_masks(kw)
     if scheme is not None:
         kw["scheme"] = scheme
     names, tables = _split_params(params)
@@ -128,12 +160,12 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_opti
     if (not grad and not return_lse and k.dtype in _HALF and v.dtype == k.dtype
             and q.dtype in (k.dtype, torch.float32)):
         tables = [t.float() if t.dtype != torch.float32 else t for t in tables]
-        return _ops.call_attention_half(q, k, v, tables, qpos, kpos, options)
+        return _ops.call_attention_half(q, k, v, tables, qpos, kpos, options, masks)
     out_dtype = q.dtype
     dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     q, k, v = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v))
     tables = [t if t.dtype == dtype else t.to(dtype) for t in tables]
-    out, lse = _ops.call_attention(q, k, v, tables, qpos, kpos, options)
+    out, lse = _ops.call_attention(q, k, v, tables, qpos, kpos, options, masks)
     if half_q:
         out = out.to(out_dtype)  # rounded once (autograd casts the gradient back to float32)
     lse = lse.detach()

@@ -111,6 +111,8 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
   c.f64 = inputs == Inputs::kFloat64 ||
           (inputs == Inputs::kAuto && pb::isinstance<pb::array>(q) &&
            pb::reinterpret_borrow<pb::array>(q).dtype().is(pb::dtype::of<double>()));
+  const bool varlen = (kw.contains("cu_seqlens_q") && !kw["cu_seqlens_q"].is_none()) ||
+                      (kw.contains("cu_seqlens_k") && !kw["cu_seqlens_k"].is_none());
   if (inputs == Inputs::kBf16 || inputs == Inputs::kF16) {
     half_inputs(c, inputs, q, k, v);
   } else if (c.f64) {
@@ -123,6 +125,17 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
     c.v = as_array<float>(v, "v");
   }
   for (const auto& [a, what] : {std::pair{&c.q, "q"}, std::pair{&c.k, "k"}, std::pair{&c.v, "v"}}) {
+    if (varlen) {
+      if (a->ndim() != 3) {
+        throw ShapeError(
+            std::string(what) + ": with cu_seqlens expected 3 dimensions " +
+            (what[0] == 'q' ? "[total_q, heads_q, head_dim]" : "[total_k, heads_kv, head_dim]") +
+            ", got " + std::to_string(a->ndim()));
+      }
+      *a = pb::reinterpret_borrow<pb::array>(
+          a->attr("reshape")(pb::make_tuple(1, a->shape(0), a->shape(1), a->shape(2))));
+      continue;
+    }
     if (a->ndim() != 4) {
       throw ShapeError(std::string(what) + ": expected 4 dimensions " +
                        (what[0] == 'q' ? "[batch, seq_q, heads_q, head_dim]"
@@ -137,6 +150,7 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
   }
   if (!scheme.is_none()) c.settings.scheme = scheme.cast<std::string>();
   pb::object params = pb::none();
+  pb::object cu_q = pb::none(), cu_k = pb::none();
   for (auto [key, value] : kw) {
     const std::string name = key.cast<std::string>();
     if (extra.count(name)) {
@@ -154,6 +168,38 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
       c.opt.window = value.cast<int64_t>();
     } else if (name == "chunk") {
       c.opt.chunk = value.cast<int64_t>();
+    } else if (name == "softcap") {
+      c.opt.softcap = value.cast<double>();
+    } else if (name == "cu_seqlens_q") {
+      cu_q = pb::reinterpret_borrow<pb::object>(value);
+    } else if (name == "cu_seqlens_k") {
+      cu_k = pb::reinterpret_borrow<pb::object>(value);
+    } else if (name == "query_documents" || name == "key_documents") {
+      const auto a = int_array<int32_t>(value, name);
+      c.mask_arrays.push_back(a);
+      auto& view =
+          name[0] == 'q' ? c.opt.block_mask.query_documents : c.opt.block_mask.key_documents;
+      view = view_of<const int32_t, 2>(a, name.c_str(),
+                                       name[0] == 'q' ? "[batch, seq_q]" : "[batch, seq_k]");
+    } else if (name == "prefix") {
+      const auto a = int_array<int64_t>(value, name);
+      c.mask_arrays.push_back(a);
+      c.opt.block_mask.prefix =
+          view_of<const int64_t, 1>(a, "prefix", "[batch] or [num_documents]");
+    } else if (name == "global_positions") {
+      const auto a = int_array<int64_t>(value, name);
+      if (a.ndim() != 1) throw ShapeError("global_positions: a list of positions (1 dimension)");
+      const int64_t* p = static_cast<const int64_t*>(a.data());
+      c.opt.block_mask.global_positions.assign(p, p + a.shape(0));
+    } else if (name == "mask") {
+      pb::array a;
+      try {
+        a = pb::array_t<uint8_t, pb::array::c_style | pb::array::forcecast>::ensure(value);
+      } catch (pb::error_already_set&) {
+      }
+      if (!a) throw pb::type_error("mask: a boolean array [batch or 1, seq_q, seq_k]");
+      c.mask_arrays.push_back(a);
+      c.opt.block_mask.dense = view_of<const uint8_t, 3>(a, "mask", "[batch or 1, seq_q, seq_k]");
     } else if (name == "layer") {
       c.settings.layer = value.cast<int64_t>();
     } else if (name == "allow_fully_masked") {
@@ -218,6 +264,26 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
     }
   }
   parse_params(c, params);
+  if (varlen) {
+    if (cu_q.is_none() || cu_k.is_none()) {
+      throw ValueError(std::string(cu_q.is_none() ? "cu_seqlens_q" : "cu_seqlens_k") +
+                       " is missing: packed sequences need cu_seqlens_q and cu_seqlens_k");
+    }
+    auto cu = [](const pb::object& x, const char* what) {
+      const auto a = int_array<int64_t>(x, what);
+      if (a.ndim() != 1) {
+        throw ShapeError(std::string(what) + ": expected 1 dimension [num_seqs + 1], got " +
+                         std::to_string(a.ndim()));
+      }
+      const int64_t* p = static_cast<const int64_t*>(a.data());
+      return std::vector<int64_t>(p, p + a.shape(0));
+    };
+    c.packed = pack_sequences(cu(cu_q, "cu_seqlens_q"), cu(cu_k, "cu_seqlens_k"), c.qshape[1],
+                              c.kshape[1], c.pq(), c.pk());
+    c.opt = c.packed->options(c.opt);
+    c.qp = c.packed->query_positions;
+    c.kp = c.packed->key_positions;
+  }
   // Length for length-dependent RoPE scaling: seq_len=, else the largest position + 1.
   int64_t seq_len = 0;
   if (kw.contains("seq_len") && !kw["seq_len"].is_none()) {
@@ -241,8 +307,18 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
 
 namespace {
 
+// A rank-3 varlen array (dout, the forward's out or lse) as the 4-D call's ([1, ...]).
+pb::object repack(const Call& c, const pb::object& x) {
+  if (!c.packed || x.is_none()) return x;
+  static const pb::object& expand_dims = py_attr("numpy", "expand_dims");
+  return expand_dims(x, 0);
+}
+
 template <class T>
 pb::object forward(Call& c) {
+  if (c.packed && !c.out.is_none()) {
+    throw pb::type_error("attention(): out= is not supported with cu_seqlens (the result is new)");
+  }
   const std::array<int64_t, 3> lshape{c.qshape[0], c.qshape[2], c.qshape[1]};
   pb::object out = c.out.is_none() ? pb::object(new_array<T, 4>(c.oshape())) : c.out;
   const View<T, 4> ov = out_view<T, 4>(out, c.oshape(), "out");
@@ -269,14 +345,18 @@ pb::object forward(Call& c) {
       }
     }
   }
-  if (c.return_lse) return pb::make_tuple(out, lse);
-  return out;
+  if (c.return_lse) return pb::make_tuple(c.unpack(out), c.unpack(lse));
+  return c.unpack(out);
 }
 
 template <class T>
 pb::dict backward(Call& c, const pb::handle& dout_obj) {
   const std::array<int64_t, 3> lshape{c.qshape[0], c.qshape[2], c.qshape[1]};
-  pb::array dout = as_array<T>(dout_obj, "dout");
+  if (c.packed) {
+    c.out = repack(c, c.out);
+    c.lse = repack(c, c.lse);
+  }
+  pb::array dout = as_array<T>(repack(c, pb::reinterpret_borrow<pb::object>(dout_obj)), "dout");
   const auto dov = view4<T>(dout, "dout", "[batch, seq_q, heads_q, head_dim]");
   const auto qv = view4<T>(c.q, "q", ""), kv = view4<T>(c.k, "k", ""), vv = view4<T>(c.v, "v", "");
   // The forward's out and lse: given (as saved by a training framework), else computed here.
@@ -323,9 +403,9 @@ pb::dict backward(Call& c, const pb::handle& dout_obj) {
     }
   }
   pb::dict result;
-  result["dq"] = dq;
-  result["dk"] = dk;
-  result["dv"] = dv;
+  result["dq"] = c.unpack(dq);
+  result["dk"] = c.unpack(dk);
+  result["dv"] = c.unpack(dv);
   for (std::size_t i = 0; i < dparams.size(); ++i) {
     const LearnedParam& p = c.built.learned[i];
     pb::object grad = dparams[i];
@@ -341,7 +421,7 @@ pb::dict backward(Call& c, const pb::handle& dout_obj) {
 
 const char* kAttentionDoc =
     R"doc(attention(q, k, v, scheme=None, *, causal=False, scale=None, window=None, chunk=None,
-          query_positions=None, key_positions=None, params=None, config=None, layer=None,
+          softcap=None, query_positions=None, key_positions=None, params=None, config=None, layer=None,
           allow_fully_masked=False, num_threads=0, return_lse=False, out=None,
           **scheme settings) -> out, or (out, lse) with return_lse=True
 
@@ -361,6 +441,8 @@ d_model]; deberta pos_key, pos_query [2K, heads_q, head_dim]; any scheme: sinks 
 value; lse includes it, and a row with no visible key gives out 0, lse = sink).
 window: sliding window w (key visible iff |rel| < w); chunk: chunked local attention c (Llama 4:
 key visible iff floor(pos_k / c) == floor(pos_q / c)), both on top of causal.
+softcap: logit soft-capping C > 0 (Gemma 2): each score s, scale and positional bias included,
+becomes C * tanh(s / C) before the mask and softmax (a Gemma 2 config layer sets it).
 config: a model config.json path, dict or ModelConfig: scheme and settings from the model.
 layer: with config, the decoder layer whose attention to use (required when the model's layers
 differ): its RoPE (none on a Llama 4 NoPE layer, whose queries are then scaled by the attention

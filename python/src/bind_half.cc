@@ -82,17 +82,21 @@ pb::object attention_half(Call& c) {
     pb::array_t<uint16_t> out = new_bits(shape);
     const View<H, 4> ov = view_of<H, 4>(out, "out", "");
     const auto qv = view4<H>(c.q, "q", "");
-    pb::gil_scoped_release release;
-    attention(qv, kv, vv, c.built.scheme, c.opt, ov, c.pq(), c.pk());
-    return std::move(out);
+    {
+      pb::gil_scoped_release release;
+      attention(qv, kv, vv, c.built.scheme, c.opt, ov, c.pq(), c.pk());
+    }
+    return c.unpack(std::move(out));
   }
   // float32 q: the mixed path (float32 out).
   pb::array_t<float> out = new_array<float, 4>(oshape);
   const View<float, 4> ov = mutable_view<float, 4>(out);
   const auto qv = view4<float>(c.q, "q", "");
-  pb::gil_scoped_release release;
-  attention(qv, kv, vv, c.built.scheme, c.opt, ov, c.pq(), c.pk());
-  return std::move(out);
+  {
+    pb::gil_scoped_release release;
+    attention(qv, kv, vv, c.built.scheme, c.opt, ov, c.pq(), c.pk());
+  }
+  return c.unpack(std::move(out));
 }
 
 template <class H>

@@ -40,6 +40,20 @@ struct Call {
   // Half precision (Inputs::kBf16 / kF16): k and v hold the half bits; q holds them too when
   // q_half (the result is then half too), else q is float32 (the mixed path, float32 out).
   bool q_half = false;
+  // Packed variable-length sequences (cu_seqlens_q / cu_seqlens_k): q, k, v arrive as
+  // [total, heads, D] and are held as [1, total, heads, D]; outputs go back to rank 3.
+  std::optional<PackedSequences> packed;
+  // Block-mask arrays (int32 documents, int64 prefix, uint8 dense) the option views point into.
+  std::vector<pb::array> mask_arrays;
+
+  // An output of the 4-D call in the caller's layout: out [1, total_q, H, D] -> [total_q, H, D],
+  // lse [1, H, total_q] -> [H, total_q], gradients likewise (unchanged without packing).
+  pb::object unpack(const pb::object& x) const {
+    if (!packed || x.is_none()) return x;
+    pb::array a = pb::reinterpret_borrow<pb::array>(x);
+    std::vector<pb::ssize_t> shape(a.shape() + 1, a.shape() + a.ndim());
+    return a.attr("reshape")(pb::cast(shape));
+  }
 
   // The output's shape: q's with v's head dim (narrower under multi-head latent attention).
   std::array<int64_t, 4> oshape() const { return {qshape[0], qshape[1], qshape[2], vshape[3]}; }

@@ -44,6 +44,35 @@ bool viewable(const pb::array& a) {
   return true;
 }
 
+// `obj` (an integer array, sequence or scalar) as a C-contiguous array of the integer type T.
+// TypeError naming `what` for floats, booleans and objects NumPy cannot convert; ValueError for
+// values T cannot hold.
+template <class T>
+pb::array int_array(const pb::handle& obj, const std::string& what) {
+  static const pb::object& asarray = py_attr("numpy", "asarray");
+  pb::array a;
+  try {
+    a = asarray(obj);
+  } catch (pb::error_already_set& e) {
+    throw pb::type_error(what + ": expected integers (" + e.what() + ")");
+  }
+  const char kind = a.dtype().kind();
+  if (kind != 'i' && kind != 'u' && !(a.size() == 0 && kind == 'f')) {
+    throw pb::type_error(what + ": expected integers, got dtype " +
+                         pb::str(a.dtype()).cast<std::string>());
+  }
+  static const pb::object& iinfo = py_attr("numpy", "iinfo");
+  if (a.size() > 0) {
+    const auto lo = a.attr("min")().cast<long double>(), hi = a.attr("max")().cast<long double>();
+    const pb::object info = iinfo(pb::dtype::of<T>());
+    if (lo < info.attr("min").cast<long double>() || hi > info.attr("max").cast<long double>()) {
+      throw ValueError(what + ": values out of range for " +
+                       pb::str(pb::dtype::of<T>()).cast<std::string>());
+    }
+  }
+  return pb::array_t<T, pb::array::c_style | pb::array::forcecast>::ensure(a);
+}
+
 // `obj` as an array of T that can be viewed in place: itself when possible, else one converted
 // C-contiguous copy. TypeError (naming `what`) for objects NumPy cannot convert.
 template <class T>

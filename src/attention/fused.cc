@@ -11,6 +11,7 @@
 #include <variant>
 #include <vector>
 
+#include "attention/block_mask.h"
 #include "attention/half.h"
 #include "attention/model_inputs.h"
 #include "attention/prepared.h"
@@ -38,10 +39,13 @@ bool all_finite(const View<float, 4>& x) {
 
 // Rejects (or, when allowed, leaves to the kernel's zero output) query rows that see no key:
 // O((seq_q + seq_k) log seq_k) per batch row with the key positions sorted.
+// With block masks the kernel reports such rows (FusedAttentionParams::empty_row) and
+// report_fully_masked names the first.
 void check_fully_masked(const Problem<float>& pr) {
   const Dims& d = pr.d;
   // With sinks a row without visible keys is well defined (all weight on the sink).
   if (pr.opt.allow_fully_masked || d.seq_q == 0 || pr.opt.sinks.data != nullptr) return;
+  if (!pr.opt.block_mask.empty()) return;
   const detail::MaskRule mask = mask_rule(pr.opt);
   for (int64_t b = 0; b < d.batch; ++b) {
     std::vector<int64_t> ks(static_cast<std::size_t>(d.seq_k));
@@ -60,12 +64,37 @@ void check_fully_masked(const Problem<float>& pr) {
   }
 }
 
+// The first query row that sees no key under the block masks (the kernel found one).
+[[noreturn]] void report_fully_masked(const Problem<float>& pr, const TokenMask& mask) {
+  const Dims& d = pr.d;
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t i = 0; i < d.seq_q; ++i) {
+      const int64_t pq = pr.qp.at(b, i);
+      bool any = false;
+      for (int64_t j = 0; j < d.seq_k && !any; ++j) any = mask.visible(b, i, j, pq, pr.kp.at(b, j));
+      if (!any) {
+        fail("attention: query " + std::to_string(i) + " (batch " + std::to_string(b) +
+             ", position " + std::to_string(pq) +
+             ") sees no key under the mask; allow_fully_masked gives 0 for such rows");
+      }
+    }
+  }
+  fail("attention: a query sees no key under the mask; allow_fully_masked gives 0 for such rows");
+}
+
+// Whether the kernel must report rows without a visible key (block masks: check_fully_masked
+// leaves them to it).
+bool reports_empty_rows(const Problem<float>& pr) {
+  return !pr.opt.block_mask.empty() && !pr.opt.allow_fully_masked && pr.opt.sinks.data == nullptr;
+}
+
 // The kernels' view of a call, shared by the fused forward and backward: positions as int32
 // offsets from a per-row base, each row's largest distance, the sinks, and the storage of the
 // term's tables.
 struct FusedTables {
   std::vector<int32_t> qpos, kpos, dmax;
   std::vector<float> sinks;
+  TokenMask mask;
   std::deque<std::vector<float>> f32;
   std::deque<std::vector<int32_t>> i32;
   std::deque<hwy::AlignedFreeUniquePtr<double[]>> f64;
@@ -124,7 +153,18 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   fp.heads_kv = d.heads_kv;
   fp.head_dim = d.head_dim;
   fp.scale = static_cast<float>(p.scale);
+  fp.softcap = static_cast<float>(pr.opt.softcap.value_or(0.0));
   fp.mask = mask_rule(pr.opt);
+  tab.mask = make_token_mask(pr);
+  const TokenMask& tm = tab.mask;
+  if (!tm.qdoc.empty()) fp.qdoc = tm.qdoc.data(), fp.kdoc = tm.kdoc.data();
+  if (!tm.qopen.empty()) fp.qopen = tm.qopen.data();
+  if (!tm.kopen.empty()) fp.kopen = tm.kopen.data();
+  if (tm.dense.data != nullptr) {
+    fp.dense = tm.dense.data;
+    fp.dense_stride = {tm.dense_broadcast ? 0 : tm.dense.stride[0], tm.dense.stride[1],
+                       tm.dense.stride[2]};
+  }
   if (pr.opt.sinks.data != nullptr) {
     tab.sinks.resize(static_cast<std::size_t>(d.heads_q));
     for (int64_t h = 0; h < d.heads_q; ++h) {
@@ -179,7 +219,10 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
     fp.lse = lse->data;
     fp.lse_stride = {lse->stride[0], lse->stride[1], lse->stride[2]};
   }
+  int empty = 0;
+  if (reports_empty_rows(pr)) fp.empty_row = &empty;
   kernels::fused_attention(fp);
+  if (empty != 0) report_fully_masked(pr, tables.mask);
   return true;
 }
 
@@ -309,7 +352,10 @@ bool detail::attention_fused_storage(const StorageViews& s, const PositionScheme
   }
   int nan_score = 0;
   fp.nan_score = &nan_score;
+  int empty = 0;
+  if (attn::reports_empty_rows(pr)) fp.empty_row = &empty;
   kernels::fused_attention(fp);
+  if (empty != 0) attn::report_fully_masked(pr, tables.mask);
   if (nan_score != 0) return false;
   if (fp.out_type == DType::kF32) return all_finite(s.out);
   // Half output: an infinity or NaN may come from the float32 result (the widened path reports

@@ -25,6 +25,9 @@ struct MaskRule {
   bool causal = false;
   int64_t window = 0;  // 0: no window
   int64_t chunk = 0;   // 0: no chunks
+  // Some tokens see past the rule (block masks' prefix and global tokens): distances are not
+  // bounded by it (clip_distances leaves them).
+  bool opens = false;
 
   constexpr bool visible(int64_t pos_q, int64_t pos_k) const {
     const int64_t rel = pos_k - pos_q;
@@ -57,6 +60,7 @@ struct MaskRule {
   // window can leave visible (chunks bound no distance beyond the window's). dlo > dhi after it:
   // none.
   constexpr void clip_distances(int64_t& dlo, int64_t& dhi) const {
+    if (opens) return;
     if (causal) dlo = std::max<int64_t>(dlo, 0);
     if (window > 0) {
       dlo = std::max<int64_t>(dlo, 1 - window);

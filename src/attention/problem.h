@@ -175,6 +175,10 @@ Problem<T> make_problem(View<const T, 4> q, View<const T, 4> k, View<const T, 4>
     fail("attention: chunk must be >= 1 (got " + std::to_string(*opt.chunk) + ")");
   }
   if (opt.num_threads < 0) fail("attention: num_threads must be >= 0");
+  if (opt.softcap && !(std::isfinite(*opt.softcap) && *opt.softcap > 0)) {
+    fail("attention: softcap must be a finite number > 0 (got " + std::to_string(*opt.softcap) +
+         ")");
+  }
   if (!query_positions && d.seq_q > d.seq_k) {
     fail("attention: query length (" + std::to_string(d.seq_q) + ") exceeds key length (" +
          std::to_string(d.seq_k) +
@@ -208,7 +212,11 @@ inline RowSpan row_span(const Positions& qp, const Positions& kp, int64_t b, int
 }
 
 inline detail::MaskRule mask_rule(const AttentionOptions& opt) {
-  return {.causal = opt.causal, .window = opt.window.value_or(0), .chunk = opt.chunk.value_or(0)};
+  return {
+      .causal = opt.causal,
+      .window = opt.window.value_or(0),
+      .chunk = opt.chunk.value_or(0),
+      .opens = opt.block_mask.prefix.data != nullptr || !opt.block_mask.global_positions.empty()};
 }
 
 template <class T, std::size_t R>

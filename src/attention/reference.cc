@@ -14,6 +14,7 @@
 #include <variant>
 #include <vector>
 
+#include "attention/block_mask.h"
 #include "attention/model_inputs.h"
 #include "attention/prepared.h"
 
@@ -75,6 +76,10 @@ void score_row(const Problem<T>& pr, const Prepared<T>& p, const Term& term, con
     term.score(c, content, bias);
     s[j] = scale * content + bias;
   }
+  if (pr.opt.softcap) {
+    const T cap = static_cast<T>(*pr.opt.softcap);
+    for (int64_t j = 0; j < pr.d.seq_k; ++j) s[j] = cap * std::tanh(s[j] / cap);
+  }
 }
 
 [[noreturn]] void fail_fully_masked(int64_t b, int64_t i, int64_t pq) {
@@ -87,7 +92,7 @@ template <class T, class Term>
 void forward_rows(const Problem<T>& pr, const Prepared<T>& p, const Term& term, View<T, 4> out,
                   const View<T, 3>* lse) {
   const Dims& d = pr.d;
-  const detail::MaskRule mask = mask_rule(pr.opt);
+  const TokenMask mask = make_token_mask(pr);
   const Rows<T> rows(pr, p);
   std::vector<T> s(static_cast<std::size_t>(d.seq_k));
   std::vector<T> acc(static_cast<std::size_t>(d.head_dim));
@@ -100,7 +105,7 @@ void forward_rows(const Problem<T>& pr, const Prepared<T>& p, const Term& term, 
         const int64_t pq = pr.qp.at(b, i);
         T mx = kNegInf<T>;
         for (int64_t j = 0; j < d.seq_k; ++j) {
-          if (!mask.visible(pq, pr.kp.at(b, j))) {
+          if (!mask.visible(b, i, j, pq, pr.kp.at(b, j))) {
             s[static_cast<std::size_t>(j)] = kNegInf<T>;
           } else {
             mx = std::max(mx, s[static_cast<std::size_t>(j)]);
@@ -151,11 +156,13 @@ void backward_rows(const Problem<T>& pr, const Prepared<T>& p, const Term& term,
                    const View<const T, 4>& out, const View<const T, 3>& lse,
                    const View<const T, 4>& dout, const AttentionGradsOf<T>& g) {
   const Dims& d = pr.d;
-  const detail::MaskRule mask = mask_rule(pr.opt);
+  const TokenMask mask = make_token_mask(pr);
   const Rows<T> rows(pr, p);
   const int64_t dim = d.head_dim;
   const auto ud = [](int64_t x) { return static_cast<std::size_t>(x); };
   const T scale = static_cast<T>(p.scale);
+  const bool capped = pr.opt.softcap.has_value();
+  const T cap = static_cast<T>(pr.opt.softcap.value_or(1.0));
   // Rotated q and k (RoPE): their gradients first, rotated back by the term at the end.
   const bool rotated = !p.q_rot.empty();
   std::vector<T> dq_rot, dk_rot;
@@ -185,7 +192,7 @@ void backward_rows(const Problem<T>& pr, const Prepared<T>& p, const Term& term,
         }
         std::fill(dq_acc.begin(), dq_acc.end(), T(0));
         for (int64_t j = 0; j < d.seq_k; ++j) {
-          if (!mask.visible(pq, pr.kp.at(b, j))) continue;
+          if (!mask.visible(b, i, j, pq, pr.kp.at(b, j))) continue;
           const T pj = std::exp(s[ud(j)] - l);
           if (pj == T(0)) continue;
           const Cell<T> c = rows.cell(pr, b, h, i, j);
@@ -196,7 +203,12 @@ void backward_rows(const Problem<T>& pr, const Prepared<T>& p, const Term& term,
             g.dv(b, j, hk, x) += pj * dout(b, i, h, x);
           }
           term.value_dp(c, dorow, dos, dp);
-          const T ds = pj * (dp - dsum);
+          T ds = pj * (dp - dsum);
+          if (capped) {
+            // d(cap tanh(x / cap)) / dx = 1 - tanh^2, from the capped score.
+            const T t = s[ud(j)] / cap;
+            ds *= T(1) - t * t;
+          }
           const T sds = scale * ds;
           // The content term q . k (XL: (q + u) . k).
           CellGrads<T> cg{dq_acc.data(), &dk(b, j, hk, 0), dk.stride[3], dorow, dos, g};

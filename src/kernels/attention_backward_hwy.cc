@@ -32,9 +32,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "kernels/attention_kernels.h"
+#include "kernels/block_mask.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
 
@@ -90,6 +92,7 @@ class BackwardKernel {
         tile_max_[static_cast<size_t>(bb * ntiles_ + t)] = hi;
       }
     }
+    tiles_ = std::make_unique<TileMasks>(p_, kTileK, tile_min_.data(), tile_max_.data());
     shaw_ = p_.shaw_rel_k != nullptr;
     nrel_ = shaw_ ? 2 * p_.shaw_k + 1 : 0;
     deberta_ = p_.deberta_pos_key != nullptr;
@@ -666,6 +669,10 @@ class BackwardKernel {
     hwy::AlignedFreeUniquePtr<int32_t[]> addr2_buf;
     hwy::AlignedFreeUniquePtr<int32_t[]> kpt_buf;
     int32_t *addr, *addr2, *kpt;
+    // Block masks: the tile's key documents and open flags, one row of the dense mask, and the
+    // current query block.
+    hwy::AlignedFreeUniquePtr<int32_t[]> kdoc_buf, kopen_buf, dense_buf;
+    int64_t blk_i0 = 0, blk_nq = 0;
     std::vector<int32_t> qpos;
     std::vector<int32_t> p2c_u;
     std::vector<int32_t> p2c_run;
@@ -693,8 +700,10 @@ class BackwardKernel {
     float *kp, *ktr, *vtr, *dkt, *dvt;
   };
 
-  // Whether a query block with positions [qmin, qmax] sees any key of tile t.
+  // Whether a query block with positions [qmin, qmax] may see a key of tile t by the causal,
+  // window and chunk limits (every tile when block masks open some tokens past them).
   bool Visits(const ItemState& st, int32_t qmin, int32_t qmax, int64_t t) const {
+    if (tiles_->Opens()) return true;
     const int32_t tmin = tile_min_[static_cast<size_t>(st.bb * ntiles_ + t)];
     const int32_t tmax = tile_max_[static_cast<size_t>(st.bb * ntiles_ + t)];
     return !p_.mask.hides_block(qmin, qmax, tmin, tmax);
@@ -1183,9 +1192,21 @@ class BackwardKernel {
     {
       const DI di;
       const auto vs = hn::Set(d, scale), vninf = hn::Set(d, kNegInf);
-      const RowMask row_mask(p_.mask, pq);
+      RowMask row_mask(p_.mask, pq);
+      if (tiles_->Any()) {
+        const int64_t i = st.blk_i0 + r % st.blk_nq, qat = bb * p_.seq_q + i;
+        if (p_.dense != nullptr) {
+          if (!st.dense_buf) st.dense_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kt));
+          FillDenseLanes(p_, bb, i, tile.j0, tile.nk, kt, st.dense_buf.get());
+        }
+        row_mask.SetBlock(p_.qdoc != nullptr ? p_.qdoc[qat] : 0,
+                          p_.qopen != nullptr && p_.qopen[qat] != 0,
+                          {p_.kdoc != nullptr ? st.kdoc_buf.get() : nullptr,
+                           p_.kopen != nullptr ? st.kopen_buf.get() : nullptr,
+                           p_.dense != nullptr ? st.dense_buf.get() : nullptr});
+      }
       for (int64_t c = 0; c < kt; c += lanes_) {
-        const auto vis = row_mask.Visible(d, hn::Load(di, kpt + c));
+        const auto vis = row_mask.VisibleAt(d, hn::Load(di, kpt + c), c);
         const auto x = hn::Mul(hn::Load(d, srow + c), vs);
         hn::Store(hn::IfThenElse(vis, x, vninf), d, srow + c);
       }
@@ -1314,6 +1335,15 @@ class BackwardKernel {
       }
       srow[c] = x;
     }
+    if (p_.softcap > 0.0f) {
+      // Soft-capping of the finished scores; masked cells stay -inf.
+      const auto vcap = hn::Set(d, p_.softcap), vninf = hn::Set(d, kNegInf);
+      for (int64_t c = 0; c < kt; c += lanes_) {
+        const auto x = hn::Load(d, srow + c);
+        const auto capped = hn::Mul(vcap, hn::Tanh(d, hn::Div(x, vcap)));
+        hn::Store(hn::IfThenElse(hn::Eq(x, vninf), x, capped), d, srow + c);
+      }
+    }
     at = RowAt{srow, drow, h, pq, xl_u0, xl_fast, deb_one, deb_diag, deb_g, deb_a, deb_w};
     return true;
   }
@@ -1350,10 +1380,20 @@ class BackwardKernel {
     const auto deb_a = at.deb_a;
     const auto deb_w = at.deb_w;
     const auto vl = hn::Set(d, lse[r]), vd = hn::Set(d, dsum[r]);
+    const bool capped = p_.softcap > 0.0f;
+    const auto vcap = hn::Set(d, p_.softcap), vone = hn::Set(d, 1.0f);
     for (int64_t c = 0; c < kt; c += lanes_) {
-      const auto pv = hn::Exp(d, hn::Sub(hn::Load(d, srow + c), vl));  // exp(-inf) = 0
+      const auto x = hn::Load(d, srow + c);
+      const auto pv = hn::Exp(d, hn::Sub(x, vl));  // exp(-inf) = 0
       hn::Store(pv, d, srow + c);
-      hn::Store(hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd)), d, drow + c);
+      auto ds = hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd));
+      if (capped) {
+        // Through the cap: d(cap tanh(y / cap)) / dy = 1 - t^2, t = x / cap from the capped
+        // score x (clamped: a masked cell, x = -inf, gets 0).
+        const auto t = hn::Min(hn::Max(hn::Div(x, vcap), hn::Neg(vone)), vone);
+        ds = hn::Mul(ds, hn::NegMulAdd(t, t, vone));
+      }
+      hn::Store(ds, d, drow + c);
     }
     // Per-cell gradients of the scheme's terms (dS unscaled for biases, scaled below).
     if (b_.dbias != nullptr) {
@@ -1550,9 +1590,18 @@ class BackwardKernel {
     PlanItem(st);
     for (int64_t i0 = 0; i0 < p_.seq_q; i0 += nq_) {
       const Block blk = LoadBlock(st, i0);
+      const QueryBlockInfo qinfo = tiles_->Queries(st.bb, i0, blk.nq);
+      st.blk_i0 = i0, st.blk_nq = blk.nq;
       for (int64_t t = 0; t < ntiles_; ++t) {
-        if (!Visits(st, blk.qmin, blk.qmax, t)) continue;
+        if (tiles_->Classify(qinfo, st.bb, t, i0, blk.nq) == TileKind::kHidden) continue;
         const Tile tile = LoadTile(st, blk, t);
+        if (p_.kdoc != nullptr || p_.kopen != nullptr) {
+          if (!st.kdoc_buf) {
+            st.kdoc_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+            st.kopen_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+          }
+          FillKeyLanes(p_, st.bb, tile.j0, tile.nk, kTileK, st.kdoc_buf.get(), st.kopen_buf.get());
+        }
         for (int64_t r = 0; r < blk.rp; ++r) {
           RowAt at;
           if (TileRowScores(st, tile, r, at)) TileRowGrads(st, tile, r, at);
@@ -1568,6 +1617,7 @@ class BackwardKernel {
   const FusedAttentionParams& p_;
   int64_t lanes_ = 0, dim_ = 0, dpad_ = 0, group_ = 1, nq_ = 1, rp_max_ = 4, ntiles_ = 0;
   std::vector<int32_t> tile_min_, tile_max_;
+  std::unique_ptr<TileMasks> tiles_;  // block masks per tile
   std::vector<int32_t> deb_run_end_;  // DeBERTa: see the constructor
   std::vector<uint8_t> deb_lin_;
   int64_t deb_step_ = -1, deb_b_lo_ = std::numeric_limits<int64_t>::max(), deb_b_hi_ = -1;

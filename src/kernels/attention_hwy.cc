@@ -31,11 +31,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "kernels/attention_kernels.h"
 #include "kernels/bf16_dot.h"
+#include "kernels/block_mask.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
 #include "posenc/half.h"
@@ -68,6 +70,8 @@ constexpr int8_t kConst = 0, kLinear = 1, kGather = 2;
 struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> qp, kt, vt, s, o, extra, extra2, part;
   hwy::AlignedFreeUniquePtr<int32_t[]> kpos;
+  // Block masks: the tile's key documents and open flags, and one row of the dense mask.
+  hwy::AlignedFreeUniquePtr<int32_t[]> kdoc, kopen, dense;
   std::vector<float> m, l, wsum;
   std::vector<uint64_t> seen;                // decoding: SeenKeys
   hwy::AlignedFreeUniquePtr<uint16_t[]> qb;  // decoding with vdpbf16ps: bf16 query rows
@@ -139,6 +143,7 @@ class ForwardKernel {
         tile_consec_[at] = consec;
       }
     }
+    tiles_ = std::make_unique<TileMasks>(p, kTileK, tile_min_.data(), tile_max_.data());
     if (p.deberta_pos_key != nullptr) PrepareDeberta();
     if (p.xl_sin != nullptr) PrepareXl();
   }
@@ -174,7 +179,7 @@ class ForwardKernel {
     }
     chunk_ = RoundUp((p_.seq_k + splits_ - 1) / splits_, kTileK);
     splits_ = (p_.seq_k + chunk_ - 1) / chunk_;
-    if (!use_dot_ && nqb_ * splits_ >= 2 * threads) {
+    if (!use_dot_ && nqb_ * splits_ >= 2 * threads && SharedTilesPay()) {
       // Enough work inside one (batch row, kv head): transpose its keys once into tiles shared
       // by all query blocks, pack its values likewise (see PackValueTile), then run the blocks in
       // parallel. Memory: seq_k x (head_dim + dpad) floats.
@@ -223,6 +228,25 @@ class ForwardKernel {
     } else {
       RunItems(0, units * nqb_, threads, nullptr);
     }
+  }
+
+  // Whether transposing and packing every key tile of a group once (shared by its query blocks)
+  // costs less than each block packing the tiles it visits: block masks (documents) can leave
+  // each tile to a block or two, and per-block packing then also runs every group's items in one
+  // parallel loop. Decided from the shape and the masks alone (thread-count independent).
+  bool SharedTilesPay() const {
+    if (!tiles_->Any()) return true;
+    int64_t visits = 0;
+    for (int64_t b = 0; b < p_.batch; ++b) {
+      for (int64_t qb = 0; qb < nqb_; ++qb) {
+        const int64_t i0 = qb * bq_, nq = std::min(bq_, p_.seq_q - i0);
+        const QueryBlockInfo q = tiles_->Queries(b, i0, nq);
+        for (int64_t t = 0; t < ntiles_; ++t) {
+          visits += tiles_->Classify(q, b, t, i0, nq) != TileKind::kHidden;
+        }
+      }
+    }
+    return visits >= 4 * p_.batch * ntiles_;
   }
 
   // Runs items [w0, w0 + count): directly, or with their keys split and merged.
@@ -752,11 +776,15 @@ class ForwardKernel {
     if (vt_all == nullptr) Scratch::Ensure(sc.vt, sc.vt_n, static_cast<size_t>(kTileK * dpad_));
     if (!sc.kpos) sc.kpos = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
 
-    // Query positions of the block: the causal / window tile tests.
-    int32_t qlo = std::numeric_limits<int32_t>::max(), qhi = std::numeric_limits<int32_t>::min();
-    for (int64_t i = it.i0; i < it.i0 + it.nq; ++i) {
-      qlo = std::min(qlo, p_.qpos[it.b * p_.seq_q + i]);
-      qhi = std::max(qhi, p_.qpos[it.b * p_.seq_q + i]);
+    // The block's queries: the tile tests (causal, window, chunk, block masks).
+    const QueryBlockInfo qinfo = tiles_->Queries(it.b, it.i0, it.nq);
+    const bool key_lanes = p_.kdoc != nullptr || p_.kopen != nullptr;
+    if (key_lanes && !sc.kdoc) {
+      sc.kdoc = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+      sc.kopen = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
+    }
+    if (p_.dense != nullptr && !sc.dense) {
+      sc.dense = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
     }
     const int64_t vat = it.b * p_.v_stride[0] + it.hk * p_.v_stride[2];
     const float* vbase = p_.v == nullptr ? nullptr : p_.v + vat;
@@ -764,10 +792,11 @@ class ForwardKernel {
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
       const int64_t t = j0 / kTileK;
       const size_t ta = static_cast<size_t>(it.b * ntiles_ + t);
-      const int32_t klo = tile_min_[ta], khi = tile_max_[ta];
-      // Skip tiles the mask hides for every row of the block.
-      if (p_.mask.hides_block(qlo, qhi, klo, khi)) continue;
+      // Skip tiles the masks hide for every row of the block.
+      const TileKind kind = tiles_->Classify(qinfo, it.b, t, it.i0, it.nq);
+      if (kind == TileKind::kHidden) continue;
       const int64_t nk = std::min(kTileK, j_end - j0);
+      if (key_lanes) FillKeyLanes(p_, it.b, j0, nk, kTileK, sc.kdoc.get(), sc.kopen.get());
       if (vt_all != nullptr && j0 + kTileK < j_end) {
         // The group's next key and value tiles toward L2 while this one is computed (measured
         // faster for causal prefill, whose tiles come from L3; docs/performance.md).
@@ -775,7 +804,7 @@ class ForwardKernel {
         prefetch_l2(vt_all + (t + 1) * kTileK * dpad_, kTileK * dpad_ * sizeof(float));
       }
       // A full tile: every cell visible, no mask to apply.
-      const bool full = nk == kTileK && p_.mask.shows_block(qlo, qhi, klo, khi);
+      const bool full = nk == kTileK && kind == TileKind::kFull;
       // Few rows (decoding): dot products against the key rows beat transposing the tile.
       const bool dot = use_dot_;
       const float* kt = kt_all != nullptr ? kt_all + t * dim_ * kTileK : sc.kt.get();
@@ -983,6 +1012,8 @@ class ForwardKernel {
     const int64_t h = HeadOf(it, r);
     const int32_t qp = QPos(it, r);
     const auto vscale = hn::Set(d, p_.scale);
+    const bool capped = p_.softcap > 0.0f;
+    const auto vcap = hn::Set(d, p_.softcap);
     const int32_t* kp = sc.kpos.get();
     const DistanceBiasRow<const float> bias(p_, p_.bias, it.b, h, qp);
     int32_t deb_off = 0;
@@ -1012,7 +1043,18 @@ class ForwardKernel {
     }
     auto vmax = hn::Set(d, kNegInf);
     auto nan = hn::Zero(d);
-    const RowMask row_mask(p_.mask, qp);
+    RowMask row_mask(p_.mask, qp);
+    if (!full && tiles_->Any()) {
+      const int64_t qat = it.b * p_.seq_q + QueryOf(it, r);
+      if (p_.dense != nullptr) {
+        FillDenseLanes(p_, it.b, QueryOf(it, r), j0, nk, kTileK, sc.dense.get());
+      }
+      row_mask.SetBlock(p_.qdoc != nullptr ? p_.qdoc[qat] : 0,
+                        p_.qopen != nullptr && p_.qopen[qat] != 0,
+                        {p_.kdoc != nullptr ? sc.kdoc.get() : nullptr,
+                         p_.kopen != nullptr ? sc.kopen.get() : nullptr,
+                         p_.dense != nullptr ? sc.dense.get() : nullptr});
+    }
     // Lane offsets 0..n-1, built once per row (Iota may go through memory).
     const auto lane_iota = hn::Iota(di, 0);
     for (int64_t c = 0; c < kTileK; c += n) {
@@ -1060,12 +1102,13 @@ class ForwardKernel {
         sv = hn::Add(
             sv, DebertaTerms(r, j0, c, consec, deb_off, kp, kpq_bh, diag_bh, lane_iota, rt, sc));
       }
+      if (capped) sv = hn::Mul(vcap, hn::Tanh(d, hn::Div(sv, vcap)));
       // Visible scores must be finite: NaN or an overflow to +-inf would otherwise turn into a
       // silent 0 (exp of NaN is 0 here) instead of an error.
       auto bad = hn::Not(hn::IsFinite(sv));
       if (!full) {
         const auto vis = hn::And(hn::FirstN(d, static_cast<size_t>(std::max<int64_t>(0, nk - c))),
-                                 row_mask.Visible(d, hn::Load(di, kp + c)));
+                                 row_mask.VisibleAt(d, hn::Load(di, kp + c), c));
         bad = hn::And(bad, vis);
         sv = hn::IfThenElse(vis, sv, hn::Set(d, kNegInf));
       }
@@ -1146,6 +1189,9 @@ class ForwardKernel {
       float l = sc.l[static_cast<size_t>(r)];
       float m = sc.m[static_cast<size_t>(r)];
       const float* o = sc.o.get() + r * dpad_;
+      if (l == 0.0f && p_.empty_row != nullptr) {
+        __atomic_store_n(p_.empty_row, 1, __ATOMIC_RELAXED);
+      }
       // An attention sink joins the denominator only: O (relative to m) is rescaled to the new
       // maximum and divided by the larger sum.
       float o_scale = 1.0f;
@@ -1205,6 +1251,7 @@ class ForwardKernel {
   hwy::AlignedFreeUniquePtr<float[]> pk_t_, pq_, kpq_, diag_, r_t_;
   std::vector<int32_t> tile_min_, tile_max_;
   std::vector<uint8_t> tile_consec_;
+  std::unique_ptr<TileMasks> tiles_;  // block masks per tile
 };
 
 void FusedAttention(const FusedAttentionParams& p) {

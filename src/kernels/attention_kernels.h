@@ -41,9 +41,25 @@ struct FusedAttentionParams {
   uint16_t* out16 = nullptr;
 
   float scale = 1.0f;
+  // Logit soft-capping: every score s (scale, terms and bias included) becomes
+  // softcap * tanh(s / softcap) before the mask; 0: none.
+  float softcap = 0.0f;
   // Causal, window, chunk (attention/mask.h). With chunks the positions below are relative to a
   // multiple of the chunk, and non-negative.
   detail::MaskRule mask;
+  // Block masks (AttentionOptions::block_mask) per token, nullptr = unset: document ids qdoc
+  // [batch, seq_q] and kdoc [batch, seq_k] (a key is visible only to queries of its document);
+  // qopen / kopen nonzero: the query sees every key / the key is seen by every query of its
+  // document, whatever `mask` says; dense [batch, seq_q, seq_k] bytes (strides in elements, the
+  // batch stride 0 when broadcast), nonzero: visible. kernels/block_mask.h skips tiles by them.
+  const int32_t* qdoc = nullptr;
+  const int32_t* kdoc = nullptr;
+  const int32_t* qopen = nullptr;
+  const int32_t* kopen = nullptr;
+  const uint8_t* dense = nullptr;
+  std::array<int64_t, 3> dense_stride{};
+  // Set to 1 (by any thread) when a row sees no key (and there is no sink): the API reports it.
+  int* empty_row = nullptr;
   // Attention sinks [heads_q] (dense; nullptr = none): an extra logit in each row's softmax
   // denominator, with no value.
   const float* sinks = nullptr;

@@ -33,6 +33,7 @@ std::string layer_summary(const ModelLayer& l) {
            ", attn_scale " + fmt(l.temperature->attn_scale) + ")";
   }
   if (l.attention_sinks) out += ", attention sinks";
+  if (l.softcap) out += ", soft-cap " + fmt(*l.softcap);
   out += ", scale " + fmt(l.softmax_scale);
   return out;
 }

@@ -383,6 +383,17 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
   const auto explicit_types = read_layer_types(r, s, num_layers);
 
   const double scale = read_softmax_scale(r, s, td, cfg);
+  // Logit soft-capping: read where the model's code applies it (Gemma 2, default 50; Gemma 3,
+  // default none); null: none.
+  std::optional<double> softcap;
+  if (model_type == "gemma2" || family == Family::kGemma3) {
+    if (const auto x = s.get("attn_logit_softcapping")) {
+      softcap = r.positive(*x);
+    } else if (td.attn_logit_softcapping > 0 && !s.is_null("attn_logit_softcapping")) {
+      softcap = td.attn_logit_softcapping;
+      note_default(cfg, "attn_logit_softcapping", fmt(td.attn_logit_softcapping));
+    }
+  }
   int64_t pattern = 0;
   const RopeConfig local = family == Family::kGemma3
                                ? read_gemma3_local(r, s, explicit_types.has_value(), cfg, pattern)
@@ -401,6 +412,7 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
     l.rope_config = cfg.rope;
     l.softmax_scale = scale;
     l.attention_sinks = family == Family::kGptOss;
+    l.softcap = softcap;
     std::string type = "full_attention";
     if (explicit_types) {
       type = (*explicit_types)[static_cast<std::size_t>(i)];

@@ -57,6 +57,7 @@ nlohmann::json layer_json(const ModelLayer& l) {
                                                     {"attn_scale", l.temperature->attn_scale}}
                                    : nlohmann::json(nullptr);
   j["attention_sinks"] = l.attention_sinks;
+  j["softcap"] = l.softcap ? nlohmann::json(*l.softcap) : nlohmann::json(nullptr);
   return j;
 }
 

@@ -67,8 +67,9 @@ struct TypeDefaults {
   int64_t sliding_window = 0;      // 0: none
   bool window_needs_flag = false;  // Qwen: use_sliding_window (default false) gates the window
   int64_t max_window_layers = 0;   // Qwen: layers from this index on slide
-  double query_pre_attn_scalar = 0;  // Gemma 2 / 3: the score scale is its -1/2 power
-  int64_t original_max_pos = 0;      // Phi-3's top-level original_max_position_embeddings
+  double query_pre_attn_scalar = 0;   // Gemma 2 / 3: the score scale is its -1/2 power
+  double attn_logit_softcapping = 0;  // Gemma 2: logit soft-capping (0: none)
+  int64_t original_max_pos = 0;       // Phi-3's top-level original_max_position_embeddings
 };
 
 // The defaults of `model_type`, or null when it is not supported (defaults.cc).

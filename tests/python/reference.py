@@ -90,11 +90,13 @@ def attention(q, k, v, scheme="none", params=None, *, causal=False, scale=None, 
               rope_attention_factor=1.0, slopes=None, max_bias=8.0, max_distance=128,
               bidirectional=None, xl_base=1e4, max_relative_positions=512, position_buckets=0,
               deberta_p2c="model", deberta_float64_log=False, allow_fully_masked=False,
-              chunk=None):
+              chunk=None, softcap=None, mask=None):
     """q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] -> out [B, Lq, Hq, D] (differentiable).
 
     params["sinks"] [Hq] (any scheme): attention sinks, an extra softmax entry per row whose value
-    is zero. chunk: key visible only when floor(pos_k / chunk) == floor(pos_q / chunk)."""
+    is zero. chunk: key visible only when floor(pos_k / chunk) == floor(pos_q / chunk).
+    softcap: scores s (scale and bias included) become softcap * tanh(s / softcap). mask: a
+    boolean [B, Lq, Lk] (True: may attend) ANDed with the other masks."""
     params = params or {}
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
@@ -148,7 +150,12 @@ def attention(q, k, v, scheme="none", params=None, *, causal=False, scale=None, 
         content = (content + torch.einsum("bihc,bijhc->bhij", q, pkey[c2p])
                    + torch.einsum("bjhc,bijhc->bhij", kx, pqry[p2c]))
     s = scale * content + bias
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    extra = mask
     mask = torch.ones_like(rel, dtype=torch.bool)
+    if extra is not None:
+        mask &= torch.as_tensor(extra, dtype=torch.bool).expand_as(mask)
     if causal:
         mask &= rel <= 0
     if window is not None:

@@ -49,7 +49,7 @@ def attention_args(scheme, dtype=torch.float32, seed=0, positions=False):
     if positions:
         qp = torch.tensor([[3, 4, 5, 6, 7], [9, 10, 11, 12, 13]])
         kp = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [7, 8, 9, 10, 11, 12, 13]])
-    return (q, k, v, [tables[n] for n in names], qp, kp, _ops.encode(kw))
+    return (q, k, v, [tables[n] for n in names], qp, kp, [], _ops.encode(kw))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -57,32 +57,32 @@ def attention_args(scheme, dtype=torch.float32, seed=0, positions=False):
 def test_opcheck_attention(scheme, dtype):
     args = attention_args(scheme, dtype, positions=scheme in ("rope", "t5"))
     torch.library.opcheck(ops.attention.default, args)
-    q, k, v, tables, qp, kp, options = args
+    q, k, v, tables, qp, kp, masks, options = args
     out, lse = ops.attention(*args)
     dout = torch.randn_like(out)
     bargs = (q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dout,
-             [t.detach() for t in tables], qp, kp, options)
+             [t.detach() for t in tables], qp, kp, masks, options)
     torch.library.opcheck(ops.attention_backward.default, bargs)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_attention_op_gradients_match_the_float64_reference(scheme):
-    q, k, v, tables, qp, kp, options = attention_args(scheme, torch.float64, seed=3)
+    q, k, v, tables, qp, kp, masks, options = attention_args(scheme, torch.float64, seed=3)
     assert torch.autograd.gradcheck(
-        lambda q, k, v, *t: ops.attention(q, k, v, list(t), qp, kp, options)[0],
+        lambda q, k, v, *t: ops.attention(q, k, v, list(t), qp, kp, masks, options)[0],
         (q, k, v, *tables), atol=1e-7, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_opcheck_attention_half(scheme, dtype):
-    q, k, v, tables, qp, kp, options = attention_args(scheme)
+    q, k, v, tables, qp, kp, masks, options = attention_args(scheme)
     half = [x.detach().to(dtype) for x in (q, k, v)]
     tables = [t.detach() for t in tables]
-    torch.library.opcheck(ops.attention_half.default, (*half, tables, qp, kp, options))
+    torch.library.opcheck(ops.attention_half.default, (*half, tables, qp, kp, masks, options))
     # The mixed kernel: float32 q, half k and v.
     torch.library.opcheck(ops.attention_half.default,
-                          (q.detach(), half[1], half[2], tables, qp, kp, options))
+                          (q.detach(), half[1], half[2], tables, qp, kp, masks, options))
 
 
 def test_opcheck_rope_and_rerotation():
@@ -159,11 +159,11 @@ def test_attention_merge_gradient_matches_autograd_of_the_formula():
 def test_eager_calls_and_the_operators_agree(scheme):
     # Eager calls on plain tensors skip the dispatcher (posenc._ops.call_attention); the values
     # and gradients are the operator's, bit for bit.
-    q, k, v, tables, qp, kp, options = attention_args(scheme, positions=True)
+    q, k, v, tables, qp, kp, masks, options = attention_args(scheme, positions=True)
     inputs = [q, k, v, *tables]
     out1, lse1 = _ops.call_attention(q, k, v, tables, qp, kp, options)
     g1 = torch.autograd.grad(out1.square().sum(), inputs)
-    out2, lse2 = ops.attention(q, k, v, tables, qp, kp, options)
+    out2, lse2 = ops.attention(q, k, v, tables, qp, kp, masks, options)
     g2 = torch.autograd.grad(out2.square().sum(), inputs)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
