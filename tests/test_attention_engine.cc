@@ -687,6 +687,14 @@ TEST(Varlen, FusedMatchesPerSequenceOracle) {
       check_varlen(name, pk, 2, 2, 8, {.window = 7, .allow_fully_masked = true}, rng);
     }
     check_varlen(name, random_packing(rng, 16, 3, false, true), 4, 1, 8, {.causal = true}, rng);
+    // Sinks and soft-capping; an empty sequence's queries see only the sink.
+    const std::vector<float> sinks = {0.5f, -1.0f, 1.5f, 0.25f};
+    AttentionOptions o{.causal = true, .softcap = 5.0};
+    o.sinks = View<const float, 1>::contiguous(sinks.data(), {4});
+    Packing pk = random_packing(rng, 4, 70, false, false);
+    pk.cu_q.push_back(pk.cu_q.back() + 2);
+    pk.cu_k.push_back(pk.cu_k.back());
+    check_varlen(name, pk, 4, 2, 16, o, rng);
   }
 }
 

@@ -67,6 +67,13 @@ def test_compile_and_export_example_runs():
     assert torch.allclose(scope["compiled"](ids), scope["model"](ids), atol=1e-5)
 
 
+def test_packed_sequences_example_runs():
+    code = block_starting("import numpy as np\nimport posenc\nrng = np.random.default_rng(0)\ncu =")
+    scope = {}
+    exec(compile(code, "docs/python.md (packed sequences)", "exec"), scope)
+    assert scope["out"].shape == (13, 4, 16) and scope["masked"].shape == (1, 13, 4, 16)
+
+
 @pytest.mark.parametrize("page", ["sinusoidal", "learned", "rope", "alibi", "t5", "shaw",
                                   "transformer-xl", "deberta"])
 def test_scheme_pages_python_sections_run(page, monkeypatch):
