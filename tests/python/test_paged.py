@@ -158,3 +158,71 @@ def test_errors():
                            seq_lens)
     with pytest.raises(posenc.Error, match="less than the number of new tokens"):
         posenc.rope_append(np.zeros((2, 7, 2, 8), np.float32), kp, table, seq_lens)
+
+
+# ---- PyTorch: posenc.torch.attention_paged / rope_append and their ops -------------------------
+
+torch = pytest.importorskip("torch")
+
+
+def torch_cache(dtype=torch.float32, layout="token_major"):
+    rng = np.random.default_rng(6)
+    kp, vp, table, seq_lens, krows, vrows = make_cache(rng, [21, 9], 2, 16, 4, layout)
+    kp, vp = np.nan_to_num(kp), np.nan_to_num(vp)
+    return (torch.from_numpy(kp).to(dtype), torch.from_numpy(vp).to(dtype),
+            torch.from_numpy(table), torch.from_numpy(seq_lens), krows, vrows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torch_attention_paged(dtype):
+    import posenc.torch as pt
+    kp, vp, table, seq_lens, krows, vrows = torch_cache(dtype, "head_major")
+    q = torch.randn(2, 1, 4, 16, generator=torch.Generator().manual_seed(1))
+    out = pt.attention_paged(q, kp, vp, table, seq_lens, "alibi", layout="head_major",
+                             causal=True)
+    assert out.dtype == torch.float32
+    want = posenc.attention_paged(q.numpy(), kp.float().numpy(), vp.float().numpy(),
+                                  table.numpy(), seq_lens.numpy(), "alibi", layout="head_major",
+                                  causal=True)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+    if dtype != torch.float32:
+        qh = q.to(dtype)
+        out_h = pt.attention_paged(qh, kp, vp, table, seq_lens, layout="head_major", causal=True)
+        assert out_h.dtype == dtype and out_h.shape == q.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_rope_append_in_place(dtype):
+    import posenc.torch as pt
+    kp, vp, table, seq_lens, krows, vrows = torch_cache(dtype)
+    kp.zero_()
+    vp.zero_()
+    kn = torch.randn(2, 3, 2, 16, generator=torch.Generator().manual_seed(2))
+    pt.rope_append(kn, kp, table, seq_lens, v_new=kn, v_pages=vp, base=100.0)
+    bits = np.zeros(tuple(kp.shape), np.float32)
+    posenc.rope_append(kn.numpy(), bits, table.numpy(), seq_lens.numpy(), base=100.0)
+    if dtype == torch.float32:
+        assert np.array_equal(kp.numpy(), bits)
+    else:
+        np.testing.assert_allclose(kp.float().numpy(), bits, rtol=1e-2, atol=1e-2)
+    assert vp.abs().sum() > 0
+
+
+def test_opcheck_paged_ops():
+    ops = torch.ops.posenc
+    from posenc import _ops
+    kp, vp, table, seq_lens, _, _ = torch_cache()
+    q = torch.randn(2, 1, 4, 16, generator=torch.Generator().manual_seed(3))
+    options = _ops.encode({"scheme": "rope", "causal": True, "\x00names": []})
+    torch.library.opcheck(ops.attention_paged.default,
+                          (q, kp, vp, table, seq_lens, [], None, options))
+    torch.library.opcheck(ops.attention_paged.default,
+                          (q.bfloat16(), kp.bfloat16(), vp.bfloat16(), table, seq_lens, [],
+                           torch.tensor([[20], [8]]), options))
+    kn = torch.randn(2, 3, 2, 16, generator=torch.Generator().manual_seed(4))
+    torch.library.opcheck(ops.rope_append.default,
+                          (kn, kn, kp.clone(), vp.clone(), table, seq_lens, None,
+                           _ops.encode({"base": 100.0})))
+    torch.library.opcheck(ops.rope_append.default,
+                          (kn, None, kp.clone(), None, table, seq_lens,
+                           torch.tensor([5, 6, 7]), _ops.encode({})))
