@@ -259,34 +259,29 @@ HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t
       // loaded once per block), which reads a float32 cache faster than the key-by-key order
       // below.
       const int64_t keys = static_cast<int64_t>(hn::Lanes(DF())) / 4;
-      const auto block = [&](int64_t c, int64_t g) {
-        const int64_t kb = std::min(keys, nk - c);
-        for (int64_t r = 0; r < gstride; r += 4) {
-          DotBlock(qp + (g * gstride + r) * dim, dim, k + c * kstride + g * hstride, kstride, kb,
-                   s + (g * gstride + r) * kTileK + c);
-        }
-      };
-      const auto fetch = [&](int64_t c) {
-        for (int64_t j = 0; j < keys; ++j) {
-          prefetch_row(ahead, c + j);
-          prefetch_row(stream, c + j + kStreamAhead);
-        }
-      };
-      if (HeadsOuter(kstride, hstride)) {
-        // Each head's own rows fetched ahead.
-        for (int64_t g = 0; g < nkv; ++g) {
-          for (int64_t c = 0; c < nk; c += keys) {
+      // Key blocks across heads, or head by head (HeadsOuter): one loop nest either way (a single
+      // copy of the block's code).
+      const bool by_head = HeadsOuter(kstride, hstride);
+      const int64_t nc = (nk + keys - 1) / keys;
+      for (int64_t a = 0; a < (by_head ? nkv : nc); ++a) {
+        for (int64_t b = 0; b < (by_head ? nc : nkv); ++b) {
+          const int64_t g = by_head ? a : b, c = (by_head ? b : a) * keys;
+          if (by_head) {  // each head's own rows fetched ahead
             for (int64_t j = 0; j < keys; ++j) {
               prefetch_row_head(ahead, c + j, g);
               prefetch_row_head(stream, c + j + kStreamAhead, g);
             }
-            block(c, g);
+          } else if (g == 0) {
+            for (int64_t j = 0; j < keys; ++j) {
+              prefetch_row(ahead, c + j);
+              prefetch_row(stream, c + j + kStreamAhead);
+            }
           }
-        }
-      } else {
-        for (int64_t c = 0; c < nk; c += keys) {
-          fetch(c);
-          for (int64_t g = 0; g < nkv; ++g) block(c, g);
+          const int64_t kb = std::min(keys, nk - c);
+          for (int64_t r = 0; r < gstride; r += 4) {
+            DotBlock(qp + (g * gstride + r) * dim, dim, k + c * kstride + g * hstride, kstride, kb,
+                     s + (g * gstride + r) * kTileK + c);
+          }
         }
       }
     } else {
@@ -464,73 +459,68 @@ HWY_INLINE void AccumulateWide(const float* HWY_RESTRICT pm, int64_t nk, const T
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = dim / n * n;
   constexpr int64_t kKeys = 4, kRows = 4;
-  // Keys c .. c + 3 of kv head g.
-  const auto block4 = [&](int64_t c, int64_t g) {
-    const int64_t kb = std::min(kKeys, nk - c);
-    for (int64_t r0 = g * gstride; r0 < (g + 1) * gstride; r0 += kRows) {
-      // Weights of the block (0 past kb), and which keys any of its rows sees.
-      float pw[kRows][kKeys];
-      bool used[kKeys] = {false, false, false, false};
-      bool any = false;
-      for (int64_t rr = 0; rr < kRows; ++rr)
-        for (int64_t j = 0; j < kKeys; ++j) {
-          pw[rr][j] = j < kb ? pm[(r0 + rr) * kTileK + c + j] : 0.0f;
-          used[j] = used[j] || pw[rr][j] != 0.0f;
-        }
-      for (int64_t j = 0; j < kKeys; ++j) any = any || used[j];
-      if (!any) continue;
-      const T* vr[kKeys];
-      for (int64_t j = 0; j < kKeys; ++j) vr[j] = v + (c + j) * vstride + g * hstride;
-      // kAll: every key of the block seen (decoding without a mask), the loop without tests;
-      // otherwise the unseen keys' vectors are zero. The same multiply-adds either way.
-      const auto block = [&](auto all) {
-        constexpr bool kAll = decltype(all)::value;
-        for (int64_t x = 0; x < dv; x += n) {
-          hn::Vec<DF> vv[kKeys];
-          for (int64_t j = 0; j < kKeys; ++j) {
-            vv[j] = kAll || used[j] ? LoadKV(d, vr[j] + x) : hn::Zero(d);
-          }
-          for (int64_t rr = 0; rr < kRows; ++rr) {
-            float* orow = o + (r0 + rr) * dpad + x;
-            auto acc = hn::Load(d, orow);
-            for (int64_t j = 0; j < kKeys; ++j) {
-              acc = hn::MulAdd(hn::Set(d, pw[rr][j]), vv[j], acc);
-            }
-            hn::Store(acc, d, orow);
-          }
-        }
-      };
-      if (used[0] && used[1] && used[2] && used[3]) {
-        block(std::true_type{});
-      } else {
-        block(std::false_type{});
-      }
-      for (int64_t rr = 0; rr < kRows; ++rr) {
-        float* orow = o + (r0 + rr) * dpad;
-        for (int64_t x = dv; x < dim; ++x) {
-          float t = orow[x];
-          for (int64_t j = 0; j < kKeys; ++j) {
-            if (used[j]) t = std::fma(pw[rr][j], to_float(vr[j][x]), t);
-          }
-          orow[x] = t;
-        }
-      }
-    }
-  };
-  const auto fetch = [&](int64_t c) {
-    for (int64_t j = 0; j < kKeys; ++j) prefetch_row(stream, c + j + kStreamAhead);
-  };
-  if (HeadsOuter(vstride, hstride)) {  // head by head (see HeadsOuter)
-    for (int64_t g = 0; g < nkv; ++g) {
-      for (int64_t c = 0; c < nk; c += kKeys) {
+  // Key blocks across heads, or head by head (HeadsOuter): one loop nest either way (a single
+  // copy of the block's code).
+  const bool by_head = HeadsOuter(vstride, hstride);
+  const int64_t nc = (nk + kKeys - 1) / kKeys;
+  for (int64_t a = 0; a < (by_head ? nkv : nc); ++a) {
+    for (int64_t b = 0; b < (by_head ? nc : nkv); ++b) {
+      const int64_t g = by_head ? a : b, c = (by_head ? b : a) * kKeys;
+      if (by_head) {  // each head's own rows fetched ahead
         for (int64_t j = 0; j < kKeys; ++j) prefetch_row_head(stream, c + j + kStreamAhead, g);
-        block4(c, g);
+      } else if (g == 0) {
+        for (int64_t j = 0; j < kKeys; ++j) prefetch_row(stream, c + j + kStreamAhead);
       }
-    }
-  } else {
-    for (int64_t c = 0; c < nk; c += kKeys) {
-      fetch(c);
-      for (int64_t g = 0; g < nkv; ++g) block4(c, g);
+      const int64_t kb = std::min(kKeys, nk - c);
+      for (int64_t r0 = g * gstride; r0 < (g + 1) * gstride; r0 += kRows) {
+        // Weights of the block (0 past kb), and which keys any of its rows sees.
+        float pw[kRows][kKeys];
+        bool used[kKeys] = {false, false, false, false};
+        bool any = false;
+        for (int64_t rr = 0; rr < kRows; ++rr)
+          for (int64_t j = 0; j < kKeys; ++j) {
+            pw[rr][j] = j < kb ? pm[(r0 + rr) * kTileK + c + j] : 0.0f;
+            used[j] = used[j] || pw[rr][j] != 0.0f;
+          }
+        for (int64_t j = 0; j < kKeys; ++j) any = any || used[j];
+        if (!any) continue;
+        const T* vr[kKeys];
+        for (int64_t j = 0; j < kKeys; ++j) vr[j] = v + (c + j) * vstride + g * hstride;
+        // kAll: every key of the block seen (decoding without a mask), the loop without tests;
+        // otherwise the unseen keys' vectors are zero. The same multiply-adds either way.
+        const auto block = [&](auto all) {
+          constexpr bool kAll = decltype(all)::value;
+          for (int64_t x = 0; x < dv; x += n) {
+            hn::Vec<DF> vv[kKeys];
+            for (int64_t j = 0; j < kKeys; ++j) {
+              vv[j] = kAll || used[j] ? LoadKV(d, vr[j] + x) : hn::Zero(d);
+            }
+            for (int64_t rr = 0; rr < kRows; ++rr) {
+              float* orow = o + (r0 + rr) * dpad + x;
+              auto acc = hn::Load(d, orow);
+              for (int64_t j = 0; j < kKeys; ++j) {
+                acc = hn::MulAdd(hn::Set(d, pw[rr][j]), vv[j], acc);
+              }
+              hn::Store(acc, d, orow);
+            }
+          }
+        };
+        if (used[0] && used[1] && used[2] && used[3]) {
+          block(std::true_type{});
+        } else {
+          block(std::false_type{});
+        }
+        for (int64_t rr = 0; rr < kRows; ++rr) {
+          float* orow = o + (r0 + rr) * dpad;
+          for (int64_t x = dv; x < dim; ++x) {
+            float t = orow[x];
+            for (int64_t j = 0; j < kKeys; ++j) {
+              if (used[j]) t = std::fma(pw[rr][j], to_float(vr[j][x]), t);
+            }
+            orow[x] = t;
+          }
+        }
+      }
     }
   }
 }
