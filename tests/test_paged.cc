@@ -561,3 +561,57 @@ TEST(PagedAttention, BadInputs) {
   EXPECT_EQ(parse_page_layout("head_major"), PageLayout::kHeadMajor);
   EXPECT_THROW(parse_page_layout("rows"), ValueError);
 }
+
+// The gathered route (query temperature; pools whose head_dim is strided) equals attention() on
+// each row's gathered keys, and a row the kernel cannot take in a batch (DeBERTa over rows of
+// different lengths) runs alone on its pages.
+TEST(PagedAttention, GatheredAndRowByRowRoutes) {
+  std::mt19937_64 rng(17);
+  const std::vector<int32_t> lens = {30, 12};
+  const int64_t heads_q = 4, heads_kv = 2, dim = 8, seq_q = 2;
+  auto f = random_cache<float>(lens, heads_kv, dim, 4, PageLayout::kTokenMajor, rng);
+  const auto q = random_vec<float>(2 * seq_q * heads_q * dim, rng);
+  const std::array<int64_t, 4> qs{2, seq_q, heads_q, dim};
+  const int64_t row = seq_q * heads_q * dim;
+  const auto deberta = cases::make_scheme("deberta", heads_q, dim, rng, 1);
+  AttentionOptions temp{.causal = true};
+  temp.query_temperature = AttentionTemperature{.floor_scale = 4, .attn_scale = 0.5};
+  // A pool with head_dim stride 2 (every other float of a bigger buffer).
+  std::vector<float> wide_k(f.cache.k.size() * 2), wide_v(wide_k.size());
+  for (size_t i = 0; i < f.cache.k.size(); ++i) wide_k[2 * i] = f.cache.k[i];
+  for (size_t i = 0; i < f.cache.v.size(); ++i) wide_v[2 * i] = f.cache.v[i];
+  auto strided = [&](std::vector<float>& w) {
+    auto v = View<const float, 4>::contiguous(w.data(), f.cache.pool_shape());
+    for (auto& s : v.stride) s *= 2;
+    return v;
+  };
+  struct Case {
+    const char* what;
+    const PositionScheme* scheme;
+    AttentionOptions opt;
+    bool strided;
+  };
+  const PositionScheme none = NoPositions{};
+  for (const Case& c : {Case{"temperature", &none, temp, false},
+                        Case{"strided head_dim", &none, {.causal = true}, true},
+                        Case{"deberta ragged", &deberta->scheme, {.causal = true}, false}}) {
+    SCOPED_TRACE(c.what);
+    std::vector<float> got(q.size());
+    attention_paged(View<const float, 4>::contiguous(q.data(), qs),
+                    c.strided ? strided(wide_k) : f.cache.kview(),
+                    c.strided ? strided(wide_v) : f.cache.vview(), PageLayout::kTokenMajor,
+                    f.cache.tview(), f.cache.lview(), *c.scheme, c.opt,
+                    View<float, 4>::contiguous(got.data(), qs));
+    for (int64_t b = 0; b < 2; ++b) {
+      const std::array<int64_t, 4> q1{1, seq_q, heads_q, dim}, k1{1, lens[b], heads_kv, dim};
+      std::vector<float> want(static_cast<size_t>(row));
+      attention(View<const float, 4>::contiguous(q.data() + b * row, q1),
+                View<const float, 4>::contiguous(f.krow[b].data(), k1),
+                View<const float, 4>::contiguous(f.vrow[b].data(), k1), *c.scheme, c.opt,
+                View<float, 4>::contiguous(want.data(), q1));
+      EXPECT_TRUE(same_bits_vec(
+          std::vector<float>(got.begin() + b * row, got.begin() + (b + 1) * row), want))
+          << "row " << b;
+    }
+  }
+}
