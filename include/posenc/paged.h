@@ -25,11 +25,12 @@ namespace posenc {
 enum class PageLayout { kTokenMajor, kHeadMajor };
 
 // Attention of q [batch, seq_q, heads_q, head_dim] over the cached keys of each row, written to
-// out [batch, seq_q, heads_q, head_dim]. The result is attention() of the same q over the row's
+// out [batch, seq_q, heads_q, head_dim]. The result is attention() of the same q over each row's
 // keys and values gathered into contiguous tensors (the same scheme, options and query
-// positions, key j at position j), row by row: bit for bit for a float32 cache (the fused
-// kernel reads the pages in place, in the same order), and for bf16 / f16 caches too (rows are
-// widened exactly as they are loaded). Default query positions: seq_lens[b] - seq_q + i (decoding
+// positions, key j at position j): bit for bit when the rows have equal lengths (the fused
+// kernel reads the pages in place, in the same order, for float32, bf16 and f16 caches alike);
+// rows of different lengths may split a long row's keys for the decoding merge at other points,
+// within the fused kernel's tolerance. Default query positions: seq_lens[b] - seq_q + i (decoding
 // and chunked prefill: the new tokens' keys are already in the cache, so causal = true lets each
 // see itself and what precedes it). Every scheme, causal / window / chunk masks, sinks, GQA and
 // MQA. RoPE (scheme Rope) rotates q and the cached keys by position inside the kernel, so the
