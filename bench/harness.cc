@@ -16,6 +16,8 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <numeric>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -29,6 +31,7 @@
 #include "posenc/attention.h"
 #include "posenc/error.h"
 #include "posenc/half.h"
+#include "posenc/paged.h"
 #include "posenc/rope.h"
 #include "posenc/schemes.h"
 
@@ -986,6 +989,115 @@ Result bench_rope_half(const std::string& dtype, int64_t seq, int64_t heads, int
   return r;
 }
 
+Result bench_decode_paged(const std::string& dtype, const AttentionShape& shape, int64_t page_size,
+                          bool head_major, int threads, const TimingOptions& options) {
+  require_half(dtype);
+  threads = resolve_threads(threads);
+  if (page_size < 1 || shape.seq_k % page_size != 0) {
+    throw Error("bench: page_size must divide seq_k");
+  }
+  AttentionWorkload w(shape, "none");
+  const PageLayout layout = head_major ? PageLayout::kHeadMajor : PageLayout::kTokenMajor;
+  Result r;
+  r.name = "decode_paged_gqa_" + std::to_string(shape.heads_q) + "x" +
+           std::to_string(shape.heads_kv) + "_L" + std::to_string(shape.seq_k) + "_D" +
+           std::to_string(shape.head_dim) + "_" + dtype + "_" + page_layout_name(layout) + "_page" +
+           std::to_string(page_size);
+  r.threads = threads;
+  r.bytes = kv_bytes(shape) / 2;
+  r.baselines = {"read_bandwidth", "copy_bandwidth"};
+  const auto run = [&](auto tag) {
+    using H = decltype(tag);
+    HalfAttention<H> h(w);  // the contiguous token-major cache, and the same keys in pages
+    const AttentionShape& s = shape;
+    const int64_t per_row = s.seq_k / page_size, pages = s.batch * per_row;
+    const int64_t hk = s.heads_kv, dim = s.head_dim;
+    std::vector<int32_t> table(static_cast<std::size_t>(pages)),
+        lens(static_cast<std::size_t>(s.batch), static_cast<int32_t>(s.seq_k));
+    // Pages in a shuffled order, as an engine's pool hands them out.
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), std::mt19937_64(7));
+    std::vector<H> kp(h.k.size()), vp(h.v.size());
+    const std::array<int64_t, 4> pool = head_major
+                                            ? std::array<int64_t, 4>{pages, hk, page_size, dim}
+                                            : std::array<int64_t, 4>{pages, page_size, hk, dim};
+    const auto kpv = View<H, 4>::contiguous(kp.data(), pool);
+    const auto vpv = View<H, 4>::contiguous(vp.data(), pool);
+    for (int64_t b = 0; b < s.batch; ++b)
+      for (int64_t j = 0; j < s.seq_k; ++j)
+        for (int64_t g = 0; g < hk; ++g) {
+          const int64_t page = table[static_cast<std::size_t>(b * per_row + j / page_size)];
+          const int64_t slot = j % page_size;
+          H* kd = head_major ? &kpv(page, g, slot, 0) : &kpv(page, slot, g, 0);
+          H* vd = head_major ? &vpv(page, g, slot, 0) : &vpv(page, slot, g, 0);
+          const std::size_t at = static_cast<std::size_t>(((b * s.seq_k + j) * hk + g) * dim);
+          std::copy_n(h.k.data() + at, dim, kd);
+          std::copy_n(h.v.data() + at, dim, vd);
+        }
+    std::vector<H> out(h.out.size());
+    const std::array<int64_t, 4> qs{s.batch, s.seq_q, s.heads_q, dim};
+    AttentionOptions opt;
+    opt.causal = s.causal;
+    opt.num_threads = threads;
+    const auto tv = View<const int32_t, 2>::contiguous(table.data(), {s.batch, per_row});
+    const auto lv = View<const int32_t, 1>::contiguous(lens.data(), {s.batch});
+    const PairTiming pt =
+        measure_pair([&] { h.run(threads); },
+                     [&] {
+                       attention_paged(View<const H, 4>::contiguous(h.q.data(), qs),
+                                       View<const H, 4>(kpv), View<const H, 4>(vpv), layout, tv, lv,
+                                       w.scheme(), opt, View<H, 4>::contiguous(out.data(), qs));
+                     },
+                     options);
+    r.timing = pt.b;
+    r.extra.emplace_back("vs_contiguous", pt.ratio);
+    r.extra.emplace_back("contiguous_median_s", pt.a.median_s);
+  };
+  if (dtype == "bf16") {
+    run(bf16{});
+  } else {
+    run(f16{});
+  }
+  return r;
+}
+
+Result bench_decode_head_major(const AttentionShape& shape, int threads,
+                               const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  AttentionWorkload w(shape, "none");
+  const AttentionShape& s = shape;
+  Result r;
+  r.name = "decode_head_major_gqa_" + std::to_string(s.heads_q) + "x" + std::to_string(s.heads_kv) +
+           "_L" + std::to_string(s.seq_k) + "_D" + std::to_string(s.head_dim);
+  r.threads = threads;
+  r.bytes = kv_bytes(s);
+  r.baselines = {"read_bandwidth", "copy_bandwidth"};
+  // The same keys and values in [batch, heads_kv, seq_k, head_dim] buffers, viewed as
+  // [batch, seq_k, heads_kv, head_dim].
+  const int64_t hk = s.heads_kv, dim = s.head_dim;
+  std::vector<float> kh(static_cast<std::size_t>(s.batch * s.seq_k * hk * dim)), vh(kh.size());
+  const View<const float, 4> k = w.k(), v = w.v();
+  const View<float, 4> kv{
+      kh.data(), {s.batch, s.seq_k, hk, dim}, {s.seq_k * hk * dim, dim, s.seq_k * dim, 1}};
+  const View<float, 4> vv{vh.data(), kv.shape, kv.stride};
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t j = 0; j < s.seq_k; ++j)
+      for (int64_t g = 0; g < hk; ++g) {
+        std::copy_n(&k(b, j, g, 0), dim, &kv(b, j, g, 0));
+        std::copy_n(&v(b, j, g, 0), dim, &vv(b, j, g, 0));
+      }
+  AttentionOptions opt;
+  opt.causal = s.causal;
+  opt.num_threads = threads;
+  const PairTiming pt =
+      measure_pair([&] { w.run(threads); },
+                   [&] { attention(w.q(), kv, vv, w.scheme(), opt, w.out()); }, options);
+  r.timing = pt.b;
+  r.extra.emplace_back("vs_token_major", pt.ratio);
+  r.extra.emplace_back("token_major_median_s", pt.a.median_s);
+  return r;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Suite.
 
@@ -1040,6 +1152,14 @@ std::vector<Entry> suite(const SuiteOptions& options) {
   decode8.heads_q = 64;
   all.push_back({"decode_gqa_64x8_L" + std::to_string(decode_seq) + "_D128_bf16",
                  [=] { return bench_decode_half("bf16", decode8, threads, timing); }});
+  // Paged KV caches: bf16 pages of 16 tokens, head-major, against the contiguous token-major
+  // bf16 decode (vs_contiguous); a head-major contiguous float32 cache against the token-major
+  // one (vs_token_major).
+  const std::string dshape = "gqa_32x8_L" + std::to_string(decode_seq) + "_D128";
+  all.push_back({"decode_paged_" + dshape + "_bf16_head_major_page16",
+                 [=] { return bench_decode_paged("bf16", decode, 16, true, threads, timing); }});
+  all.push_back({"decode_head_major_" + dshape,
+                 [=] { return bench_decode_head_major(decode, threads, timing); }});
   all.push_back({attention_name("none", attn) + "_bf16",
                  [=] { return bench_attention_half("bf16", attn, threads, timing); }});
   all.push_back({"rope_neox_" + dims_name(rope_seq, 32, 128) + "_bf16",

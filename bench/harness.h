@@ -215,6 +215,19 @@ Result bench_decode_half(const std::string& dtype, const AttentionShape& shape, 
 Result bench_rope_half(const std::string& dtype, int64_t seq, int64_t heads, int64_t head_dim,
                        int threads, const TimingOptions& options);
 
+// Paged KV caches (posenc/paged.h), one decode step, scheme none, q and out in the cache's type:
+// bench_decode_paged: "decode_paged_gqa_<Hq>x<Hkv>_L<seq_k>_D<head_dim>_<dtype>_<layout>_page<n>"
+// (pages of `page_size` tokens in `layout`, shuffled in the pool; bytes: the cache) with
+// vs_contiguous: its time over the contiguous token-major decode of the same dtype (the
+// decode_gqa_..._<dtype> workload), timed in alternation, and contiguous_median_s.
+// bench_decode_head_major: float32, k and v [batch, seq_k, heads_kv, head_dim] views of
+// [batch, heads_kv, seq_k, head_dim] buffers ("decode_head_major_gqa_..."), with vs_token_major
+// against decode_gqa_... (the token-major cache), timed in alternation, and token_major_median_s.
+Result bench_decode_paged(const std::string& dtype, const AttentionShape& shape, int64_t page_size,
+                          bool head_major, int threads, const TimingOptions& options);
+Result bench_decode_head_major(const AttentionShape& shape, int threads,
+                               const TimingOptions& options);
+
 // Peak memory of one posenc::attention call, scheme none: "peak_memory_attention_none_...".
 // Measured from the process's resident set (VmHWM reset through /proc/self/clear_refs), in MiB:
 //   peak_mb             peak RSS growth over allocating q, k, v, out and the call

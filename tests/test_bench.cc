@@ -240,6 +240,14 @@ TEST(BenchEntries, AttentionDecodeRopeAndPeakMemoryReportTheirFields) {
       posenc::kernels::bf16_dot_used(8) && pb::simd_target().rfind("AVX3", 0) == 0 ? 1.0 : 0.0);
   const pb::Result fdec = pb::bench_decode_half("f16", d, 1, tiny_timing());
   EXPECT_FALSE(has_extra(fdec, "bf16_dot"));
+  // Paged and head-major caches, each against its contiguous token-major decode.
+  const pb::Result pdec = pb::bench_decode_paged("bf16", d, 16, true, 1, tiny_timing());
+  EXPECT_EQ(pdec.name, "decode_paged_gqa_8x2_L32_D16_bf16_head_major_page16");
+  EXPECT_DOUBLE_EQ(pdec.bytes, hdec.bytes);
+  EXPECT_GT(extra(pdec, "vs_contiguous"), 0);
+  const pb::Result hm = pb::bench_decode_head_major(d, 1, tiny_timing());
+  EXPECT_EQ(hm.name, "decode_head_major_gqa_8x2_L32_D16");
+  EXPECT_GT(extra(hm, "vs_token_major"), 0);
   const pb::Result hatt = pb::bench_attention_half("f16", s, 1, tiny_timing());
   EXPECT_EQ(hatt.name, "attention_none_causal_L32_H2_D16_f16");
   EXPECT_GT(extra(hatt, "vs_float32"), 0);
@@ -290,7 +298,9 @@ TEST(BenchSuite, NamesFollowTheContract) {
   EXPECT_EQ(names(false, "decode"),
             (std::vector<std::string>{
                 "decode_gqa_32x8_L32768_D128", "decode_gqa_32x8_L32768_D128_bf16",
-                "decode_gqa_32x8_L32768_D128_f16", "decode_gqa_64x8_L32768_D128_bf16"}));
+                "decode_gqa_32x8_L32768_D128_f16", "decode_gqa_64x8_L32768_D128_bf16",
+                "decode_paged_gqa_32x8_L32768_D128_bf16_head_major_page16",
+                "decode_head_major_gqa_32x8_L32768_D128"}));
   EXPECT_TRUE(names(false, "no such entry").empty());
 }
 

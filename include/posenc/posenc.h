@@ -11,6 +11,7 @@
 #include "posenc/io.h"
 #include "posenc/learned.h"
 #include "posenc/names.h"
+#include "posenc/paged.h"
 #include "posenc/rope.h"
 #include "posenc/scheme.h"
 #include "posenc/schemes.h"

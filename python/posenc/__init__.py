@@ -151,6 +151,56 @@ def apply_rope_half(x, freqs=None, *, dtype, inplace=False, **kwargs):
     return x if inplace else _half_out(y, dtype)
 
 
+def attention_paged(q, k_pages, v_pages, block_table, seq_lens, scheme=None, *,
+                    layout="token_major", dtype=None, **kwargs):
+    """Attention over a paged KV cache (vLLM / FlashInfer style): ``posenc.attention`` of q over
+    each row's cached keys, read from their pages in place.
+
+    k_pages, v_pages: layout 'token_major' [num_pages, page_size, heads_kv, head_dim] or
+    'head_major' [num_pages, heads_kv, page_size, head_dim]; float32 (dtype=None) or the bits of
+    bf16 / f16 pages (dtype='bfloat16' / 'float16', as attention_half takes them). block_table
+    [batch, max_pages] and seq_lens [batch] integers: key j of row b is in page
+    block_table[b, j // page_size] at slot j % page_size, at position j, for j < seq_lens[b].
+    q [batch, seq_q, heads_q, head_dim]: float32 (out float32) or, with half pages, the same half
+    type (out half). Default query positions seq_lens[b] - seq_q + i (the new tokens' keys are in
+    the cache already). Every keyword of posenc.attention applies (scheme settings, causal, scale,
+    window, chunk, query_positions, params, config, layer, num_threads, allow_fully_masked)
+    except key_positions, out and return_lse. With scheme='rope' the pages hold unrotated keys;
+    pages written by rope_append hold rotated keys: attend them with scheme None and a q rotated
+    by apply_rope at its positions. The result equals posenc.attention on the gathered keys.
+    """
+    if dtype is not None:
+        dtype = _half_dtype(dtype)
+        q = _half_in(q, "q", dtype)
+        k_pages = _half_in(k_pages, "k_pages", dtype)
+        v_pages = _half_in(v_pages, "v_pages", dtype)
+    out = _posenc._attention_paged(q, k_pages, v_pages, block_table, seq_lens, scheme,
+                                   layout=layout, dtype=dtype, **kwargs)
+    return _half_out(out, dtype) if dtype is not None else out
+
+
+def rope_append(k_new, k_pages, block_table, seq_lens, *, v_new=None, v_pages=None,
+                layout="token_major", dtype=None, positions=None, **kwargs):
+    """Writes new keys, rotated by RoPE, (and values, copied) into their page slots, in place.
+
+    k_new (v_new) [batch, n_new, heads_kv, head_dim]: float32, or with dtype='bfloat16' /
+    'float16' also the half bits. seq_lens counts the new tokens: token i of row b goes to cache
+    index j = seq_lens[b] - n_new + i (page block_table[b, j // page_size], slot j %
+    page_size), at position j unless positions ([n_new] or [batch, n_new]) says otherwise. The
+    pages (layout and dtype as attention_paged) must be writable arrays (no copy). Keys are
+    rotated as apply_rope rotates them and rounded once to the pages' type. RoPE keywords as
+    apply_rope: freqs, style, rotary_dim, base, scaling, seq_len (default: max(seq_lens)),
+    angles, config, plus offset (first rotated dim) and num_threads. Returns None.
+    """
+    if dtype is not None:
+        dtype = _half_dtype(dtype)
+        k_pages = _half_in(k_pages, "k_pages", dtype)
+        if v_pages is not None:
+            v_pages = _half_in(v_pages, "v_pages", dtype)
+    _posenc._rope_append(k_new, k_pages, block_table, seq_lens, v_new=v_new, v_pages=v_pages,
+                         layout=layout, dtype=dtype, positions=positions, **kwargs)
+
+
 def bf16_from_float32(a):
     """float32 values -> bf16 bits (np.uint16 array of a's shape): round to nearest, ties to
     even; overflow gives infinity; NaN stays NaN (quiet, sign kept). Other dtypes are converted

@@ -11,8 +11,9 @@ for a tensor whose last dimension is not contiguous, which the kernels require).
 fresh tensors. A tensor on another device raises one ValueError naming the device.
 
 Ops: attention (forward with the per-row log-sum-exp), attention_backward, attention_half (bf16 /
-f16 forward), rope (and its inverse: options' ``inverse``), rope_half, rerotate_rope,
-add_learned, learned_backward, add_sinusoidal, sinusoidal_encode, attention_merge.
+f16 forward), attention_paged and rope_append (paged KV caches; rope_append writes its pages),
+rope (and its inverse: options' ``inverse``), rope_half, rerotate_rope, add_learned,
+learned_backward, add_sinusoidal, sinusoidal_encode, attention_merge.
 """
 
 import ast
@@ -296,6 +297,75 @@ def _(q, k, v, tables, query_positions, key_positions, masks, options):
     return q.new_empty(_out_shape(q, v), dtype=q.dtype if q.dtype in _HALF else torch.float32)
 
 
+# ---- paged KV caches ---------------------------------------------------------------------------
+
+def attention_paged_impl(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                         seq_lens: Tensor, tables: list[Tensor],
+                         query_positions: Optional[Tensor], options: str) -> Tensor:
+    """posenc.attention_paged on the pages' memory: float32 pages (float32 q and out), or bf16 /
+    f16 pages with q of their dtype (out of that dtype) or float32 (float32 out). No gradient."""
+    kw, names = _attention_kwargs(options, query_positions, None)
+    table, lens = _np(block_table, "block_table"), _np(seq_lens, "seq_lens")
+    if k_pages.dtype in _HALF:
+        half_q = q.dtype in _HALF
+        out = _posenc._attention_paged(_bits(q, "q") if half_q else _np(q, "q"),
+                                       _bits(k_pages, "k_pages"), _bits(v_pages, "v_pages"),
+                                       table, lens, params=_params(names, tables),
+                                       dtype=_HALF[k_pages.dtype], **kw)
+        return _from_bits(out, q.dtype) if half_q else torch.from_numpy(out)
+    out = _posenc._attention_paged(_np(q, "q"), _np(k_pages, "k_pages"), _np(v_pages, "v_pages"),
+                                   table, lens, params=_params(names, tables), **kw)
+    return torch.from_numpy(out)
+
+
+attention_paged = torch.library.custom_op("posenc::attention_paged", attention_paged_impl,
+                                          mutates_args=())
+
+
+@attention_paged.register_fake
+def _(q, k_pages, v_pages, block_table, seq_lens, tables, query_positions, options):
+    return q.new_empty(q.shape, dtype=q.dtype if q.dtype in _HALF else torch.float32)
+
+
+def _pool(t, what):
+    """A page pool rope_append writes: a NumPy view of the tensor's memory (never a copy)."""
+    require_cpu(t, what)
+    if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{what}: rope_append writes in place: the last dimension must be "
+                         "contiguous")
+    return t.detach().view(torch.int16).numpy() if t.dtype in _HALF else t.detach().numpy()
+
+
+def rope_append_impl(k_new: Tensor, v_new: Optional[Tensor], k_pages: Tensor,
+                     v_pages: Optional[Tensor], block_table: Tensor, seq_lens: Tensor,
+                     positions: Optional[Tensor], options: str) -> None:
+    """posenc.rope_append: the new keys rotated and written (with the values) into the pages, in
+    place."""
+    kw = decode(options)
+    half = k_pages.dtype in _HALF
+
+    def new(t, what):
+        if t is None:
+            return None
+        return _bits(t, what) if t.dtype in _HALF else _np(t, what)
+
+    _posenc._rope_append(new(k_new, "k_new"), _pool(k_pages, "k_pages"),
+                         _np(block_table, "block_table"), _np(seq_lens, "seq_lens"),
+                         v_new=new(v_new, "v_new"),
+                         v_pages=None if v_pages is None else _pool(v_pages, "v_pages"),
+                         dtype=_HALF[k_pages.dtype] if half else None,
+                         positions=_positions(positions, "positions"), **kw)
+
+
+rope_append = torch.library.custom_op("posenc::rope_append", rope_append_impl,
+                                      mutates_args=("k_pages", "v_pages"))
+
+
+@rope_append.register_fake
+def _(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions, options):
+    return None
+
+
 @torch.library.custom_op("posenc::attention_merge", mutates_args=())
 def attention_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
                     lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -551,6 +621,23 @@ def call_attention_half(q, k, v, tables, query_positions, key_positions, options
     if not _plain(q, k, v, query_positions, key_positions, *tables, *masks):
         return attention_half(q, k, v, tables, query_positions, key_positions, masks, options)
     return attention_half_impl(q, k, v, tables, query_positions, key_positions, masks, options)
+
+
+def call_attention_paged(q, k_pages, v_pages, block_table, seq_lens, tables, query_positions,
+                         options):
+    if not _plain(q, k_pages, v_pages, block_table, seq_lens, query_positions, *tables):
+        return attention_paged(q, k_pages, v_pages, block_table, seq_lens, tables,
+                               query_positions, options)
+    return attention_paged_impl(q, k_pages, v_pages, block_table, seq_lens, tables,
+                                query_positions, options)
+
+
+def call_rope_append(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions, options):
+    if not _plain(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions):
+        return rope_append(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions,
+                           options)
+    return rope_append_impl(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions,
+                            options)
 
 
 class _EagerRope(torch.autograd.Function):

@@ -38,7 +38,8 @@ from torch import nn
 from . import _ops, _posenc
 
 __all__ = [
-    "attention", "rope", "apply_rope", "rerotate_rope", "attention_merge", "add_learned",
+    "attention", "attention_paged", "rope_append", "rope", "apply_rope", "rerotate_rope",
+    "attention_merge", "add_learned",
     "add_sinusoidal", "SinusoidalPositions", "LearnedPositions", "Rope", "Alibi",
     "T5RelativeBias", "ShawRelative", "XLRelative", "DebertaRelative", "NoPositions",
     "PositionalAttention",
@@ -170,6 +171,48 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_opti
         out = out.to(out_dtype)  # rounded once (autograd casts the gradient back to float32)
     lse = lse.detach()
     return (out, lse) if return_lse else out
+
+
+def attention_paged(q, k_pages, v_pages, block_table, seq_lens, scheme=None, *, params=None,
+                    **kwargs):
+    """Attention over a paged KV cache (see posenc.attention_paged for the layouts, the keywords
+    and the semantics), on the tensors' memory: torch.ops.posenc.attention_paged. Pages float32
+    (q float32), or bf16 / f16 (q of their dtype, out too, or float32 q and out). No gradient
+    (a cache is inference state). block_table [batch, max_pages], seq_lens [batch]: integer
+    tensors."""
+    for bad in ("out", "lse", "return_lse", "key_positions", "dtype"):
+        if bad in kwargs:
+            raise TypeError(f"attention_paged() got an unexpected keyword argument '{bad}'")
+    for t, what in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: a torch.Tensor (use posenc.attention_paged for NumPy)")
+        _require_cpu(t, what)
+    kw, (qpos,) = _split_positions(kwargs, "query_positions")
+    if scheme is not None:
+        kw["scheme"] = scheme
+    names, tables = _split_params(params)
+    kw["\x00names"] = list(names)
+    options = _ops.encode(kw)
+    tables = [t.float() if t.dtype != torch.float32 else t for t in tables]
+    table, lens = (torch.as_tensor(x, dtype=torch.int32) for x in (block_table, seq_lens))
+    return _ops.call_attention_paged(q, k_pages, v_pages, table, lens, tables, qpos, options)
+
+
+def rope_append(k_new, k_pages, block_table, seq_lens, *, v_new=None, v_pages=None,
+                positions=None, **kwargs):
+    """Writes new keys, rotated by RoPE, and their values into their page slots, in place (see
+    posenc.rope_append): torch.ops.posenc.rope_append, which mutates k_pages and v_pages.
+    Pages float32, bf16 or f16; k_new, v_new float32 or the pages' dtype. Returns None."""
+    for t, what in ((k_new, "k_new"), (k_pages, "k_pages"), (v_new, "v_new"),
+                    (v_pages, "v_pages")):
+        if t is not None:
+            _require_cpu(t, what)
+    kw = dict(kwargs)
+    pos = _tensor_arg(positions, "positions")
+    if pos is None and positions is not None:
+        kw["positions"] = positions
+    table, lens = (torch.as_tensor(x, dtype=torch.int32) for x in (block_table, seq_lens))
+    _ops.call_rope_append(k_new, v_new, k_pages, v_pages, table, lens, pos, _ops.encode(kw))
 
 
 def rope(x, freqs=None, *, _base_options=None, **kwargs):

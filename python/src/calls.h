@@ -128,4 +128,7 @@ void bind_rope(pb::module_& m, pb::module_& ref);
 // Registration of the half-precision bindings (bind_half.cc).
 void bind_half(pb::module_& m);
 
+// Registration of the paged KV-cache bindings (bind_paged.cc).
+void bind_paged(pb::module_& m);
+
 }  // namespace posenc::py

@@ -94,4 +94,5 @@ PYBIND11_MODULE(_posenc, m) {
   bind_attention(m, ref);
   bind_extras(m);
   bind_half(m);
+  bind_paged(m);
 }

@@ -320,7 +320,7 @@ using attn::prepare;
 bool detail::attention_fused_storage(const StorageViews& s, const PositionScheme& scheme,
                                      const AttentionOptions& options,
                                      const Positions* query_positions,
-                                     const Positions* key_positions) {
+                                     const Positions* key_positions, const PagedKeys* paged) {
   detail::require_data(s.out, "attention: out");
   auto pr = make_problem<float>(s.q, s.k, s.v, s.out.shape, options, query_positions, key_positions,
                                 /*check_finite=*/false);
@@ -331,10 +331,16 @@ bool detail::attention_fused_storage(const StorageViews& s, const PositionScheme
   }
   const auto p = prepare<float>(scheme, options, d, s.q, s.k, pr.qp, pr.kp,
                                 /*simple_path=*/false);
-  check_fully_masked(pr);
+  if (paged == nullptr) check_fully_masked(pr);
   kernels::FusedAttentionParams fp;
   FusedTables tables;
   if (!fill_fused_params(pr, p, tables, fp, /*allow_rope_copies=*/false)) return false;
+  if (paged != nullptr) {
+    fp.pages = paged->block_table;
+    fp.pages_stride = paged->table_stride;
+    fp.page_size = paged->page_size;
+    fp.kv_len = paged->kv_len;
+  }
   auto bits = [](const float* x) { return reinterpret_cast<const uint16_t*>(x); };
   fp.q_type = s.q_type;
   fp.kv_type = s.kv_type;

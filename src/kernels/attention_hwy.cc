@@ -167,7 +167,7 @@ class ForwardKernel {
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
     bf16dot_ = use_dot_ && p_.q16 != nullptr && p_.k16 != nullptr && p_.q_type == DType::kBF16 &&
                p_.kv_type == DType::kBF16 && p_.rope.cs == nullptr && p_.xl_sin == nullptr &&
-               bf16_dot_used(rows_per_kv);
+               bf16_dot_used(rows_per_kv) && (p_.pages == nullptr || p_.page_size % 4 == 0);
 #endif
     qb_stride_ = RoundUp(dim_, 32);
     const int64_t units = wide_ ? p_.batch : groups;
@@ -334,21 +334,28 @@ class ForwardKernel {
     return buf.get();
   }
 
-  // Kt[x][c] = k[j0 + c][x] for the keys of one tile (zeros past seq_k).
+  // Kt[x][c] = k[j0 + c][x] for the keys of one tile (zeros past the row's keys).
   void TransposeTile(int64_t b, int64_t hk, int64_t j0, float* kt) const {
-    const int64_t nk = std::min(kTileK, p_.seq_k - j0);
+    const int64_t nk = std::clamp<int64_t>(KeyEnd(b) - j0, 0, kTileK);
     const float* k0 = nullptr;  // key j0's row
     int64_t ks = p_.k_stride[1];
-    if (p_.k16 != nullptr) {  // half precision: the tile's rows widened first
+    if (p_.k16 != nullptr || p_.pages != nullptr) {
+      // Half precision or a paged cache: the tile's rows widened (gathered) first.
       float* rows = RowBuffer(nk * dim_);
-      const uint16_t* h0 = p_.k16 + b * p_.k_stride[0] + hk * p_.k_stride[2] + j0 * ks;
-      for (int64_t c = 0; c < nk; ++c) WidenRow(p_.kv_type, h0 + c * ks, rows + c * dim_, dim_);
+      for (int64_t c = 0; c < nk; ++c) {
+        const int64_t at = KeyAt(b, j0 + c, p_.k_stride) + hk * p_.k_stride[2];
+        if (p_.k16 != nullptr) {
+          WidenRow(p_.kv_type, p_.k16 + at, rows + c * dim_, dim_);
+        } else {
+          std::memcpy(rows + c * dim_, p_.k + at, static_cast<size_t>(dim_) * sizeof(float));
+        }
+      }
       k0 = rows;
       ks = dim_;
     } else {
       k0 = p_.k + b * p_.k_stride[0] + hk * p_.k_stride[2] + j0 * ks;
     }
-    if (p_.rope.cs != nullptr) {  // RoPE: the tile's rows rotated first (in place if widened)
+    if (p_.rope.cs != nullptr && nk > 0) {  // RoPE: the tile's rows rotated first
       float* rows = RowBuffer(nk * dim_);
       rope_rotate_rows(p_.rope, p_.kpos + b * p_.seq_k + j0, p_.rope_base[b], nk, k0, ks, rows,
                        dim_);
@@ -373,14 +380,13 @@ class ForwardKernel {
   // blocks (vt_all), the per-tile copy (waiting on rows 4 KB apart, a page each) is gone, and
   // the next tiles are prefetched (figures in docs/performance.md, Measured design choices).
   void PackValueTile(int64_t b, int64_t hk, int64_t j0, float* vt) const {
-    const int64_t nk = std::min(kTileK, p_.seq_k - j0);
-    const int64_t at = b * p_.v_stride[0] + hk * p_.v_stride[2] + j0 * p_.v_stride[1];
+    const int64_t nk = std::clamp<int64_t>(KeyEnd(b) - j0, 0, kTileK);
     for (int64_t c = 0; c < nk; ++c) {
+      const int64_t at = KeyAt(b, j0 + c, p_.v_stride) + hk * p_.v_stride[2];
       if (p_.v16 != nullptr) {
-        WidenRow(p_.kv_type, p_.v16 + at + c * p_.v_stride[1], vt + c * dpad_, dim_);
+        WidenRow(p_.kv_type, p_.v16 + at, vt + c * dpad_, dim_);
       } else {
-        std::memcpy(vt + c * dpad_, p_.v + at + c * p_.v_stride[1],
-                    static_cast<size_t>(dim_) * sizeof(float));
+        std::memcpy(vt + c * dpad_, p_.v + at, static_cast<size_t>(dim_) * sizeof(float));
       }
       std::fill(vt + c * dpad_ + dim_, vt + (c + 1) * dpad_, 0.0f);
     }
@@ -587,6 +593,43 @@ class ForwardKernel {
   int64_t XlBlock() const { return dim4_ * kTileK; }
 
  private:
+  // ---- Paged caches (FusedAttentionParams::pages) ----
+  // Offset (elements) of key j of batch row b, kv head 0, in k (st = k_stride) or v (v_stride):
+  // through the block table when paged.
+  HWY_INLINE int64_t KeyAt(int64_t b, int64_t j, const std::array<int64_t, 3>& st) const {
+    if (p_.pages == nullptr) return b * st[0] + j * st[1];
+    return int64_t{p_.pages[b * p_.pages_stride + j / p_.page_size]} * st[0] +
+           (j % p_.page_size) * st[1];
+  }
+  // Keys of batch row b (all seq_k unless kv_len says fewer).
+  int64_t KeyEnd(int64_t b) const { return p_.kv_len == nullptr ? p_.seq_k : p_.kv_len[b]; }
+  // How many of the n keys from key j on lie in j's page (all n in a contiguous cache): the
+  // decoding passes address one such run of rows at a time.
+  int64_t RunLength(int64_t j, int64_t n) const {
+    return p_.pages == nullptr ? n : std::min(n, p_.page_size - j % p_.page_size);
+  }
+  // Prefetch rows [j, j + n) of K or V (x: elements of `bytes` bytes, strides st) of the item,
+  // all its kv heads.
+  template <class T>
+  PrefetchRows CacheRows(const Item& it, const T* x, int64_t j, int64_t n,
+                         const std::array<int64_t, 3>& st) const {
+    constexpr int64_t kBytes = sizeof(T);
+    PrefetchRows r{reinterpret_cast<const char*>(x + KeyAt(it.b, j, st) + it.hk * st[2]),
+                   n,
+                   st[1] * kBytes,
+                   st[2] * kBytes,
+                   it.nkv,
+                   dim_ * kBytes};
+    if (p_.pages != nullptr) {
+      r.p = reinterpret_cast<const char*>(x + it.hk * st[2]);
+      r.pages = p_.pages + it.b * p_.pages_stride;
+      r.first = j;
+      r.page_size = p_.page_size;
+      r.page_stride = st[0] * kBytes;
+    }
+    return r;
+  }
+
   Scratch& Local() { return scratch_[static_cast<size_t>(thread_index()) % scratch_.size()]; }
 
   Item MakeItem(int64_t w) const {
@@ -764,6 +807,70 @@ class ForwardKernel {
     }
   }
 
+  // Decoding scores of keys [j, j + n) (one run: rows evenly spaced, see RunLength) into columns
+  // s[r * kTileK + c], c < n, for every row of the item; sets the prefetches of the run (vahead,
+  // kstream) and, for the tile's first run (first), the next tile's keys (kahead).
+  void DecodeScores(const Item& it, int64_t j, int64_t n, int64_t j_end, bool first, float* s,
+                    Scratch& sc, PrefetchRows& vahead, PrefetchRows& kahead,
+                    PrefetchRows& kstream) const {
+    const int64_t kat = KeyAt(it.b, j, p_.k_stride) + it.hk * p_.k_stride[2];
+    const int64_t ks1 = p_.k_stride[1], ks2 = p_.k_stride[2];
+    if (p_.k16 != nullptr && p_.v16 != nullptr && kStreamHalfDecode) {
+      // A half-precision cache on AVX2: each pass fetches its own rows ahead (see
+      // kStreamHalfDecode), over the item's keys from this run on.
+      kstream = CacheRows(it, p_.k16, j, j_end - j, p_.k_stride);
+    } else if (p_.k != nullptr && HeadsOuter(ks1, ks2)) {
+      // A head-major float32 cache: each head's rows fetched ahead (see HeadsOuter).
+      kstream = CacheRows(it, p_.k, j, j_end - j, p_.k_stride);
+    } else if (p_.k16 != nullptr && p_.v16 != nullptr && (!bf16dot_ || bf16_dot_prefetch())) {
+      // A half-precision cache: the run's values fetched during its dot products, the next
+      // tile's keys during its values. (A float32 cache, twice the bytes per key, read slower
+      // with them: measured. The vdpbf16ps scores on Intel too: bf16_dot.h.)
+      vahead = CacheRows(it, p_.v16, j, n, p_.v_stride);
+      if (first) {
+        const int64_t next = j - j % kTileK + kTileK;
+        kahead =
+            CacheRows(it, p_.k16, next, std::clamp<int64_t>(j_end - next, 0, kTileK), p_.k_stride);
+      }
+    }
+    if (p_.rope.cs != nullptr) {
+      // RoPE: the run's rows of every kv head widened (half precision) and rotated first.
+      float* rows = RowBuffer(n * it.nkv * dim_);
+      const float* krows = p_.k == nullptr ? nullptr : p_.k + kat;
+      int64_t rs1 = ks1, rs2 = ks2;
+      if (p_.k16 != nullptr) {
+        for (int64_t c = 0; c < n; ++c)
+          for (int64_t g = 0; g < it.nkv; ++g) {
+            WidenRow(p_.kv_type, p_.k16 + kat + c * ks1 + g * ks2, rows + (c * it.nkv + g) * dim_,
+                     dim_);
+          }
+        krows = rows, rs1 = it.nkv * dim_, rs2 = dim_;
+      }
+      for (int64_t g = 0; g < it.nkv; ++g) {
+        rope_rotate_rows(p_.rope, p_.kpos + it.b * p_.seq_k + j, p_.rope_base[it.b], n,
+                         krows + g * rs2, rs1, rows + g * dim_, it.nkv * dim_);
+      }
+      DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv, static_cast<const float*>(rows),
+                    it.nkv * dim_, dim_, n, s, sc.part.get(), vahead, kstream, false);
+    } else if (p_.k16 == nullptr) {
+      DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv, p_.k + kat, ks1, ks2, n, s,
+                    sc.part.get(), vahead, kstream, false);
+    } else if (bf16dot_) {
+      // Writes columns [n, RoundUp(n, 4)) too: the next run's, or the tile's tail (paged caches
+      // take this path only with pages of a multiple of 4 keys).
+      decode_scores_bf16_dot(sc.qb.get(), qb_stride_, dim_, it.gstride, it.nkv, p_.k16 + kat, ks1,
+                             ks2, n, s, kTileK, sc.part.get(), vahead);
+    } else if (p_.kv_type == DType::kBF16) {
+      DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
+                    reinterpret_cast<const bf16*>(p_.k16 + kat), ks1, ks2, n, s, sc.part.get(),
+                    vahead, kstream, false);
+    } else {
+      DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
+                    reinterpret_cast<const f16*>(p_.k16 + kat), ks1, ks2, n, s, sc.part.get(),
+                    vahead, kstream, false);
+    }
+  }
+
   // Processes keys [j_begin, j_end) (multiples of kTileK except at seq_k) for the item.
   void Process(const Item& it, int64_t j_begin, int64_t j_end, const float* kt_all,
                const float* vt_all, Scratch& sc) const {
@@ -786,9 +893,8 @@ class ForwardKernel {
     if (p_.dense != nullptr && !sc.dense) {
       sc.dense = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
     }
-    const int64_t vat = it.b * p_.v_stride[0] + it.hk * p_.v_stride[2];
-    const float* vbase = p_.v == nullptr ? nullptr : p_.v + vat;
-    const uint16_t* vbase16 = p_.v16 == nullptr ? nullptr : p_.v16 + vat;
+    // A paged cache: the row's keys end at kv_len[b] (past it the block table holds no page).
+    j_end = std::min(j_end, KeyEnd(it.b));
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
       const int64_t t = j0 / kTileK;
       const size_t ta = static_cast<size_t>(it.b * ntiles_ + t);
@@ -817,63 +923,16 @@ class ForwardKernel {
       if (dot) {
         Scratch::Ensure(sc.part, sc.part_n,
                         static_cast<size_t>(it.nkv * it.gstride * std::max<int64_t>(lanes_, 16)));
-        const int64_t kat = it.b * p_.k_stride[0] + it.hk * p_.k_stride[2] + j0 * p_.k_stride[1];
-        int64_t ks1 = p_.k_stride[1], ks2 = p_.k_stride[2];
-        // Rows [from, from + n) of a half-precision K or V, for the prefetches below.
-        const int64_t vs1 = p_.v_stride[1], vs2 = p_.v_stride[2];
-        const auto half_rows = [&](const uint16_t* from, int64_t n, int64_t s1, int64_t s2) {
-          return PrefetchRows{
-              reinterpret_cast<const char*>(from), n, s1 * 2, s2 * 2, it.nkv, dim_ * 2};
-        };
-        if (p_.k16 != nullptr && p_.v16 != nullptr && kStreamHalfDecode) {
-          // A half-precision cache on AVX2: each pass fetches its own rows ahead (see
-          // kStreamHalfDecode), over the item's keys from this tile on.
-          kstream = half_rows(p_.k16 + kat, j_end - j0, ks1, ks2);
-          vstream = half_rows(vbase16 + j0 * vs1, j_end - j0, vs1, vs2);
-        } else if (p_.k16 != nullptr && p_.v16 != nullptr && (!bf16dot_ || bf16_dot_prefetch())) {
-          // A half-precision cache: the tile's values fetched during its dot products, the next
-          // tile's keys during its values. (A float32 cache, twice the bytes per key, read
-          // slower with them: measured. The vdpbf16ps scores on Intel too: bf16_dot.h.)
-          vahead = half_rows(vbase16 + j0 * vs1, nk, vs1, vs2);
-          kahead = half_rows(p_.k16 + kat + kTileK * ks1,
-                             std::clamp<int64_t>(j_end - j0 - kTileK, 0, kTileK), ks1, ks2);
+        // The tile's keys in runs of rows with one addressing each: the whole tile in a
+        // contiguous cache, the keys of one page in a paged one (its scores into columns
+        // [c0, c0 + run) of S).
+        for (int64_t c0 = 0, run = 0; c0 < nk; c0 += run) {
+          run = RunLength(j0 + c0, nk - c0);
+          DecodeScores(it, j0 + c0, run, j_end, c0 == 0, sc.s.get() + c0, sc, vahead, kahead,
+                       kstream);
         }
-        if (p_.rope.cs != nullptr) {
-          // RoPE: the tile's rows of every kv head widened (half precision) and rotated first.
-          float* rows = RowBuffer(nk * it.nkv * dim_);
-          const float* krows = p_.k == nullptr ? nullptr : p_.k + kat;
-          int64_t rs1 = ks1, rs2 = ks2;
-          if (p_.k16 != nullptr) {
-            for (int64_t c = 0; c < nk; ++c)
-              for (int64_t g = 0; g < it.nkv; ++g) {
-                WidenRow(p_.kv_type, p_.k16 + kat + c * ks1 + g * ks2,
-                         rows + (c * it.nkv + g) * dim_, dim_);
-              }
-            krows = rows, rs1 = it.nkv * dim_, rs2 = dim_;
-          }
-          for (int64_t g = 0; g < it.nkv; ++g) {
-            rope_rotate_rows(p_.rope, p_.kpos + it.b * p_.seq_k + j0, p_.rope_base[it.b], nk,
-                             krows + g * rs2, rs1, rows + g * dim_, it.nkv * dim_);
-          }
-          DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv, static_cast<const float*>(rows),
-                        it.nkv * dim_, dim_, nk, sc.s.get(), sc.part.get(), vahead, kstream);
-        } else if (p_.k16 == nullptr) {
-          DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv, p_.k + kat, ks1, ks2, nk, sc.s.get(),
-                        sc.part.get(), vahead, kstream);
-        } else if (bf16dot_) {
-          decode_scores_bf16_dot(sc.qb.get(), qb_stride_, dim_, it.gstride, it.nkv, p_.k16 + kat,
-                                 ks1, ks2, nk, sc.s.get(), kTileK, sc.part.get(), vahead);
-          for (int64_t r = 0; r < it.nkv * it.gstride; ++r) {
-            std::fill(sc.s.get() + r * kTileK + nk, sc.s.get() + (r + 1) * kTileK, 0.0f);
-          }
-        } else if (p_.kv_type == DType::kBF16) {
-          DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
-                        reinterpret_cast<const bf16*>(p_.k16 + kat), ks1, ks2, nk, sc.s.get(),
-                        sc.part.get(), vahead, kstream);
-        } else {
-          DotScoresWide(sc.qp.get(), dim_, it.gstride, it.nkv,
-                        reinterpret_cast<const f16*>(p_.k16 + kat), ks1, ks2, nk, sc.s.get(),
-                        sc.part.get(), vahead, kstream);
+        for (int64_t r = 0; r < it.nkv * it.gstride; ++r) {
+          std::fill(sc.s.get() + r * kTileK + nk, sc.s.get() + (r + 1) * kTileK, 0.0f);
         }
       } else {
         ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get());
@@ -884,27 +943,51 @@ class ForwardKernel {
       }
       if (dot) {
         const int64_t vs1 = p_.v_stride[1], vs2 = p_.v_stride[2];
-        if (vbase16 == nullptr) {
-          AccumulateWide(sc.s.get(), nk, vbase + j0 * vs1, vs1, vs2, it.nkv, it.gstride, dim_,
-                         dpad_, sc.o.get(), PrefetchRows{});
-        } else if (kStreamHalfDecode && p_.kv_type == DType::kBF16) {
-          // Key blocks across heads, as for float32 (the same bits as AccumulateWideColumns).
-          AccumulateWide(sc.s.get(), nk, reinterpret_cast<const bf16*>(vbase16 + j0 * vs1), vs1,
-                         vs2, it.nkv, it.gstride, dim_, dpad_, sc.o.get(), vstream);
-        } else if (kStreamHalfDecode) {
-          AccumulateWide(sc.s.get(), nk, reinterpret_cast<const f16*>(vbase16 + j0 * vs1), vs1, vs2,
-                         it.nkv, it.gstride, dim_, dpad_, sc.o.get(), vstream);
-        } else {
-          sc.seen.resize(static_cast<size_t>(it.rows / 4));
+        const bool columns = p_.v16 != nullptr && !kStreamHalfDecode;
+        const int64_t blocks = it.rows / 4;
+        if (columns) {
+          // Which keys each 4-row block sees; a run's bits shifted into [blocks, 2 blocks).
+          sc.seen.resize(static_cast<size_t>(2 * blocks));
           SeenKeys(sc.s.get(), it.rows, nk, sc.seen.data());
+        }
+        for (int64_t c0 = 0, run = 0; c0 < nk; c0 += run) {
+          run = RunLength(j0 + c0, nk - c0);
+          const float* pm = sc.s.get() + c0;
+          const int64_t vat = KeyAt(it.b, j0 + c0, p_.v_stride) + it.hk * vs2;
+          if (p_.v16 == nullptr) {
+            // A head-major float32 cache: each head's rows fetched ahead (see HeadsOuter).
+            vstream = HeadsOuter(vs1, vs2)
+                          ? CacheRows(it, p_.v, j0 + c0, j_end - j0 - c0, p_.v_stride)
+                          : PrefetchRows{};
+            AccumulateWide(pm, run, p_.v + vat, vs1, vs2, it.nkv, it.gstride, dim_, dpad_,
+                           sc.o.get(), vstream);
+            continue;
+          }
+          const uint16_t* v16 = p_.v16 + vat;
+          if (kStreamHalfDecode) {
+            // Key blocks across heads, as for float32 (the same bits as AccumulateWideColumns).
+            vstream = CacheRows(it, p_.v16, j0 + c0, j_end - j0 - c0, p_.v_stride);
+            if (p_.kv_type == DType::kBF16) {
+              AccumulateWide(pm, run, reinterpret_cast<const bf16*>(v16), vs1, vs2, it.nkv,
+                             it.gstride, dim_, dpad_, sc.o.get(), vstream);
+            } else {
+              AccumulateWide(pm, run, reinterpret_cast<const f16*>(v16), vs1, vs2, it.nkv,
+                             it.gstride, dim_, dpad_, sc.o.get(), vstream);
+            }
+            continue;
+          }
+          uint64_t* seen = sc.seen.data() + blocks;
+          for (int64_t blk = 0; blk < blocks; ++blk) {
+            seen[blk] = sc.seen[static_cast<size_t>(blk)] >> c0;
+          }
+          // The next tile's keys are fetched once, during the first run.
+          const PrefetchRows& ahead = c0 == 0 ? kahead : PrefetchRows{};
           if (p_.kv_type == DType::kBF16) {
-            AccumulateWideColumns(sc.s.get(), nk, reinterpret_cast<const bf16*>(vbase16 + j0 * vs1),
-                                  vs1, vs2, it.nkv, it.gstride, dim_, dpad_, sc.o.get(),
-                                  sc.seen.data(), kahead);
+            AccumulateWideColumns(pm, run, reinterpret_cast<const bf16*>(v16), vs1, vs2, it.nkv,
+                                  it.gstride, dim_, dpad_, sc.o.get(), seen, ahead);
           } else {
-            AccumulateWideColumns(sc.s.get(), nk, reinterpret_cast<const f16*>(vbase16 + j0 * vs1),
-                                  vs1, vs2, it.nkv, it.gstride, dim_, dpad_, sc.o.get(),
-                                  sc.seen.data(), kahead);
+            AccumulateWideColumns(pm, run, reinterpret_cast<const f16*>(v16), vs1, vs2, it.nkv,
+                                  it.gstride, dim_, dpad_, sc.o.get(), seen, ahead);
           }
         }
         continue;

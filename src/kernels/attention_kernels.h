@@ -125,6 +125,19 @@ struct FusedAttentionParams {
   // Set to 1 (by any thread) when a visible score is not finite; the API then finds and reports
   // the offending input. Such scores would otherwise vanish: exp(NaN) is 0 in the kernel.
   int* nan_score = nullptr;
+
+  // ---- Paged KV cache (attention_paged, posenc/paged.h; forward only) -------------------------
+  // pages == nullptr: k and v are the contiguous tensors above. Otherwise k and v (k16, v16) are
+  // page pools and key j of batch row b, kv head g, sits at
+  //   k + pages[b * pages_stride + j / page_size] * k_stride[0] + (j % page_size) * k_stride[1]
+  //     + g * k_stride[2]
+  // (k_stride[0]: elements between pages; v alike), read page by page inside the key loop.
+  const int32_t* pages = nullptr;  // block table [batch, pages_stride]
+  int64_t pages_stride = 0;
+  int64_t page_size = 0;
+  // Keys of each batch row [batch] (nullptr: seq_k for every row): row b reads keys
+  // [0, kv_len[b]) only; seq_k is the longest row's.
+  const int32_t* kv_len = nullptr;
 };
 
 // The backward's parameters: the forward's (inputs, positions, scheme tables; out and lse as the

@@ -28,6 +28,10 @@ struct PrefetchRows {
   int64_t stride = 0;       // bytes between rows
   int64_t hstride = 0;      // bytes between heads of a row
   int64_t heads = 0, bytes = 0;
+  // A paged cache (FusedAttentionParams::pages): row i is key first + i of block-table row
+  // `pages`, at p + pages[key / page_size] * page_stride + (key % page_size) * stride.
+  const int32_t* pages = nullptr;
+  int64_t first = 0, page_size = 1, page_stride = 0;
 };
 
 // Fetches [p, p + bytes) into L2, a cache line at a time.
@@ -39,13 +43,25 @@ __attribute__((always_inline)) inline void prefetch_l2(const void* p, int64_t by
 // Fetches row i (nothing past the last row) into L2. Always inlined: declared outside the SIMD
 // targets' code, it was otherwise compiled into the AVX2 decoding loops in a way that made bf16
 // and f16 decoding markedly slower (docs/performance.md, Measured design choices).
+__attribute__((always_inline)) inline const char* prefetch_address(const PrefetchRows& a,
+                                                                   int64_t i) {
+  if (a.pages == nullptr) return a.p + i * a.stride;
+  const int64_t key = a.first + i;
+  return a.p + a.pages[key / a.page_size] * a.page_stride + (key % a.page_size) * a.stride;
+}
 __attribute__((always_inline)) inline void prefetch_row(const PrefetchRows& a, int64_t i) {
   if (i >= a.n) return;
+  const char* row = prefetch_address(a, i);
   if (a.hstride == a.bytes) {  // the heads of a row are one run
-    prefetch_l2(a.p + i * a.stride, a.heads * a.bytes);
+    prefetch_l2(row, a.heads * a.bytes);
     return;
   }
-  for (int64_t g = 0; g < a.heads; ++g) prefetch_l2(a.p + i * a.stride + g * a.hstride, a.bytes);
+  for (int64_t g = 0; g < a.heads; ++g) prefetch_l2(row + g * a.hstride, a.bytes);
+}
+// Fetches head g of row i only (passes that read a cache head by head).
+__attribute__((always_inline)) inline void prefetch_row_head(const PrefetchRows& a, int64_t i,
+                                                             int64_t g) {
+  if (i < a.n) prefetch_l2(prefetch_address(a, i) + g * a.hstride, a.bytes);
 }
 
 // True when this build has the kernel and the processor and the OS support AVX512_BF16.

@@ -230,15 +230,28 @@ HWY_INLINE hn::Vec<DF> DotKey4(const float* HWY_RESTRICT qp, int64_t dim, int64_
 constexpr bool kBlockedDecode = false;
 #endif
 
+// Whether a cache whose keys are kstride apart and heads hstride apart is read head by head
+// (each head's rows in key order) rather than key by key across heads: when the heads lie
+// farther apart than the keys (head-major caches, [heads, seq] per batch row or per page), so
+// that the passes read one run of memory at a time instead of one stream per head, each head's
+// rows fetched kStreamAhead keys ahead within the head (prefetch_row_head; float32 caches too).
+// Read key by key, a head-major float32 cache (8 kv heads 16 MB apart at 32k keys: 8 streams
+// per pass, each crossing a 4 KB page every 8 keys) decoded 1.5x slower than a token-major one;
+// head by head alone 1.3x, with the per-head prefetch at parity (Zen 3, 2 threads; `posenc bench
+// --filter head_major`, docs/attention.md). The order changes no bit: each score is its own dot
+// product, and each output row's multiply-adds stay in key order.
+HWY_INLINE bool HeadsOuter(int64_t kstride, int64_t hstride) { return hstride > kstride; }
+
 // Decoding, all kv heads at once: S[g gstride + r][c] = q_{g, r} . k_{c, g}, keys read in memory
-// order (see above). gstride is a multiple of 4; columns >= nk get 0.
+// order (see above). gstride is a multiple of 4; columns >= nk get 0 (unless !zero_tail: then
+// only columns < nk are written, as for the runs of a paged cache).
 // part: nkv gstride lanes / 4 floats (aligned).
 template <class T>
 HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t gstride,
                               int64_t nkv, const T* k, int64_t kstride, int64_t hstride, int64_t nk,
                               float* HWY_RESTRICT s, [[maybe_unused]] float* HWY_RESTRICT part,
                               [[maybe_unused]] const PrefetchRows& ahead,
-                              [[maybe_unused]] const PrefetchRows& stream) {
+                              [[maybe_unused]] const PrefetchRows& stream, bool zero_tail = true) {
 #if HWY_TARGET != HWY_SCALAR
   if constexpr (kBlockedDecode) {
     if constexpr (sizeof(T) != 2 || kLanesMax == 8) {
@@ -246,13 +259,25 @@ HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t
       // loaded once per block), which reads a float32 cache faster than the key-by-key order
       // below.
       const int64_t keys = static_cast<int64_t>(hn::Lanes(DF())) / 4;
-      for (int64_t c = 0; c < nk; c += keys) {
-        const int64_t kb = std::min(keys, nk - c);
-        for (int64_t j = 0; j < keys; ++j) {
-          prefetch_row(ahead, c + j);
-          prefetch_row(stream, c + j + kStreamAhead);
-        }
-        for (int64_t g = 0; g < nkv; ++g) {
+      // Key blocks across heads, or head by head (HeadsOuter): one loop nest either way (a single
+      // copy of the block's code).
+      const bool by_head = HeadsOuter(kstride, hstride);
+      const int64_t nc = (nk + keys - 1) / keys;
+      for (int64_t a = 0; a < (by_head ? nkv : nc); ++a) {
+        for (int64_t b = 0; b < (by_head ? nc : nkv); ++b) {
+          const int64_t g = by_head ? a : b, c = (by_head ? b : a) * keys;
+          if (by_head) {  // each head's own rows fetched ahead
+            for (int64_t j = 0; j < keys; ++j) {
+              prefetch_row_head(ahead, c + j, g);
+              prefetch_row_head(stream, c + j + kStreamAhead, g);
+            }
+          } else if (g == 0) {
+            for (int64_t j = 0; j < keys; ++j) {
+              prefetch_row(ahead, c + j);
+              prefetch_row(stream, c + j + kStreamAhead);
+            }
+          }
+          const int64_t kb = std::min(keys, nk - c);
           for (int64_t r = 0; r < gstride; r += 4) {
             DotBlock(qp + (g * gstride + r) * dim, dim, k + c * kstride + g * hstride, kstride, kb,
                      s + (g * gstride + r) * kTileK + c);
@@ -309,7 +334,7 @@ HWY_INLINE void DotScoresWide(const float* HWY_RESTRICT qp, int64_t dim, int64_t
       }
     }
   }
-  for (int64_t r = 0; r < nkv * gstride; ++r) {
+  for (int64_t r = 0; zero_tail && r < nkv * gstride; ++r) {
     std::fill(s + r * kTileK + nk, s + (r + 1) * kTileK, 0.0f);
   }
 }
@@ -420,11 +445,11 @@ HWY_INLINE void AccumulateWideColumns(const float* HWY_RESTRICT pm, int64_t nk, 
 }
 
 // Decoding PV, all kv heads at once (key loop outside): O[g gstride + r][:] +=
-// P[g gstride + r][c] * v_{c, g}. O and P stay in L1; V is read key by key across heads, in
-// blocks of 4 keys x 4 rows: each value vector is loaded (widened) once per block and each O
-// vector loaded and stored once per block. A key no row of the block sees (weight 0 in every
-// row) is not read, so values under the mask never reach the output. `stream`: the cache's own
-// rows, fetched kStreamAhead keys ahead (empty: none).
+// P[g gstride + r][c] * v_{c, g}. O and P stay in L1; V is read key by key across heads (head
+// by head when head-major, see HeadsOuter), in blocks of 4 keys x 4 rows: each value vector is
+// loaded (widened) once per block and each O vector loaded and stored once per block. A key no row
+// of the block sees (weight 0 in every row) is not read, so values under the mask never reach the
+// output. `stream`: the cache's own rows, fetched kStreamAhead keys ahead (empty: none).
 template <class T>
 HWY_INLINE void AccumulateWide(const float* HWY_RESTRICT pm, int64_t nk, const T* v,
                                int64_t vstride, int64_t hstride, int64_t nkv, int64_t gstride,
@@ -434,10 +459,19 @@ HWY_INLINE void AccumulateWide(const float* HWY_RESTRICT pm, int64_t nk, const T
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = dim / n * n;
   constexpr int64_t kKeys = 4, kRows = 4;
-  for (int64_t c = 0; c < nk; c += kKeys) {
-    const int64_t kb = std::min(kKeys, nk - c);
-    for (int64_t j = 0; j < kKeys; ++j) prefetch_row(stream, c + j + kStreamAhead);
-    for (int64_t g = 0; g < nkv; ++g) {
+  // Key blocks across heads, or head by head (HeadsOuter): one loop nest either way (a single
+  // copy of the block's code).
+  const bool by_head = HeadsOuter(vstride, hstride);
+  const int64_t nc = (nk + kKeys - 1) / kKeys;
+  for (int64_t a = 0; a < (by_head ? nkv : nc); ++a) {
+    for (int64_t b = 0; b < (by_head ? nc : nkv); ++b) {
+      const int64_t g = by_head ? a : b, c = (by_head ? b : a) * kKeys;
+      if (by_head) {  // each head's own rows fetched ahead
+        for (int64_t j = 0; j < kKeys; ++j) prefetch_row_head(stream, c + j + kStreamAhead, g);
+      } else if (g == 0) {
+        for (int64_t j = 0; j < kKeys; ++j) prefetch_row(stream, c + j + kStreamAhead);
+      }
+      const int64_t kb = std::min(kKeys, nk - c);
       for (int64_t r0 = g * gstride; r0 < (g + 1) * gstride; r0 += kRows) {
         // Weights of the block (0 past kb), and which keys any of its rows sees.
         float pw[kRows][kKeys];

@@ -5,6 +5,7 @@
 // interface: schemes/term.h.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -74,7 +75,10 @@ struct RopeTerm : NoTerm<T> {
     const double copy_bytes =
         static_cast<double>(d.batch * (d.seq_q * d.heads_q + d.seq_k * d.heads_kv)) *
         static_cast<double>(d.head_dim * 4);
-    if (r.freqs.angles == RopeAngles::kAccurate && table_bytes <= copy_bytes) {
+    // Where copies are not an option (half-precision storage, paged caches) the table serves up
+    // to 64 MiB.
+    const double table_max = in.allow_rope_copies ? copy_bytes : std::max(copy_bytes, 0x1p26);
+    if (r.freqs.angles == RopeAngles::kAccurate && table_bytes <= table_max) {
       const int64_t n = in.phi - in.plo + 1;
       double* cs =
           in.f64
