@@ -1381,7 +1381,7 @@ class BackwardKernel {
     const auto deb_w = at.deb_w;
     const auto vl = hn::Set(d, lse[r]), vd = hn::Set(d, dsum[r]);
     const bool capped = p_.softcap > 0.0f;
-    const auto vcap = hn::Set(d, p_.softcap), vone = hn::Set(d, 1.0f);
+    const auto inv_cap = hn::Set(d, capped ? 1.0f / p_.softcap : 0.0f), vone = hn::Set(d, 1.0f);
     for (int64_t c = 0; c < kt; c += lanes_) {
       const auto x = hn::Load(d, srow + c);
       const auto pv = hn::Exp(d, hn::Sub(x, vl));  // exp(-inf) = 0
@@ -1390,7 +1390,7 @@ class BackwardKernel {
       if (capped) {
         // Through the cap: d(cap tanh(y / cap)) / dy = 1 - t^2, t = x / cap from the capped
         // score x (clamped: a masked cell, x = -inf, gets 0).
-        const auto t = hn::Min(hn::Max(hn::Div(x, vcap), hn::Neg(vone)), vone);
+        const auto t = hn::Min(hn::Max(hn::Mul(x, inv_cap), hn::Neg(vone)), vone);
         ds = hn::Mul(ds, hn::NegMulAdd(t, t, vone));
       }
       hn::Store(ds, d, drow + c);

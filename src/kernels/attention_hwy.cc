@@ -119,7 +119,9 @@ class ForwardKernel {
     dim_ = p.head_dim;
     dpad_ = RoundUp(dim_, lanes_);
     group_ = p.heads_q / p.heads_kv;
-    bq_ = std::max<int64_t>(1, kRowsPerItem / group_);
+    // Document masks (packed sequences): half the rows per item, so that a causal document's
+    // diagonal tiles waste less (a row's result does not depend on its block).
+    bq_ = std::max<int64_t>(1, (p.qdoc != nullptr ? kRowsPerItem / 2 : kRowsPerItem) / group_);
     nqb_ = (p.seq_q + bq_ - 1) / bq_;
     ntiles_ = (p.seq_k + kTileK - 1) / kTileK;
     // Per batch row, per key tile: min / max position and whether positions are consecutive.
@@ -179,7 +181,9 @@ class ForwardKernel {
     }
     chunk_ = RoundUp((p_.seq_k + splits_ - 1) / splits_, kTileK);
     splits_ = (p_.seq_k + chunk_ - 1) / chunk_;
-    if (!use_dot_ && nqb_ * splits_ >= 2 * threads && SharedTilesPay()) {
+    const bool shared_tiles = SharedTilesPay();
+    block_major_ = !shared_tiles && splits_ == 1 && p_.deberta_pos_key == nullptr;
+    if (!use_dot_ && nqb_ * splits_ >= 2 * threads && shared_tiles) {
       // Enough work inside one (batch row, kv head): transpose its keys once into tiles shared
       // by all query blocks, pack its values likewise (see PackValueTile), then run the blocks in
       // parallel. Memory: seq_k x (head_dim + dpad) floats.
@@ -636,8 +640,16 @@ class ForwardKernel {
     Item it;
     // Later query blocks see more keys under a causal mask: hand them out first (dynamic
     // schedule, largest first) so no thread is left with a big block at the end.
-    const int64_t qb = nqb_ - 1 - w % nqb_;
-    const int64_t bh = w / nqb_;
+    int64_t qb = nqb_ - 1 - w % nqb_;
+    int64_t bh = w / nqb_;
+    if (block_major_) {
+      // Block masks that keep each query block to its own documents: the blocks in order, every
+      // kv head of a block in turn, so that a document's keys and values (every head's rows
+      // share their cache lines) are read while they are in cache.
+      const int64_t units = wide_ ? p_.batch : p_.batch * p_.heads_kv;
+      qb = w / units;
+      bh = w % units;
+    }
     if (wide_) {
       it.b = bh;
       it.hk = 0;
@@ -1322,7 +1334,8 @@ class ForwardKernel {
   int64_t lanes_ = 1, dim_ = 0, dpad_ = 0, group_ = 1, bq_ = 1, nqb_ = 0, ntiles_ = 0;
   int64_t splits_ = 1, chunk_ = 0;
   bool use_dot_ = false, wide_ = false, bf16dot_ = false;
-  int64_t qb_stride_ = 0;  // bf16 query rows (bf16dot_): dim rounded up to 32
+  bool block_major_ = false;  // items in query-block order (see MakeItem)
+  int64_t qb_stride_ = 0;     // bf16 query rows (bf16dot_): dim rounded up to 32
   std::vector<Scratch> scratch_;
   // DeBERTa and XL tables (see PrepareDeberta / PrepareXl).
   int64_t deb_tiles_ = 0, deb_rows_ = 0, seq_k_pad_ = 0, xl_tiles_ = 0, dim4_ = 0;
