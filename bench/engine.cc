@@ -2,6 +2,7 @@
 // (engine.h).
 #include "engine.h"
 
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -36,6 +37,13 @@ struct Packed {
   }
   View<float, 4> o(int64_t at, int64_t n) {
     return View<float, 4>::contiguous(out.data() + at * heads * 128, shape(n));
+  }
+  // A workload: attention over the whole row (scheme none) with options `o` (kept by reference).
+  std::function<void()> whole(const AttentionOptions& o) {
+    return [this, &o] {
+      attention(in(q, 0, tokens), in(k, 0, tokens), in(v, 0, tokens), NoPositions{}, o,
+                this->o(0, tokens));
+    };
   }
 };
 
@@ -86,19 +94,13 @@ Result bench_softcap(int64_t seq, int threads, const TimingOptions& options) {
   const AttentionOptions plain{.causal = true, .num_threads = threads};
   AttentionOptions capped = plain;
   capped.softcap = 50.0;
-  const auto run = [&](const AttentionOptions& o) {
-    return [&p, &o, seq] {
-      attention(p.in(p.q, 0, seq), p.in(p.k, 0, seq), p.in(p.v, 0, seq), NoPositions{}, o,
-                p.o(0, seq));
-    };
-  };
   Result r;
   r.name = "attention_softcap_causal_L" + std::to_string(seq) + "_H8_D128";
   r.threads = threads;
   r.flops =
       attention_flops({.seq_q = seq, .seq_k = seq, .heads_q = 8, .heads_kv = 8, .head_dim = 128});
   r.baselines = {"sgemm"};
-  const PairTiming pt = measure_pair(run(plain), run(capped), options);
+  const PairTiming pt = measure_pair(p.whole(plain), p.whole(capped), options);
   r.timing = pt.b;
   r.extra.emplace_back("vs_no_cap", pt.ratio);
   r.extra.emplace_back("no_cap_median_s", pt.a.median_s);
@@ -116,12 +118,6 @@ Result bench_document_mask(int64_t docs, int64_t len, int threads, const TimingO
   AttentionOptions masked = plain;
   masked.block_mask.query_documents = View<const int32_t, 2>::contiguous(ids.data(), {1, total});
   masked.block_mask.key_documents = masked.block_mask.query_documents;
-  const auto run = [&](const AttentionOptions& o) {
-    return [&p, &o, total] {
-      attention(p.in(p.q, 0, total), p.in(p.k, 0, total), p.in(p.v, 0, total), NoPositions{}, o,
-                p.o(0, total));
-    };
-  };
   Result r;
   r.name = "document_mask_" + std::to_string(docs) + "x" + std::to_string(len) + "_H2_D128";
   r.threads = threads;
@@ -129,7 +125,7 @@ Result bench_document_mask(int64_t docs, int64_t len, int threads, const TimingO
       .seq_q = len, .seq_k = len, .heads_q = 2, .heads_kv = 2, .head_dim = 128, .causal = false};
   r.flops = static_cast<double>(docs) * attention_flops(doc);
   r.baselines = {"sgemm"};
-  const PairTiming pt = measure_pair(run(plain), run(masked), options);
+  const PairTiming pt = measure_pair(p.whole(plain), p.whole(masked), options);
   r.timing = pt.b;
   r.extra.emplace_back("vs_dense", pt.ratio);
   r.extra.emplace_back("dense_median_s", pt.a.median_s);

@@ -1,10 +1,16 @@
 // tests/attention_shapes.h - what the attention gradient tests share: a problem shape, its
-// q / k / lse layouts, contiguous views over vectors, random inputs and trace strings.
+// q / k / lse layouts, contiguous views over vectors, random inputs, trace strings and the
+// float32-against-oracle tolerance rule.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -69,6 +75,35 @@ inline std::vector<T> randn(Rng& rng, std::size_t n, double sd = 1.0) {
   std::vector<T> v(n);
   for (auto& x : v) x = static_cast<T>(nd(rng.engine()));
   return v;
+}
+
+inline std::vector<double> promote(const std::vector<float>& x) { return {x.begin(), x.end()}; }
+
+// max |a - ref| (NaN counts as infinite).
+inline double max_abs_err(const std::vector<float>& a, const std::vector<double>& ref) {
+  double e = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    double d = std::abs(static_cast<double>(a[i]) - ref[i]);
+    if (std::isnan(d)) d = std::numeric_limits<double>::infinity();
+    e = std::max(e, d);
+  }
+  return e;
+}
+
+inline double max_abs(const std::vector<double>& x) {
+  double m = 0;
+  for (double v : x) m = std::max(m, std::abs(v));
+  return m;
+}
+
+// The tolerance rule of the float32 paths: max |fast - ref| <= 2 max |naive - ref| +
+// 1e-6 max(1, max |ref|), and the naive path within 1e-4 max(1, max |ref|) of the oracle.
+inline void expect_tolerance(const std::string& what, const std::vector<float>& fast,
+                             const std::vector<float>& naive, const std::vector<double>& ref) {
+  const double ef = max_abs_err(fast, ref), en = max_abs_err(naive, ref);
+  const double mag = std::max(1.0, max_abs(ref));
+  EXPECT_LE(ef, 2 * en + 1e-6 * mag) << what << ": fast " << ef << ", naive " << en;
+  EXPECT_LE(en, 1e-4 * mag) << what << ": naive error " << en << ", max |ref| " << mag;
 }
 
 }  // namespace attn_test

@@ -60,8 +60,6 @@ std::vector<float> table_values(Rng& rng, int64_t n, double sd) {
   return out;
 }
 
-std::vector<double> promote(const std::vector<float>& x) { return {x.begin(), x.end()}; }
-
 // Positions in force (docs/attention.md defaults when not given).
 Positions query_positions(const Positions* qp, const Shape& s) {
   return qp ? *qp : Positions::offset(s.seq_k - s.seq_q);
@@ -810,16 +808,6 @@ std::unique_ptr<Grads<double>> run_ref_backward(const F32Problem& p, const Posit
                           cview(p.outd, qshape(s)), cview(p.lsed, lshape(s)),
                           cview(p.doutd, qshape(s)), scheme, opt, g->g, qp, kp);
   return g;
-}
-
-double max_abs_err(const std::vector<float>& a, const std::vector<double>& ref) {
-  double e = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    double d = std::abs(static_cast<double>(a[i]) - ref[i]);
-    if (std::isnan(d)) d = kInf;
-    e = std::max(e, d);
-  }
-  return e;
 }
 
 // max |fast - ref| <= 2 max |naive - ref| + 1e-6 max(1, max |ref|), tensor by tensor; fully

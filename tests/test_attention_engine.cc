@@ -48,32 +48,6 @@ using posenc_test::Rng;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::vector<double> promote(const std::vector<float>& x) { return {x.begin(), x.end()}; }
-
-double max_abs_err(const std::vector<float>& a, const std::vector<double>& ref) {
-  double e = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    double d = std::abs(static_cast<double>(a[i]) - ref[i]);
-    if (std::isnan(d)) d = kInf;
-    e = std::max(e, d);
-  }
-  return e;
-}
-
-double max_abs(const std::vector<double>& x) {
-  double m = 0;
-  for (double v : x) m = std::max(m, std::abs(v));
-  return m;
-}
-
-void expect_tolerance(const std::string& what, const std::vector<float>& fast,
-                      const std::vector<float>& naive, const std::vector<double>& ref) {
-  const double ef = max_abs_err(fast, ref), en = max_abs_err(naive, ref);
-  const double mag = std::max(1.0, max_abs(ref));
-  EXPECT_LE(ef, 2 * en + 1e-6 * mag) << what << ": fast " << ef << ", naive " << en;
-  EXPECT_LE(en, 1e-4 * mag) << what << ": naive error " << en << ", max |ref| " << mag;
-}
-
 std::string trace(const std::string& name, int variant, const Shape& s, const AttentionOptions& o) {
   return name + " variant " + std::to_string(variant) + " " + str(s) + " " + str(o) +
          (o.softcap ? " softcap " + std::to_string(*o.softcap) : std::string()) + " " +
@@ -199,24 +173,30 @@ struct F32Grads {
   AttentionGrads g;
 };
 
-void check_float32(const std::string& name, int variant, const Shape& s,
-                   const AttentionOptions& opt, Rng& rng) {
-  auto box = cases::make_scheme(name, s.heads_q, s.dim, rng.engine(), variant);
-  const PositionScheme& scheme = box->scheme;
-  SCOPED_TRACE(trace(name, variant, s, opt));
-  const auto q = randn<float>(rng, numel(qshape(s)), 2.0),
-             k = randn<float>(rng, numel(kshape(s)), 2.0);
+// The fused forward (out, lse) and backward and the simple paths against the oracle, on random
+// inputs of standard deviation sd (the tolerance rule of expect_tolerance).
+void compare_paths(const PositionScheme& scheme, const Shape& s, const AttentionOptions& opt,
+                   Rng& rng, double sd = 1.0) {
+  const auto q = randn<float>(rng, numel(qshape(s)), sd),
+             k = randn<float>(rng, numel(kshape(s)), sd);
   const auto v = randn<float>(rng, numel(kshape(s))), dout = randn<float>(rng, numel(qshape(s)));
   const auto qd = promote(q), kd = promote(k), vd = promote(v), doutd = promote(dout);
   std::vector<double> outd(q.size()), lsed(numel(lshape(s)));
   ref::attention(cview(qd, qshape(s)), cview(kd, kshape(s)), cview(vd, kshape(s)), scheme, opt,
                  mview(outd, qshape(s)), mview(lsed, lshape(s)));
-  std::vector<float> out(q.size(), -5.0f), out_naive(q.size(), -5.0f), lse(lsed.size(), -5.0f);
+  std::vector<float> out(q.size(), -5.0f), naive(q.size(), -5.0f), lse(lsed.size(), -5.0f);
   attention(cview(q, qshape(s)), cview(k, kshape(s)), cview(v, kshape(s)), scheme, opt,
             mview(out, qshape(s)), mview(lse, lshape(s)));
   attention_naive(cview(q, qshape(s)), cview(k, kshape(s)), cview(v, kshape(s)), scheme, opt,
-                  mview(out_naive, qshape(s)));
-  expect_tolerance("out", out, out_naive, outd);
+                  mview(naive, qshape(s)));
+  expect_tolerance("out", out, naive, outd);
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    if (lsed[i] == -kInf) {
+      ASSERT_EQ(lse[i], -std::numeric_limits<float>::infinity()) << "lse " << i;
+    } else {
+      ASSERT_NEAR(lse[i], lsed[i], 1e-5 * std::max(1.0, std::abs(lsed[i]))) << "lse " << i;
+    }
+  }
   std::vector<float> out32(outd.begin(), outd.end()), lse32(lsed.begin(), lsed.end());
   std::vector<double> dqd(q.size()), dkd(k.size()), dvd(v.size());
   AttentionGradsOf<double> gd;
@@ -234,10 +214,17 @@ void check_float32(const std::string& name, int variant, const Shape& s,
     return r;
   };
   const auto fast = run32(&attention_backward);
-  const auto naive = run32(&attention_backward_naive);
-  expect_tolerance("dq", fast->dq, naive->dq, dqd);
-  expect_tolerance("dk", fast->dk, naive->dk, dkd);
-  expect_tolerance("dv", fast->dv, naive->dv, dvd);
+  const auto slow = run32(&attention_backward_naive);
+  expect_tolerance("dq", fast->dq, slow->dq, dqd);
+  expect_tolerance("dk", fast->dk, slow->dk, dkd);
+  expect_tolerance("dv", fast->dv, slow->dv, dvd);
+}
+
+void check_float32(const std::string& name, int variant, const Shape& s,
+                   const AttentionOptions& opt, Rng& rng) {
+  auto box = cases::make_scheme(name, s.heads_q, s.dim, rng.engine(), variant);
+  SCOPED_TRACE(trace(name, variant, s, opt));
+  compare_paths(box->scheme, s, opt, rng, 2.0);
 }
 
 TEST(Softcap, Float32PathsMatchOracle) {
@@ -443,47 +430,7 @@ void check_block_mask_float32(const std::string& name, const Shape& s, int kind,
   opt.block_mask = m->mask;
   opt.allow_fully_masked = true;
   SCOPED_TRACE(trace(name, 1, s, opt) + " " + kind_name(kind));
-  const PositionScheme& scheme = box->scheme;
-  const auto q = randn<float>(rng, numel(qshape(s))), k = randn<float>(rng, numel(kshape(s)));
-  const auto v = randn<float>(rng, numel(kshape(s))), dout = randn<float>(rng, numel(qshape(s)));
-  const auto qd = promote(q), kd = promote(k), vd = promote(v), doutd = promote(dout);
-  std::vector<double> outd(q.size()), lsed(numel(lshape(s)));
-  ref::attention(cview(qd, qshape(s)), cview(kd, kshape(s)), cview(vd, kshape(s)), scheme, opt,
-                 mview(outd, qshape(s)), mview(lsed, lshape(s)));
-  std::vector<float> out(q.size(), -5.0f), naive(q.size(), -5.0f), lse(lsed.size(), -5.0f);
-  attention(cview(q, qshape(s)), cview(k, kshape(s)), cview(v, kshape(s)), scheme, opt,
-            mview(out, qshape(s)), mview(lse, lshape(s)));
-  attention_naive(cview(q, qshape(s)), cview(k, kshape(s)), cview(v, kshape(s)), scheme, opt,
-                  mview(naive, qshape(s)));
-  expect_tolerance("out", out, naive, outd);
-  for (std::size_t i = 0; i < lse.size(); ++i) {
-    if (lsed[i] == -kInf) {
-      ASSERT_EQ(lse[i], -std::numeric_limits<float>::infinity()) << "lse " << i;
-    } else {
-      ASSERT_NEAR(lse[i], lsed[i], 1e-5 * std::max(1.0, std::abs(lsed[i]))) << "lse " << i;
-    }
-  }
-  std::vector<float> out32(outd.begin(), outd.end()), lse32(lsed.begin(), lsed.end());
-  std::vector<double> dqd(q.size()), dkd(k.size()), dvd(v.size());
-  AttentionGradsOf<double> gd;
-  gd.dq = mview(dqd, qshape(s)), gd.dk = mview(dkd, kshape(s)), gd.dv = mview(dvd, kshape(s));
-  ref::attention_backward(cview(qd, qshape(s)), cview(kd, kshape(s)), cview(vd, kshape(s)),
-                          cview(outd, qshape(s)), cview(lsed, lshape(s)), cview(doutd, qshape(s)),
-                          scheme, opt, gd);
-  auto run32 = [&](auto fn) {
-    auto r = std::make_unique<F32Grads>();
-    r->dq.assign(q.size(), 7.0f), r->dk.assign(k.size(), 7.0f), r->dv.assign(v.size(), 7.0f);
-    r->g.dq = mview(r->dq, qshape(s)), r->g.dk = mview(r->dk, kshape(s));
-    r->g.dv = mview(r->dv, kshape(s));
-    fn(cview(q, qshape(s)), cview(k, kshape(s)), cview(v, kshape(s)), cview(out32, qshape(s)),
-       cview(lse32, lshape(s)), cview(dout, qshape(s)), scheme, opt, r->g, nullptr, nullptr);
-    return r;
-  };
-  const auto fast = run32(&attention_backward);
-  const auto slow = run32(&attention_backward_naive);
-  expect_tolerance("dq", fast->dq, slow->dq, dqd);
-  expect_tolerance("dk", fast->dk, slow->dk, dkd);
-  expect_tolerance("dv", fast->dv, slow->dv, dvd);
+  compare_paths(box->scheme, s, opt, rng);
 }
 
 TEST(BlockMask, Float32PathsMatchOracle) {

@@ -156,8 +156,6 @@ void expect_fd_close(const std::string& name, const std::vector<double>& analyti
       << ", analytic " << analytic[worst] << "), max |analytic| " << amax;
 }
 
-std::vector<double> promote(const std::vector<float>& x) { return {x.begin(), x.end()}; }
-
 // Sinks as float32 values that are exact multiples of 2^-12 (so the float32 option and the
 // float64 table hold the same numbers), spread around the scores' range.
 std::vector<float> make_sinks(Rng& rng, int64_t heads) {
@@ -326,30 +324,6 @@ TEST(AttentionSinks, OracleBackwardMatchesFiniteDifferences) {
 }
 
 // ---- 3. the float32 paths against the oracle ------------------------------------------------
-
-double max_abs_err(const std::vector<float>& a, const std::vector<double>& ref) {
-  double e = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    double d = std::abs(static_cast<double>(a[i]) - ref[i]);
-    if (std::isnan(d)) d = kInf;
-    e = std::max(e, d);
-  }
-  return e;
-}
-
-double max_abs(const std::vector<double>& x) {
-  double m = 0;
-  for (double v : x) m = std::max(m, std::abs(v));
-  return m;
-}
-
-void expect_tolerance(const std::string& what, const std::vector<float>& fast,
-                      const std::vector<float>& naive, const std::vector<double>& ref) {
-  const double ef = max_abs_err(fast, ref), en = max_abs_err(naive, ref);
-  const double mag = std::max(1.0, max_abs(ref));
-  EXPECT_LE(ef, 2 * en + 1e-6 * mag) << what << ": fast " << ef << ", naive " << en;
-  EXPECT_LE(en, 1e-4 * mag) << what << ": naive error " << en << ", max |ref| " << mag;
-}
 
 struct F32Grads {
   std::vector<float> dq, dk, dv, dsinks;

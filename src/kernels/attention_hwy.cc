@@ -119,9 +119,10 @@ class ForwardKernel {
     dim_ = p.head_dim;
     dpad_ = RoundUp(dim_, lanes_);
     group_ = p.heads_q / p.heads_kv;
-    // Document masks (packed sequences): half the rows per item, so that a causal document's
+    // Causal document masks (packed sequences): half the rows per item, so that a document's
     // diagonal tiles waste less (a row's result does not depend on its block).
-    bq_ = std::max<int64_t>(1, (p.qdoc != nullptr ? kRowsPerItem / 2 : kRowsPerItem) / group_);
+    const bool causal_docs = p.qdoc != nullptr && p.mask.causal;
+    bq_ = std::max<int64_t>(1, (causal_docs ? kRowsPerItem / 2 : kRowsPerItem) / group_);
     nqb_ = (p.seq_q + bq_ - 1) / bq_;
     ntiles_ = (p.seq_k + kTileK - 1) / kTileK;
     // Per batch row, per key tile: min / max position and whether positions are consecutive.
