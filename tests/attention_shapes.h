@@ -106,4 +106,16 @@ inline void expect_tolerance(const std::string& what, const std::vector<float>& 
   EXPECT_LE(en, 1e-4 * mag) << what << ": naive error " << en << ", max |ref| " << mag;
 }
 
+// The float32 lse against the oracle's: -inf exactly where the oracle has it (rows with no
+// visible key), else within 1e-5 relative.
+inline void expect_lse(const std::vector<float>& lse, const std::vector<double>& ref) {
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    if (ref[i] == -std::numeric_limits<double>::infinity()) {
+      EXPECT_EQ(lse[i], -std::numeric_limits<float>::infinity()) << "lse " << i;
+    } else {
+      EXPECT_NEAR(lse[i], ref[i], 1e-5 * std::max(1.0, std::abs(ref[i]))) << "lse " << i;
+    }
+  }
+}
+
 }  // namespace attn_test

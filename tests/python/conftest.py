@@ -15,6 +15,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 # oracle; tests/test_bf16_dot.cc checks it): the Python tests run the widening kernel.
 os.environ.setdefault("POSENC_BF16_DOT", "0")
 
+def maxerr(a, b):
+    """max |a - b| in float64."""
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def tol32(ref, naive):
+    """The float32 tolerance: 2 max |naive32 - ref64| + 2e-6 max(1, |ref|)."""
+    return 2 * maxerr(naive, ref) + 2e-6 * max(1.0, float(np.max(np.abs(ref))))
+
+
 SCHEMES = ("none", "rope", "alibi", "t5", "shaw", "xl", "deberta")
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import posenc
-from conftest import SCHEMES, Case, variants
+from conftest import Case, SCHEMES, maxerr, tol32, variants
 
 torch = pytest.importorskip("torch")
 
@@ -25,14 +25,6 @@ def cases():
                     yield pytest.param(scheme, variant, causal, pos,
                                        id=f"{scheme}-v{variant}-{'causal' if causal else 'bidir'}"
                                           f"{'-positions' if pos else ''}")
-
-
-def maxerr(a, b):
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-
-
-def tol32(ref, naive):
-    return 2 * maxerr(naive, ref) + 2e-6 * max(1.0, float(np.max(np.abs(ref))))
 
 
 @pytest.mark.parametrize("scheme,variant,causal,pos", list(cases()))

@@ -15,18 +15,10 @@ import numpy as np
 import pytest
 
 import posenc
-from conftest import SCHEMES, Case, load_config, variants
+from conftest import Case, SCHEMES, load_config, maxerr, tol32, variants
 
 torch = pytest.importorskip("torch")
 import posenc.torch as pt  # noqa: E402
-
-
-def maxerr(a, b):
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-
-
-def tol32(ref, naive):
-    return 2 * maxerr(naive, ref) + 2e-6 * max(1.0, float(np.max(np.abs(ref))))
 
 
 # ---- soft-capping ------------------------------------------------------------------------------
