@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _ops, _posenc
+from .. import _ops, _posenc
 
 __all__ = [
     "attention", "attention_paged", "rope_append", "rope", "apply_rope", "rerotate_rope",
