@@ -288,3 +288,15 @@ def bench(*, quick=True, threads=0, filter=""):
 
 
 __all__ = [n for n in dir() if not n.startswith("_")]
+
+# Subpackages that need torch (and transformers for posenc.hf) load on first use, so
+# ``import posenc`` stays NumPy-only and ``posenc.torch.attention`` works after ``import posenc``.
+_LAZY_SUBMODULES = ("torch", "hf", "testing", "experiments")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+        return importlib.import_module("." + name, __name__)
+    raise AttributeError(f"module 'posenc' has no attribute {name!r}")
+

@@ -45,6 +45,18 @@ __all__ = [
     "PositionalAttention",
 ]
 
+# Submodules loaded on first use: posenc.torch.flex (FlexAttention) and posenc.torch.distributed
+# (context parallelism).
+_LAZY_SUBMODULES = ("flex", "distributed")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+        return importlib.import_module("." + name, __name__)
+    raise AttributeError(f"module 'posenc.torch' has no attribute {name!r}")
+
+
 _HALF = _ops._HALF
 _require_cpu = _ops.require_cpu
 
