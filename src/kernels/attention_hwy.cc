@@ -1110,6 +1110,7 @@ class ForwardKernel {
     const auto vscale = hn::Set(d, p_.scale);
     const bool capped = p_.softcap > 0.0f;
     const auto vcap = hn::Set(d, p_.softcap);
+    const auto inv_cap = hn::Set(d, capped ? 1.0f / p_.softcap : 0.0f);
     const int32_t* kp = sc.kpos.get();
     const DistanceBiasRow<const float> bias(p_, p_.bias, it.b, h, qp);
     int32_t deb_off = 0;
@@ -1198,7 +1199,7 @@ class ForwardKernel {
         sv = hn::Add(
             sv, DebertaTerms(r, j0, c, consec, deb_off, kp, kpq_bh, diag_bh, lane_iota, rt, sc));
       }
-      if (capped) sv = hn::Mul(vcap, hn::Tanh(d, hn::Div(sv, vcap)));
+      if (capped) sv = SoftCap(d, sv, vcap, inv_cap);
       // Visible scores must be finite: NaN or an overflow to +-inf would otherwise turn into a
       // silent 0 (exp of NaN is 0 here) instead of an error.
       auto bad = hn::Not(hn::IsFinite(sv));
