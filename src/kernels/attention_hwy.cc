@@ -69,6 +69,9 @@ constexpr int8_t kConst = 0, kLinear = 1, kGather = 2;
 // Per-thread buffers of one work item (aligned, reused across tiles).
 struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> qp, kt, vt, s, o, extra, extra2, part;
+  // A segment's transposed key tiles and packed value tiles (RunSegments).
+  hwy::AlignedFreeUniquePtr<float[]> kseg, vseg;
+  size_t kseg_n = 0, vseg_n = 0;
   hwy::AlignedFreeUniquePtr<int32_t[]> kpos;
   // Block masks: the tile's key documents and open flags, and one row of the dense mask.
   hwy::AlignedFreeUniquePtr<int32_t[]> kdoc, kopen, dense;
@@ -230,9 +233,93 @@ class ForwardKernel {
         FillDiags(0, nu * unit_heads, threads);
         RunItems(u * nqb_, nu * nqb_, threads, nullptr);
       }
-    } else {
+    } else if (!(block_major_ && !use_dot_ && !wide_ && RunSegments(threads))) {
       RunItems(0, units * nqb_, threads, nullptr);
     }
+  }
+
+  // Block masks (documents, packed sequences) whose query blocks each see a few key tiles: runs of
+  // consecutive query blocks that start at the same tile (a document's blocks) form a segment,
+  // and one work unit = (segment, kv head) transposes and packs the segment's tiles once for all
+  // its blocks (per block, a causal document of 4 blocks would transpose 1 + 2 + 3 + 4 tiles
+  // instead of 4, and read them from memory as often). Segments hold at most kSegmentBlocks
+  // blocks and kSegmentTiles tiles (bounded scratch, enough units for the threads); they depend
+  // on the masks alone, and every row is computed as in RunItems (thread-count independent).
+  static constexpr int64_t kSegmentBlocks = 8, kSegmentTiles = 16;
+  struct Segment {
+    int64_t b, qb0, qb1;  // query blocks [qb0, qb1) of batch row b
+    int64_t t0, t1;       // key tiles [t0, t1) visible to at least one of them
+  };
+
+  std::vector<Segment> Segments() const {
+    std::vector<Segment> segs;
+    for (int64_t b = 0; b < p_.batch; ++b) {
+      for (int64_t qb = 0; qb < nqb_; ++qb) {
+        const int64_t i0 = qb * bq_, nq = std::min(bq_, p_.seq_q - i0);
+        const QueryBlockInfo q = tiles_->Queries(b, i0, nq);
+        int64_t first = -1, last = -1;
+        for (int64_t t = 0; t < ntiles_; ++t) {
+          if (tiles_->Classify(q, b, t, i0, nq) == TileKind::kHidden) continue;
+          if (first < 0) first = t;
+          last = t;
+        }
+        const int64_t t0 = first < 0 ? 0 : first, t1 = first < 0 ? 0 : last + 1;
+        // A block spread over many tiles (global tokens, long documents): per-block packing.
+        if (t1 - t0 > kSegmentTiles) return {};
+        if (!segs.empty()) {
+          Segment& s = segs.back();
+          const bool empty = t0 == t1, seg_empty = s.t0 == s.t1;
+          const int64_t lo = std::min(seg_empty ? t0 : s.t0, t0);
+          const int64_t hi = std::max(s.t1, t1);
+          if (s.b == b && s.qb1 - s.qb0 < kSegmentBlocks && (empty || seg_empty || s.t0 == t0) &&
+              hi - lo <= kSegmentTiles) {
+            if (!empty) {
+              s.t0 = lo;
+              s.t1 = hi;
+            }
+            s.qb1 = qb + 1;
+            continue;
+          }
+        }
+        segs.push_back({b, qb, qb + 1, t0, t1});
+      }
+    }
+    return segs;
+  }
+
+  // False (nothing run) when the masks give no segments.
+  bool RunSegments(int threads) {
+    const std::vector<Segment> segs = Segments();
+    if (segs.empty()) return false;
+    const int64_t heads = p_.heads_kv;
+    parallel_for(static_cast<int64_t>(segs.size()) * heads, threads, [&](int64_t w) {
+      const Segment& seg = segs[static_cast<size_t>(w / heads)];
+      const int64_t hk = w % heads, span = seg.t1 - seg.t0;
+      Scratch& sc = Local();
+      Scratch::Ensure(sc.kseg, sc.kseg_n,
+                      static_cast<size_t>(std::max<int64_t>(1, span) * dim_ * kTileK));
+      Scratch::Ensure(sc.vseg, sc.vseg_n,
+                      static_cast<size_t>(std::max<int64_t>(1, span) * kTileK * dpad_));
+      for (int64_t t = seg.t0; t < seg.t1; ++t) {
+        bool seen = false;  // skip tiles no block of the segment sees
+        for (int64_t qb = seg.qb0; qb < seg.qb1 && !seen; ++qb) {
+          const int64_t i0 = qb * bq_, nq = std::min(bq_, p_.seq_q - i0);
+          seen = tiles_->Classify(tiles_->Queries(seg.b, i0, nq), seg.b, t, i0, nq) !=
+                 TileKind::kHidden;
+        }
+        if (!seen) continue;
+        TransposeTile(seg.b, hk, t * kTileK, sc.kseg.get() + (t - seg.t0) * dim_ * kTileK);
+        PackValueTile(seg.b, hk, t * kTileK, sc.vseg.get() + (t - seg.t0) * kTileK * dpad_);
+      }
+      for (int64_t qb = seg.qb0; qb < seg.qb1; ++qb) {
+        const Item it = MakeItem(qb * p_.batch * heads + seg.b * heads + hk);
+        InitAccumulators(it, sc);
+        Process(it, seg.t0 * kTileK, std::min(p_.seq_k, seg.t1 * kTileK), sc.kseg.get(),
+                sc.vseg.get(), sc, seg.t0);
+        Finish(it, sc);
+      }
+    });
+    return true;
   }
 
   // Whether transposing and packing every key tile of a group once (shared by its query blocks)
@@ -885,8 +972,9 @@ class ForwardKernel {
   }
 
   // Processes keys [j_begin, j_end) (multiples of kTileK except at seq_k) for the item.
+  // kt_all / vt_all hold tiles tile0, tile0 + 1, ... (a segment's, or a group's from 0).
   void Process(const Item& it, int64_t j_begin, int64_t j_end, const float* kt_all,
-               const float* vt_all, Scratch& sc) const {
+               const float* vt_all, Scratch& sc, int64_t tile0 = 0) const {
     RowTables rt;
     PackQueries(it, j_begin, j_end, sc, rt);
     Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
@@ -919,14 +1007,14 @@ class ForwardKernel {
       if (vt_all != nullptr && j0 + kTileK < j_end) {
         // The group's next key and value tiles toward L2 while this one is computed (measured
         // faster for causal prefill, whose tiles come from L3; docs/performance.md).
-        prefetch_l2(kt_all + (t + 1) * dim_ * kTileK, dim_ * kTileK * sizeof(float));
-        prefetch_l2(vt_all + (t + 1) * kTileK * dpad_, kTileK * dpad_ * sizeof(float));
+        prefetch_l2(kt_all + (t + 1 - tile0) * dim_ * kTileK, dim_ * kTileK * sizeof(float));
+        prefetch_l2(vt_all + (t + 1 - tile0) * kTileK * dpad_, kTileK * dpad_ * sizeof(float));
       }
       // A full tile: every cell visible, no mask to apply.
       const bool full = nk == kTileK && kind == TileKind::kFull;
       // Few rows (decoding): dot products against the key rows beat transposing the tile.
       const bool dot = use_dot_;
-      const float* kt = kt_all != nullptr ? kt_all + t * dim_ * kTileK : sc.kt.get();
+      const float* kt = kt_all != nullptr ? kt_all + (t - tile0) * dim_ * kTileK : sc.kt.get();
       if (kt_all == nullptr && !dot) TransposeTile(it.b, it.hk, j0, sc.kt.get());
       int32_t* kp = sc.kpos.get();
       for (int64_t c = 0; c < kTileK; ++c) {
@@ -1009,7 +1097,7 @@ class ForwardKernel {
         // The tile's values packed dpad floats apart (vt_all: one kv head per item).
         const float* vt = sc.vt.get();
         if (vt_all != nullptr) {
-          vt = vt_all + t * kTileK * dpad_;
+          vt = vt_all + (t - tile0) * kTileK * dpad_;
         } else {
           PackValueTile(it.b, it.hk + g2, j0, sc.vt.get());
         }
