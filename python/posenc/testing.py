@@ -94,6 +94,16 @@ class Case:
     def ok(self):
         return self.status in ("pass", "unsupported")
 
+    @property
+    def error(self):  # aliases
+        return self.max_error
+
+    max_err = error
+
+    @property
+    def tol(self):
+        return self.tolerance
+
     def __iter__(self):  # name, max_error, tolerance: unpacks like a tuple
         return iter((self.name, self.max_error, self.tolerance))
 
@@ -216,7 +226,9 @@ class _Caller:
         if framework not in ("auto", "torch", "numpy"):
             raise ValueError(f"framework: {framework!r} ('auto', 'torch' or 'numpy')")
         self.fn = fn
-        self.framework = "torch" if framework == "auto" and _is_module(fn) else framework
+        self.framework = framework
+        if framework == "auto" and (_is_module(fn) or getattr(fn, "_posenc_framework", None) == "torch"):
+            self.framework = "torch"
         if self.framework == "torch" and _torch() is None:
             raise ValueError("framework='torch' but torch is not installed")
 
@@ -225,7 +237,7 @@ class _Caller:
         if a is None or isinstance(a, (int, float, str)):
             return a
         a = np.asarray(a)
-        if framework == "numpy":
+        if framework == "numpy":  # always a copy: a function that works in place changes no input
             if a.dtype.kind in "iu":
                 return a.astype(np.int64)
             if dtype == "bfloat16":
@@ -233,8 +245,8 @@ class _Caller:
             return a.astype(dtype)
         torch = _torch()
         if a.dtype.kind in "iu":
-            return torch.from_numpy(a.astype(np.int64))
-        return torch.from_numpy(np.ascontiguousarray(a, np.float64)).to(getattr(torch, dtype))
+            return torch.from_numpy(np.array(a, np.int64))
+        return torch.from_numpy(np.array(a, np.float64)).to(getattr(torch, dtype))
 
     def __call__(self, args, kwargs, dtype, float_args):
         """args / kwargs hold NumPy arrays; float_args names which positional args (indices) and
@@ -337,6 +349,9 @@ class _RopeSettings:
         self.config = None
         if config is not None:
             cfg = config if isinstance(config, _pe.ModelConfig) else _pe.read_model_config(config)
+            if cfg.scheme != "rope" and not any(la.get("rope") for la in cfg.layers):
+                raise ValueError(f"config: a {cfg.model_type} model has no RoPE (scheme "
+                                 f"{cfg.scheme!r})")
             f = _pe.rope_frequencies(cfg, layer=layer) if layer is not None else _pe.rope_frequencies(cfg)
             if getattr(f, "nope", False):
                 raise ValueError(f"config: layer {layer} has no RoPE (NoPE layer)")
@@ -708,6 +723,7 @@ def hf_rope(rotary_emb, apply_rotary_pos_emb=None):
             yr = xr * c + rot * s
         yb = torch.cat((yr, xp), dim=-1) if xp.shape[-1] else yr
         return yb.transpose(1, 2)
+    fn._posenc_framework = "torch"
     return _canonical(fn, f"hf_rope({type(rotary_emb).__name__})")
 
 
@@ -903,7 +919,7 @@ def check_bias(fn, scheme, *, heads=None, params=None, causal=False, softmax_inv
         if causal and scheme in ("alibi", "t5"):
             mask = _visible(ql, kl)
         try:
-            raw = caller.fn(ql, kl, h) if caller.framework != "none" else None
+            raw = caller.fn(ql, kl, h)
             case.dtype = _result_dtype(raw) or "int"
             y = _to_numpy(raw)
             y = _squeeze_lead(y, 3)
@@ -1268,7 +1284,6 @@ def check_attention(fn, scheme=None, *, params=None, causal=None, dtype=None, he
             k = _round(rng.standard_normal((B, Lk, Hkv, D)), dt)
             v = _round(rng.standard_normal((B, Lk, Hkv, D)), dt)
             kw = {"causal": cz}
-            okw = dict(settings)
             if pos == "rows":
                 kp = np.stack([np.arange(Lk), 500 + 3 * np.arange(Lk)]).astype(np.int64)
                 kw["query_positions"] = np.ascontiguousarray(kp[:, Lk - Lq:])
@@ -1279,11 +1294,13 @@ def check_attention(fn, scheme=None, *, params=None, causal=None, dtype=None, he
             case = Case(cname, dt, cseed)
             case.info = {"kw": kw, "B": B, "Lq": Lq, "Lk": Lk, "Hkv": Hkv}
             try:
-                ref, tol = _attn_ref(q, k, v, scheme, params64, kw, okw, dt, angles)
+                ref, tol = _attn_ref(q, k, v, scheme, params64, kw, settings, dt, angles)
             except _pe.Error as e:
                 raise ValueError(f"check_attention: the oracle rejects the case '{cname}': {e}") from e
             case.tolerance = tol
             ukw = dict(kw)
+            if not cz:  # posenc's default: a function without a causal keyword still runs
+                del ukw["causal"]
             ukw.update(settings)
             y = _run_attn(caller, case, q, k, v, scheme, ukw, params, dt, optional, lenient)
             if y is not None:
@@ -1428,11 +1445,9 @@ def _attn_diagnosis(results, scheme, params64, settings, angles):
                          "with the float32 angle recipe (float32(position)·float32(inv_freq)), "
                          "whose error grows with the position; compute angles in float64."))
     if scheme == "t5":
-        bidi = settings.get("bidirectional")
         hyps.append(("t5flip", "T5 buckets are the other kind (bidirectional vs causal): the "
                      "encoder uses bidirectional buckets, the decoder causal ones; check the "
                      "bidirectional setting."))
-        del bidi
     if scheme == "deberta":
         p2c = settings.get("deberta_p2c", "model")
         o = "paper" if p2c == "model" else "model"

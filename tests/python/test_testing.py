@@ -355,3 +355,35 @@ def test_hf_rotary_classes(name, module, cls):
     # ... and equals the float32 recipe everywhere (posenc's angles='float32')
     r32 = T.check_rope(fn, config=config_path(name), dtype="float32", angles="float32")
     assert r32.ok, str(r32)
+
+
+def test_gptj_interleaved_partial_and_configs():
+    gptj = pytest.importorskip("transformers.models.gptj.modeling_gptj")
+    R = 16
+
+    def fn(x, positions):  # GPT-J's own code: its sin/cos table, rotate_every_two, partial dims
+        table = gptj.create_sinusoidal_positions(int(positions.max()) + 1, R)
+        sin, cos = torch.split(table[positions[None]].to(x.dtype), R // 2, dim=-1)
+        rot = gptj.apply_rotary_pos_emb(x[..., :R], sin, cos)
+        return torch.cat([rot, x[..., R:]], dim=-1)
+    short = ["prefill L=33", "odd sizes B=1 L=7 H=1", "non-contiguous x (a [B,H,L,D] view)"]
+    r = T.check_rope(fn, head_dim=24, rotary_dim=R, style="interleaved", cases=short +
+                     [n + " [bfloat16]" for n in short])
+    assert all(c.status == "pass" for c in r.cases if c.dtype == "bfloat16"), str(r)
+    r = T.check_rope(fn, head_dim=24, rotary_dim=R, style="half", dtype="float32", cases=short)
+    assert not r.ok and "interleaved-style" in diag(r), str(r)
+    with pytest.raises(ValueError, match="no RoPE"):
+        T.check_rope(fn, config=config_path("t5-base"))
+    with pytest.raises(ValueError, match="contradicts"):
+        T.check_rope(fn, config=config_path("gpt-j-6b"), head_dim=64)
+
+
+def test_inplace_function_and_dtype_names():
+    def inplace(x, positions):
+        y = rope_torch(x, positions)
+        x.copy_(y)
+        return x
+    r = T.check_rope(inplace, head_dim=8, dtype=torch.float64)
+    assert r.ok and {c.dtype for c in r.cases} == {"float64"}, str(r)
+    r = T.check_rope(rope_torch, head_dim=8, dtype=[np.float32, "bf16"])
+    assert r.ok and {c.dtype for c in r.cases} == {"float32", "bfloat16"}, str(r)
