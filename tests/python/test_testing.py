@@ -328,6 +328,7 @@ HF_ROPE = [  # (config file, rotary class module, class)
     ("mistral-7b", "mistral", "MistralRotaryEmbedding"),
     ("gpt-neox-20b", "gpt_neox", "GPTNeoXRotaryEmbedding"),
     ("phi-2", "phi", "PhiRotaryEmbedding"),
+    ("gemma-7b", "gemma", "GemmaRotaryEmbedding"),
 ]
 
 
@@ -387,3 +388,19 @@ def test_inplace_function_and_dtype_names():
     assert r.ok and {c.dtype for c in r.cases} == {"float64"}, str(r)
     r = T.check_rope(rope_torch, head_dim=8, dtype=[np.float32, "bf16"])
     assert r.ok and {c.dtype for c in r.cases} == {"float32", "bfloat16"}, str(r)
+
+
+def test_docs_examples_run():
+    import os
+    import re
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "testing.md")
+    with open(doc) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) == 2
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for i, code in enumerate(blocks):
+            exec(compile(code, f"docs/testing.md (block {i})", "exec"), {})
+    assert "interleaved-style" in out.getvalue() and "status='fail'" in out.getvalue()
