@@ -701,7 +701,8 @@ def hf_rope(rotary_emb, apply_rotary_pos_emb=None):
 
     rotary_emb: a module (or function) called as rotary_emb(x, position_ids) -> (cos, sin), x of
     layout [batch, heads, seq, head_dim] and position_ids [batch, seq] (LlamaRotaryEmbedding and
-    the classes copied from it; transformers' convention). apply_rotary_pos_emb: the model's
+    the classes copied from it; transformers' convention), or a pair (cos_table, sin_table) of
+    [max_positions, R] tensors indexed by position (a cos/sin cache). apply_rotary_pos_emb: the model's
     function (q, k, cos, sin) -> (q_embed, k_embed) on [batch, heads, seq, head_dim] tensors;
     default: rotate_half. Either way only the first cos.shape[-1] dims are rotated and the rest
     pass through (the partial rotary of the Phi / GPT-NeoX modeling code). Returns the canonical
@@ -712,7 +713,10 @@ def hf_rope(rotary_emb, apply_rotary_pos_emb=None):
     def fn(x, positions):
         xb = x.transpose(1, 2)
         pid = positions if positions.dim() == 2 else positions[None].expand(x.shape[0], -1)
-        cos, sin = rotary_emb(xb, pid)
+        if isinstance(rotary_emb, (tuple, list)):
+            cos, sin = (t[pid].to(x.dtype) for t in rotary_emb)
+        else:
+            cos, sin = rotary_emb(xb, pid)
         r = cos.shape[-1]
         xr, xp = xb[..., :r], xb[..., r:]  # partial rotary: the model rotates the first r dims
         if apply_rotary_pos_emb is not None:
@@ -724,7 +728,8 @@ def hf_rope(rotary_emb, apply_rotary_pos_emb=None):
         yb = torch.cat((yr, xp), dim=-1) if xp.shape[-1] else yr
         return yb.transpose(1, 2)
     fn._posenc_framework = "torch"
-    return _canonical(fn, f"hf_rope({type(rotary_emb).__name__})")
+    what = "cos/sin table" if isinstance(rotary_emb, (tuple, list)) else type(rotary_emb).__name__
+    return _canonical(fn, f"hf_rope({what})")
 
 
 def from_bhld(fn):

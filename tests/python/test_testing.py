@@ -404,3 +404,49 @@ def test_docs_examples_run():
         for i, code in enumerate(blocks):
             exec(compile(code, f"docs/testing.md (block {i})", "exec"), {})
     assert "interleaved-style" in out.getvalue() and "status='fail'" in out.getvalue()
+
+
+def test_bias_off_by_one():
+    def alibi_plus1(q_len, k_len, heads):
+        m = posenc.alibi_slopes(heads)
+        pq = np.arange(q_len) + k_len - q_len + 1
+        return -m[:, None, None] * np.abs(pq[:, None] - np.arange(k_len))[None]
+    r = T.check_bias(alibi_plus1, "alibi", heads=6)
+    assert not r.ok and "off by one" in diag(r) and "+ 1" in diag(r), str(r)
+    tab = np.random.default_rng(1).standard_normal((32, 3))
+
+    def t5_minus1(q_len, k_len, heads):
+        pq = np.arange(q_len) + k_len - q_len - 1
+        b = posenc.t5_bucket(np.arange(k_len)[None] - pq[:, None], bidirectional=False)
+        return np.moveaxis(tab[b], -1, 0)
+    for kw in ({"params": {"relative_attention_bias": tab}}, {"heads": 3}):
+        r = T.check_bias(t5_minus1, "t5", causal=True, **kw)
+        assert not r.ok and "off by one" in diag(r) and "- 1" in diag(r), str(r)
+
+
+def test_cos_sin_cache_adapter_and_float32_attention():
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    D = 32
+    inv = 1.0 / (1e4 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    ang = torch.arange(1 << 13, dtype=torch.float64)[:, None] * inv
+    cache = (torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1))  # float64 cache
+    fn = T.hf_rope(cache, llama.apply_rotary_pos_emb)
+    r = T.check_rope(fn, head_dim=D, cases=["prefill L=33", "KV-cache decode: 1 token at 4097",
+                                            "positions near 2^12"])
+    assert r.ok, str(r)
+
+    def f32_rope_attention(q, k, v, scheme, *, causal=False, query_positions=None,
+                           key_positions=None, base=1e4):
+        Lq, Lk = q.shape[1], k.shape[1]
+        qp = np.arange(Lq) + Lk - Lq if query_positions is None else query_positions
+        kp = np.arange(Lk) if key_positions is None else key_positions
+        f = posenc.rope_frequencies(q.shape[-1], base=base, angles="float32")
+        q = posenc.apply_rope(np.asarray(q, np.float32), f, positions=qp)
+        k = posenc.apply_rope(np.asarray(k, np.float32), f, positions=kp)
+        return posenc.attention(q, k, np.asarray(v, np.float32), causal=causal)
+    r = T.check_attention(f32_rope_attention, "rope", base=1e4, dtype="float32", causal=True)
+    by = {c.name: c for c in r.cases}
+    assert by["positions near 2^20 causal"].status == "fail", str(r)
+    assert "Float32 angles at long context" in diag(r), str(r)
+    assert T.check_attention(f32_rope_attention, "rope", base=1e4, dtype="float32", causal=True,
+                             angles="float32").ok
