@@ -388,15 +388,31 @@ class _RopeSettings:
         lo = self.scaling.get("original_max_position_embeddings")
         self.original = int(lo) if lo else None
 
-    def freqs(self, seq_len, angles="accurate", rotary_dim=None, scaling=True):
-        if self.config is not None and rotary_dim is None and scaling:
+    def theta(self):
+        if self.config is None:
+            return self.base
+        if self.layer is not None:
+            return float(self.config.layers[self.layer].get("rope_theta") or self.config.rope["base"])
+        return float(self.config.rope["base"])
+
+    def other_thetas(self):
+        """Bases a wrong implementation may have used: the model's other layers', the common
+        ones."""
+        cands = [1e4, 5e5, 1e6]
+        if self.config is not None:
+            cands = [float(la.get("rope_theta")) for la in self.config.layers
+                     if la.get("rope_theta")] + cands
+        out = []
+        for b in cands:
+            if b > 1 and abs(b - self.theta()) > 1e-9 * b and b not in out:
+                out.append(b)
+        return out
+
+    def freqs(self, seq_len, angles="accurate", rotary_dim=None, scaling=True, base=None):
+        if self.config is not None and rotary_dim is None and scaling and base is None:
             kw = {"layer": self.layer} if self.layer is not None else {}
             return _pe.rope_frequencies(self.config, seq_len=int(seq_len), angles=angles, **kw)
-        if self.config is not None:
-            base = float(self.config.layers[self.layer or 0].get("rope_theta")
-                         or self.config.rope["base"])
-        else:
-            base = self.base
+        base = self.theta() if base is None else base
         sc = (self.scaling or None) if scaling else None
         if sc is not None and self.scaling_type == "default":
             sc = None
@@ -565,6 +581,9 @@ def _rope_diagnosis(st, results, angles):
         ("noscale", f"The frequency scaling ({st.scaling_type}) is not applied: the function uses "
          "the unscaled base frequencies."),
     ]
+    hyps += [(("base", b), f"The frequencies are those of base θ = {b:g}, but the settings say "
+              f"θ = {st.theta():g} (rope_theta" + (": another layer's RoPE" if st.config is not None
+                                                   else "") + ").") for b in st.other_thetas()]
     if st.rotary_dim == st.head_dim:
         hyps = [h for h in hyps if h[0] not in ("full", "partial_hd")]
     if st.scaling_type == "default":
@@ -676,6 +695,8 @@ def _rope_alt(st, key, x, pos, seq_len, ang):
         return y
     if key == "noscale":
         return _rope_apply(x, pos, st.freqs(seq_len, ang, scaling=False), st.style)
+    if isinstance(key, tuple) and key[0] == "base":
+        return _rope_apply(x, pos, st.freqs(seq_len, ang, base=key[1]), st.style)
     return None
 
 

@@ -450,3 +450,18 @@ def test_cos_sin_cache_adapter_and_float32_attention():
     assert "Float32 angles at long context" in diag(r), str(r)
     assert T.check_attention(f32_rope_attention, "rope", base=1e4, dtype="float32", causal=True,
                              angles="float32").ok
+
+
+def test_wrong_layer_base_diagnosed():
+    cfg = posenc.read_model_config(config_path("gemma-3-1b-it"))
+    local = [la["index"] for la in cfg.layers if la["rope_theta"] == 1e4][0]
+    glob = [la["index"] for la in cfg.layers if la["rope_theta"] == 1e6][0]
+
+    def rope_of(layer):
+        def fn(x, p):
+            f = posenc.rope_frequencies(cfg, layer=layer, seq_len=int(p.max()) + 1)
+            return posenc.apply_rope(np.asarray(x, np.float64), f, positions=p)
+        return fn
+    assert T.check_rope(rope_of(glob), config=cfg, layer=glob).ok
+    r = T.check_rope(rope_of(local), config=cfg, layer=glob, dtype="float32")
+    assert not r.ok and "base θ = 10000" in diag(r) and "another layer's RoPE" in diag(r), str(r)
