@@ -933,6 +933,12 @@ def check_bias(fn, scheme, *, heads=None, params=None, causal=False, softmax_inv
     plan = [(h, s) for h in head_list for s in shape_list]
     if scheme == "alibi" and shapes is None:
         plan += [(h, (2, 65537)) for h in head_list if h <= 4][:2]
+    ctx = dict(scheme=scheme, table=table, softmax_invariant=softmax_invariant, causal=causal,
+               max_bias=max_bias, num_buckets=num_buckets, max_distance=max_distance,
+               bidirectional=(not causal) if bidirectional is None else bool(bidirectional),
+               index=index, p2c=p2c, dkw=dict(max_relative_positions=max_relative_positions,
+                                             position_buckets=position_buckets,
+                                             float64_log=float64_log))
     results, notes = [], []
     for h, (ql, kl) in plan:
         name = f"heads={h} q_len={ql} k_len={kl}"
@@ -940,7 +946,7 @@ def check_bias(fn, scheme, *, heads=None, params=None, causal=False, softmax_inv
             continue
         cseed = _case_seed(seed, name)
         case = Case(name, "float64", cseed)
-        ref, mask = _bias_reference(scheme, ql, kl, h, table, locals())
+        ref, mask = _bias_reference(scheme, ql, kl, h, table, ctx)
         case.info = {"heads": h, "q_len": ql, "k_len": kl}
         if causal and scheme in ("alibi", "t5"):
             mask = _visible(ql, kl)
@@ -951,7 +957,11 @@ def check_bias(fn, scheme, *, heads=None, params=None, causal=False, softmax_inv
             y = _squeeze_lead(y, 3)
             if y.ndim == 2:
                 y = y[None]
-            y = np.broadcast_to(y, (h, ql, kl))
+            try:
+                y = np.broadcast_to(y, (h, ql, kl))
+            except ValueError:
+                raise ValueError(f"result shape {tuple(np.shape(_to_numpy(raw)))}, expected "
+                                 f"[heads, q_len, k_len] = {(h, ql, kl)}") from None
         except Exception as e:
             case.status, case.message = "error", f"{type(e).__name__}: {e}"[:300]
             case.inputs = {"q_len": ql, "k_len": kl, "heads": h}
@@ -971,12 +981,6 @@ def check_bias(fn, scheme, *, heads=None, params=None, causal=False, softmax_inv
         results.append(case)
     if not results:
         raise ValueError(f"cases: no case named {sorted(want)}")
-    ctx = dict(scheme=scheme, table=table, softmax_invariant=softmax_invariant, causal=causal,
-               max_bias=max_bias, num_buckets=num_buckets, max_distance=max_distance,
-               bidirectional=(not causal) if bidirectional is None else bool(bidirectional),
-               index=index, p2c=p2c, dkw=dict(max_relative_positions=max_relative_positions,
-                                             position_buckets=position_buckets,
-                                             float64_log=float64_log))
     diag = _bias_diagnosis(results, ctx)
     call = _call_text(fn, {"scheme": scheme, "heads": heads, "causal": causal or None,
                            "softmax_invariant": softmax_invariant or None})
@@ -993,7 +997,7 @@ def _bias_reference(scheme, ql, kl, h, table, kw, shift=0, variant=None):
             slopes = _pe.alibi_slopes(h, max_bias=kw["max_bias"])
         return _alibi_ref(ql, kl, slopes, shift, v.get("sign", 1.0)), None
     if scheme == "t5":
-        bidi = v.get("bidirectional", (not kw["causal"]) if kw["bidirectional"] is None else bool(kw["bidirectional"]))
+        bidi = v.get("bidirectional", kw["bidirectional"])
         rel = pk[None, :] - pq[:, None]
         if v.get("flip"):
             rel = -rel
@@ -1003,9 +1007,7 @@ def _bias_reference(scheme, ql, kl, h, table, kw, shift=0, variant=None):
         if table is None:
             return b, None
         return np.moveaxis(table[b], -1, 0), None
-    dkw = dict(kw["dkw"]) if "dkw" in kw else dict(
-        max_relative_positions=kw["max_relative_positions"],
-        position_buckets=kw["position_buckets"], float64_log=kw["float64_log"])
+    dkw = dict(kw["dkw"])
     dkw.update(v.get("dkw", {}))
     index = v.get("index", kw["index"])
     PQ, PK = np.broadcast_arrays(pq[:, None], pk[None, :])
