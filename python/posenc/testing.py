@@ -1252,6 +1252,8 @@ def check_attention(fn, scheme=None, *, params=None, causal=None, dtype=None, he
 
     fn has posenc.torch.attention's signature: fn(q, k, v, scheme, *, params=..., causal=...,
     query_positions=..., key_positions=..., **settings) -> out [batch, seq_q, heads_q, D]
+    (scheme positional; left out when None; causal passed only when True, params only when
+    given, positions only in the explicit-position cases)
     (q [batch, seq_q, heads_q, D], k, v [batch, seq_k, heads_kv, D]; from_bhld adapts
     [batch, heads, seq, D] functions). params (tables by posenc's parameter names, NumPy or
     torch) and settings (base, style, rotary_dim, max_bias, num_buckets, max_distance,
@@ -1349,6 +1351,7 @@ def check_attention(fn, scheme=None, *, params=None, causal=None, dtype=None, he
 
 def _run_attn(caller, case, q, k, v, scheme, ukw, params, dt, optional, lenient):
     # tables: the user's own objects (their dtype), converted to the function's framework
+    sch = () if scheme is None else (scheme,)  # scheme None: fn(q, k, v, **keywords)
     kw = dict(ukw)
     kw.pop("params", None)
 
@@ -1367,7 +1370,7 @@ def _run_attn(caller, case, q, k, v, scheme, ukw, params, dt, optional, lenient)
     try:
         if caller.framework == "auto":
             try:
-                y = caller.fn(*(caller.convert(a, dt, "numpy") for a in (q, k, v)), scheme,
+                y = caller.fn(*(caller.convert(a, dt, "numpy") for a in (q, k, v)), *sch,
                               **_kw_for(kw, caller, "numpy", dt), **_pkw(conv_params("numpy")))
                 if not _is_tensor(y) and not (isinstance(y, tuple) and y and _is_tensor(y[0])):
                     caller.framework = "numpy"
@@ -1381,11 +1384,11 @@ def _run_attn(caller, case, q, k, v, scheme, ukw, params, dt, optional, lenient)
                 caller.framework = "torch"
                 y = None
             if y is None:
-                y = caller.fn(*(caller.convert(a, dt, "torch") for a in (q, k, v)), scheme,
+                y = caller.fn(*(caller.convert(a, dt, "torch") for a in (q, k, v)), *sch,
                               **_kw_for(kw, caller, "torch", dt), **_pkw(conv_params("torch")))
         else:
             fw = caller.framework
-            y = caller.fn(*(caller.convert(a, dt, fw) for a in (q, k, v)), scheme,
+            y = caller.fn(*(caller.convert(a, dt, fw) for a in (q, k, v)), *sch,
                           **_kw_for(kw, caller, fw, dt), **_pkw(conv_params(fw)))
         y = _to_numpy(y)
     except _Unsupported as e:

@@ -302,7 +302,7 @@ def test_attention_numpy_and_bhld():
     assert r.ok, str(r)
     assert not any(c.dtype == "bfloat16" for c in r.cases) and r.notes
 
-    def sdpa(q, k, v, scheme, *, causal=False, query_positions=None, key_positions=None):
+    def sdpa(q, k, v, *, causal=False, query_positions=None, key_positions=None):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         Lq, Lk = q.shape[2], k.shape[2]
