@@ -473,3 +473,51 @@ def test_wrong_layer_base_diagnosed():
     assert T.check_rope(rope_of(glob), config=cfg, layer=glob).ok
     r = T.check_rope(rope_of(local), config=cfg, layer=glob, dtype="float32")
     assert not r.ok and "base θ = 10000" in diag(r) and "another layer's RoPE" in diag(r), str(r)
+
+
+def hf_deberta_attention(H, D, mrp, buckets):
+    """Hugging Face's DebertaV2 DisentangledSelfAttention (its disentangled_attention_bias: c2p
+    and p2c gathers) on given q, k, v and projected tables, in the canonical convention."""
+    import math
+    transformers = pytest.importorskip("transformers")
+    dv2 = pytest.importorskip("transformers.models.deberta_v2.modeling_deberta_v2")
+    cfg = transformers.DebertaV2Config(
+        hidden_size=H * D, num_attention_heads=H, max_relative_positions=mrp,
+        position_buckets=buckets, pos_att_type=["c2p", "p2c"], share_att_key=False,
+        relative_attention=True, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+    att = dv2.DisentangledSelfAttention(cfg).eval()
+
+    def fn(q, k, v, scheme, *, params, max_relative_positions, position_buckets):
+        B, Lq = q.shape[:2]
+        k, v = (t.repeat_interleave(H // t.shape[2], 2) for t in (k, v))
+        k2 = params["pos_key"].shape[0]
+        rel = torch.eye(k2, H * D)  # rel_embeddings whose projections are the given tables
+        with torch.no_grad():
+            for proj, name in ((att.pos_key_proj, "pos_key"), (att.pos_query_proj, "pos_query")):
+                w = torch.zeros(H * D, H * D)
+                w[:, :k2] = params[name].reshape(k2, H * D).T
+                proj.weight.copy_(w)
+                proj.bias.zero_()
+            ql, kl, vl = (t.permute(0, 2, 1, 3).reshape(B * H, t.shape[1], D) for t in (q, k, v))
+            bias = att.disentangled_attention_bias(ql, kl, None, rel, 3)
+            s = ql @ kl.transpose(-1, -2) / math.sqrt(3 * D) + bias
+            out = torch.softmax(s, -1) @ vl
+        return out.reshape(B, H, Lq, D).permute(0, 2, 1, 3)
+    return fn
+
+
+def test_hf_deberta_attention():
+    rng = np.random.default_rng(0)
+    H, D = 4, 16
+    for mrp, pb in ((4, 0), (64, 8)):
+        K = pb or mrp
+        tabs = {n: (0.5 * rng.standard_normal((2 * K, H, D))).astype(np.float32)
+                for n in ("pos_key", "pos_query")}
+        r = T.check_attention(hf_deberta_attention(H, D, mrp, pb), "deberta", params=tabs,
+                              max_relative_positions=mrp, position_buckets=pb, causal=False,
+                              dtype="float32")
+        by = {c.name: c for c in r.cases}
+        assert by["MHA L=17"].status == "pass" and by["GQA 4:2 L=19"].status == "pass", str(r)
+        # seq_q != seq_k: Hugging Face's gathers assume self-attention (they raise)
+        assert by["decode 1 query over 37 keys"].status == "error", str(r)
+        assert by["positions offset 1000"].status == "unsupported", str(r)
