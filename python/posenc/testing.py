@@ -269,8 +269,10 @@ class _Caller:
                 if not _is_tensor(y) and not (isinstance(y, tuple) and y and _is_tensor(y[0])):
                     self.framework = "numpy"
                     return y
-            except _Unsupported:
-                raise
+            except _Unsupported:  # bf16: only torch can take it; the function decides
+                if _torch() is None:
+                    raise
+                return run("torch")
             except Exception:
                 if _torch() is None:
                     raise

@@ -521,3 +521,8 @@ def test_hf_deberta_attention():
         # seq_q != seq_k: Hugging Face's gathers assume self-attention (they raise)
         assert by["decode 1 query over 37 keys"].status == "error", str(r)
         assert by["positions offset 1000"].status == "unsupported", str(r)
+
+
+def test_explicit_bf16_on_a_numpy_function_fails():
+    r = T.check_rope(lambda x, p: rope_np(x, p), head_dim=8, dtype="bfloat16")
+    assert not r.ok and all(c.status in ("error", "unsupported") for c in r.cases), str(r)
