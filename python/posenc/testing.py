@@ -618,13 +618,18 @@ def _rope_diagnosis(st, results, angles):
                 lim = 2 * tol + (_f32_allowance(c.info["af"], c.info["max_x"], c.info["a_max"])
                                  if ang == "float32" else 0)
                 if ea <= lim and ea < 0.5 * c.max_error:
-                    hit.setdefault(key, (c, ang))
+                    hit.setdefault(key, []).append((c, ang))
                     break
     for key, sentence in hyps:
         if key in hit:
-            c, ang = hit[key]
-            out.append(sentence + (" (With float32 angles.)" if ang == "float32" and angles == "accurate" else "")
-                       + f" Seen in '{c.name}' (error {c.max_error:.3g}, tolerance {c.tolerance:.3g}).")
+            c, _ = hit[key][0]
+            f32 = [x for x, ang in hit[key] if ang == "float32"]
+            extra = ""
+            if f32 and angles == "accurate":
+                extra = (" The angles are also computed in float32 (the float32 recipe explains "
+                         f"'{f32[-1].name}').")
+            out.append(sentence + f" Seen in '{c.name}' (error {c.max_error:.3g}, tolerance "
+                       f"{c.tolerance:.3g})." + extra)
     if f32_match and not hit:
         worst = max(f32_match, key=lambda c: c.max_error)
         ok_small = [c for c in results if c.status == "pass" and c.dtype == worst.dtype]
