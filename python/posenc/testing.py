@@ -36,8 +36,8 @@ Tolerances (eps_d: the machine epsilon of the dtype, 2^-52, 2^-23, 2^-7, 2^-10 f
 float32, bfloat16, float16; inputs are drawn in the dtype, so the oracle sees exactly the values
 the function sees):
 
-- RoPE: ``tol = af·max|x|·(4·eps_d + 8·eps_64·(1 + a_max))``, af the attention factor, a_max the
-  largest angle |position·inv_freq|. A rotation computed in dtype d rounds cos and sin, two
+- RoPE: ``tol = af·max|x|·(4·eps_d + 8·eps_64·(1 + a_max))``, af the attention factor, a_max
+  the largest angle |position·inv_freq|. A rotation computed in dtype d rounds cos and sin, two
   products and a sum, each within eps_d/2 of its value: at most 1.5·eps_d·(|x_i| + |x_j|) ≤
   3·eps_d·max|x| per output; the second term is the float64 rounding of the angle itself, which
   the oracle shares. Angles computed in float32 (error up to eps_32/2·a_max) do not fit at long
@@ -141,10 +141,12 @@ class Report:
                 ("ok" if self.ok else f"FAILED ({failed} of {len(self.cases)} cases)") +
                 f", seed {self.seed}")
         w = max([len(c.name) for c in self.cases] + [4])
-        lines = [head, f"  {'case':<{w}}  {'dtype':<8}  {'max error':>10}  {'tolerance':>10}  status"]
+        lines = [head, f"  {'case':<{w}}  {'dtype':<8}  {'max error':>10}  {'tolerance':>10}"
+                       "  status"]
         for c in self.cases:
             lines.append(f"  {c.name:<{w}}  {c.dtype:<8}  {c.max_error:>10.3g}  "
-                         f"{c.tolerance:>10.3g}  {c.status}" + (f": {c.message}" if c.message else ""))
+                         f"{c.tolerance:>10.3g}  {c.status}"
+                         + (f": {c.message}" if c.message else ""))
         if self.diagnosis:
             lines.append("diagnosis:")
             lines += [f"  - {s}" for s in self.diagnosis]
@@ -154,6 +156,14 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _case_name(name, dt, dtype, dtypes):
+    """A case's name: the dtype is appended unless the case runs in float32, or in the one
+    dtype asked for."""
+    if dt == "float32" or (dtype is not None and len(dtypes) == 1):
+        return name
+    return f"{name} [{dt}]"
 
 
 def _case_seed(seed, name):
@@ -213,7 +223,8 @@ def _to_numpy(y, what="result"):
     try:
         return np.asarray(y, dtype=np.float64)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"the function's {what} is not an array or tensor ({type(y).__name__})") from e
+        raise TypeError(f"the function's {what} is not an array or tensor "
+                        f"({type(y).__name__})") from e
 
 
 class _Caller:
@@ -227,7 +238,8 @@ class _Caller:
             raise ValueError(f"framework: {framework!r} ('auto', 'torch' or 'numpy')")
         self.fn = fn
         self.framework = framework
-        if framework == "auto" and (_is_module(fn) or getattr(fn, "_posenc_framework", None) == "torch"):
+        if framework == "auto" and (_is_module(fn)
+                                    or getattr(fn, "_posenc_framework", None) == "torch"):
             self.framework = "torch"
         if self.framework == "torch" and _torch() is None:
             raise ValueError("framework='torch' but torch is not installed")
@@ -252,8 +264,8 @@ class _Caller:
         """args / kwargs hold NumPy arrays; float_args names which positional args (indices) and
         keyword tables are floating (converted to the dtype)."""
         def run(fw):
-            a = [self.convert(x, dtype if i in float_args else None, fw) if isinstance(x, np.ndarray)
-                 else x for i, x in enumerate(args)]
+            a = [self.convert(x, dtype if i in float_args else None, fw)
+                 if isinstance(x, np.ndarray) else x for i, x in enumerate(args)]
             kw = {}
             for k, x in kwargs.items():
                 if isinstance(x, dict):
@@ -338,7 +350,9 @@ def _maxerr(a, b):
 
 def _call_text(fn, kw):
     name = getattr(fn, "__name__", None) or type(fn).__name__
-    parts = [name] + [f"{k}={v!r}" for k, v in kw.items() if v is not None and not isinstance(v, (np.ndarray, dict)) and len(repr(v)) < 60]
+    parts = [name] + [f"{k}={v!r}" for k, v in kw.items()
+                      if v is not None and not isinstance(v, (np.ndarray, dict))
+                      and len(repr(v)) < 60]
     return ", ".join(parts)
 
 
@@ -352,16 +366,20 @@ class _RopeSettings:
             if cfg.scheme != "rope" and not any(la.get("rope") for la in cfg.layers):
                 raise ValueError(f"config: a {cfg.model_type} model has no RoPE (scheme "
                                  f"{cfg.scheme!r})")
-            f = _pe.rope_frequencies(cfg, layer=layer) if layer is not None else _pe.rope_frequencies(cfg)
+            f = (_pe.rope_frequencies(cfg, layer=layer) if layer is not None
+                 else _pe.rope_frequencies(cfg))
             if getattr(f, "nope", False):
                 raise ValueError(f"config: layer {layer} has no RoPE (NoPE layer)")
             rope = cfg.rope
             cd = int(rope.get("head_dim") or cfg.head_dim)
-            for given, have, what in ((head_dim, cd, "head_dim"), (rotary_dim, f.rotary_dim, "rotary_dim")):
-                if given is not None and int(given) != int(have) and not (what == "rotary_dim" and given == 0):
+            for given, have, what in ((head_dim, cd, "head_dim"),
+                                      (rotary_dim, f.rotary_dim, "rotary_dim")):
+                if (given is not None and int(given) != int(have)
+                        and not (what == "rotary_dim" and given == 0)):
                     raise ValueError(f"{what}={given} contradicts the config ({have})")
             if base is not None or scaling is not None:
-                raise ValueError("base / scaling: the config decides (pass either config= or the settings)")
+                raise ValueError("base / scaling: the config decides (pass either config= or "
+                                 "the settings)")
             self.config, self.layer = cfg, layer
             self.head_dim, self.rotary_dim = cd, int(f.rotary_dim)
             self.style = style or getattr(f, "style", None) or rope.get("style", "half")
@@ -392,7 +410,8 @@ class _RopeSettings:
         if self.config is None:
             return self.base
         if self.layer is not None:
-            return float(self.config.layers[self.layer].get("rope_theta") or self.config.rope["base"])
+            return float(self.config.layers[self.layer].get("rope_theta")
+                         or self.config.rope["base"])
         return float(self.config.rope["base"])
 
     def other_thetas(self):
@@ -497,7 +516,7 @@ def check_rope(fn, *, head_dim=None, base=None, style=None, rotary_dim=None, sca
         if _skip_bf16(caller, dt, lenient, notes):
             continue
         for name, B, L, H, pos, optional, layout in _rope_battery(st, full):
-            cname = name if dt == "float32" or dtype is not None and len(dtypes) == 1 else f"{name} [{dt}]"
+            cname = _case_name(name, dt, dtype, dtypes)
             if want is not None and cname not in want and name not in want:
                 continue
             cseed = _case_seed(seed, cname)
@@ -538,7 +557,8 @@ def check_rope(fn, *, head_dim=None, base=None, style=None, rotary_dim=None, sca
         raise ValueError(f"cases: no case named {sorted(want)}")
     diag = _rope_diagnosis(st, results, angles)
     call = _call_text(fn, {"head_dim": head_dim, "base": base, "style": style,
-                           "rotary_dim": rotary_dim, "config": config if isinstance(config, str) else None})
+                           "rotary_dim": rotary_dim,
+                           "config": config if isinstance(config, str) else None})
     return Report("check_rope", results, diag, notes, seed, call)
 
 
@@ -575,15 +595,17 @@ def _rope_diagnosis(st, results, angles):
          "i (0, 1, ...): with a KV cache the new tokens must be rotated at their absolute "
          "positions (cache length + i)."),
         ("full", f"All {st.head_dim} dims are rotated, but rotary_dim is {st.rotary_dim}: partial "
-         f"rotary (the last {st.head_dim - st.rotary_dim} dims pass through unrotated) is not applied."),
+         f"rotary (the last {st.head_dim - st.rotary_dim} dims pass through unrotated) is not "
+         "applied."),
         ("partial_hd", "The rotary pairs are formed over head_dim instead of rotary_dim (the half "
          "split at head_dim/2 rather than rotary_dim/2)."),
         ("noscale", f"The frequency scaling ({st.scaling_type}) is not applied: the function uses "
          "the unscaled base frequencies."),
     ]
     hyps += [(("base", b), f"The frequencies are those of base θ = {b:g}, but the settings say "
-              f"θ = {st.theta():g} (rope_theta" + (": another layer's RoPE" if st.config is not None
-                                                   else "") + ").") for b in st.other_thetas()]
+              f"θ = {st.theta():g} (rope_theta"
+              + (": another layer's RoPE" if st.config is not None else "") + ").")
+             for b in st.other_thetas()]
     if st.rotary_dim == st.head_dim:
         hyps = [h for h in hyps if h[0] not in ("full", "partial_hd")]
     if st.scaling_type == "default":
@@ -597,8 +619,8 @@ def _rope_diagnosis(st, results, angles):
         tol = max(c.tolerance, 2 * c.info["af"] * c.info["max_x"] * (4 * EPS[c.dtype]))
         # The float32-angle recipe (Hugging Face's): does it explain the error?
         if angles == "accurate":
-            f32 = _round(_rope_apply(x.astype(np.float32), pos, st.freqs(c.info["seq_len"], "float32"),
-                                     st.style), c.dtype)
+            f32 = _round(_rope_apply(x.astype(np.float32), pos,
+                                     st.freqs(c.info["seq_len"], "float32"), st.style), c.dtype)
             e32 = _maxerr(y, f32)
             allow = _f32_allowance(c.info["af"], c.info["max_x"], c.info["a_max"])
             if e32 <= 2 * tol + allow and e32 < 0.5 * c.max_error:
@@ -640,12 +662,15 @@ def _rope_diagnosis(st, results, angles):
                         for c in sorted(f32_match, key=lambda c: c.info["a_max"])[:4])
             + f" (relative {rel:.2g} of max|x|; float32 angle rounding is eps_32/2*|angle| "
             "radians). Compute the angles in float64 (or reduce the angle range exactly) and "
-            "round once" + (f"; cases at smaller positions pass ({ok_small[0].name})" if ok_small else "")
+            "round once"
+            + (f"; cases at smaller positions pass ({ok_small[0].name})" if ok_small else "")
             + ". check_rope(..., angles='float32') checks the rest against that recipe.")
     elif not hit and angles == "accurate":
         # the same growth pattern without matching the recipe exactly (e.g. float32 inv_freq)
         grow = [c for c in failing if c.info.get("y") is not None]
-        if grow and all(c.max_error <= c.info["af"] * c.info["max_x"] * (2 * EPS["float32"] * c.info["a_max"] + 8 * EPS[c.dtype]) for c in grow):
+        if grow and all(c.max_error <= c.info["af"] * c.info["max_x"]
+                        * (2 * EPS["float32"] * c.info["a_max"] + 8 * EPS[c.dtype])
+                        for c in grow):
             out.append("The error grows with the position and stays within float32's angle "
                        "rounding (eps_32*|angle|): the angles or the inverse frequencies are "
                        "computed in float32 (float32 angles at long context).")
@@ -657,7 +682,8 @@ def _rope_diagnosis(st, results, angles):
                        "broadcasts them wrongly (each batch row must use its own positions).")
         elif only_half:
             out.append("Only half-precision cases fail: the rotation loses more than the dtype's "
-                       "rounding (e.g. cos/sin or the product rounded more than once, or overflow).")
+                       "rounding (e.g. cos/sin or the product rounded more than once, or "
+                       "overflow).")
         else:
             out.append("No known mistake matches the error pattern; compare the first failing "
                        "case's result with posenc.apply_rope on float64 inputs.")
@@ -677,7 +703,8 @@ def _rope_alt(st, key, x, pos, seq_len, ang):
         p = pos + (1 if key == "plus1" else -1)
         if p.min() < 0:
             return None
-        return _rope_apply(x, p, st.freqs(max(seq_len + (1 if key == "plus1" else -1), 1), ang), st.style)
+        n = max(seq_len + (1 if key == "plus1" else -1), 1)
+        return _rope_apply(x, p, st.freqs(n, ang), st.style)
     if key == "zero":
         p = np.broadcast_to(np.arange(pos.shape[-1]), pos.shape)
         if np.array_equal(p, pos):
@@ -728,7 +755,8 @@ def hf_rope(rotary_emb, apply_rotary_pos_emb=None):
     rotary_emb: a module (or function) called as rotary_emb(x, position_ids) -> (cos, sin), x of
     layout [batch, heads, seq, head_dim] and position_ids [batch, seq] (LlamaRotaryEmbedding and
     the classes copied from it; transformers' convention), or a pair (cos_table, sin_table) of
-    [max_positions, R] tensors indexed by position (a cos/sin cache). apply_rotary_pos_emb: the model's
+    [max_positions, R] tensors indexed by position (a cos/sin cache). apply_rotary_pos_emb: the
+    model's
     function (q, k, cos, sin) -> (q_embed, k_embed) on [batch, heads, seq, head_dim] tensors;
     default: rotate_half. Either way only the first cos.shape[-1] dims are rotated and the rest
     pass through (the partial rotary of the Phi / GPT-NeoX modeling code). Returns the canonical
@@ -908,7 +936,8 @@ def check_bias(fn, scheme, *, heads=None, params=None, causal=False, softmax_inv
                              "{'relative_attention_bias': [num_buckets, heads]})")
         table = np.asarray(_to_numpy(params["relative_attention_bias"]), np.float64)
         if table.ndim != 2:
-            raise ValueError(f"params['relative_attention_bias']: [num_buckets, heads], got shape {table.shape}")
+            raise ValueError("params['relative_attention_bias']: [num_buckets, heads], got "
+                             f"shape {table.shape}")
         num_buckets = table.shape[0]
         if heads is not None and int(heads) != table.shape[1]:
             raise ValueError(f"heads={heads} but the table has {table.shape[1]} heads")
@@ -1025,7 +1054,8 @@ def _bias_reference(scheme, ql, kl, h, table, kw, shift=0, variant=None):
     elif index == "c2p":
         r = np.asarray(_pe.deberta_c2p_index(PQ, PK, **dkw), np.float64)
     else:
-        r = np.asarray(_pe.deberta_p2c_index(PQ, PK, p2c=v.get("p2c", kw["p2c"]), **dkw), np.float64)
+        r = np.asarray(_pe.deberta_p2c_index(PQ, PK, p2c=v.get("p2c", kw["p2c"]), **dkw),
+                       np.float64)
     return np.broadcast_to(r, (h, ql, kl)), None
 
 
@@ -1128,7 +1158,8 @@ def _bias_diagnosis(results, ctx):
                     break
             if which or pow2_pass:
                 msg = (f"ALiBi slopes for a head count that is not a power of two are wrong (heads "
-                       f"{', '.join(map(str, bad_heads))} fail" + (", powers of two pass" if pow2_pass else "")
+                       f"{', '.join(map(str, bad_heads))} fail"
+                       + (", powers of two pass" if pow2_pass else "")
                        + f"): ALiBi takes the closest power of two n = {n}, its n slopes "
                        f"2^(-{B:g}h/n), then every other slope of the 2n set, 2^(-{B:g}h/(2n)) for "
                        f"odd h (posenc.alibi_slopes({h})).")
@@ -1168,12 +1199,14 @@ def _bias_diagnosis(results, ctx):
             c = matches({"p2c": "paper" if ctx["p2c"] == "model" else "model"})
             if c is not None:
                 found.append(
-                    "DeBERTa's p2c index is " + ("the paper's δ(j, i) = clamp(-ρ + K)" if ctx["p2c"] == "model"
-                                                 else "the checkpoints' clamp(ρ + K) (c2p's row)") +
+                    "DeBERTa's p2c index is "
+                    + ("the paper's δ(j, i) = clamp(-ρ + K)" if ctx["p2c"] == "model"
+                       else "the checkpoints' clamp(ρ + K) (c2p's row)") +
                     ": trained checkpoints (the authors' code and Hugging Face's, which gather "
                     "with -rel and transpose) read pos_query at row clamp(ρ + K, 0, 2K - 1), "
-                    "the same row as c2p; " + ("use p2c='paper' to check the paper's form"
-                                              if ctx["p2c"] == "model" else "p2c='model' is that form")
+                    "the same row as c2p; "
+                    + ("use p2c='paper' to check the paper's form" if ctx["p2c"] == "model"
+                       else "p2c='model' is that form")
                     + f" (seen in '{c.name}').")
         if ctx["index"] == "relative":
             c = matches({"flip": True})
@@ -1183,8 +1216,10 @@ def _bias_diagnosis(results, ctx):
         if ctx["dkw"]["position_buckets"] > 0:
             c = matches({"dkw": {"float64_log": not ctx["dkw"]["float64_log"]}})
             if c is not None and not found:
-                found.append("The log buckets are evaluated in " + ("float64 (the authors' code)" if not ctx["dkw"]["float64_log"] else "float32 (Hugging Face)")
-                             + f": pass float64_log={not ctx['dkw']['float64_log']} (seen in '{c.name}').")
+                f64 = not ctx["dkw"]["float64_log"]
+                found.append("The log buckets are evaluated in "
+                             + ("float64 (the authors' code)" if f64 else "float32 (Hugging Face)")
+                             + f": pass float64_log={f64} (seen in '{c.name}').")
     # positions: queries at 0..q_len-1 (the KV-cache offset missing) or off by one
     shifted = [c for c in failing if c.info["q_len"] < c.info["k_len"]]
     if not found and shifted and all(c.info["q_len"] < c.info["k_len"] for c in failing):
@@ -1310,7 +1345,7 @@ def check_attention(fn, scheme=None, *, params=None, causal=None, dtype=None, he
         for name, B, Lq, Lk, Hkv, cz, pos, optional, in_half in battery:
             if not full and not in_half:
                 continue
-            cname = name if dt == "float32" or dtype is not None and len(dtypes) == 1 else f"{name} [{dt}]"
+            cname = _case_name(name, dt, dtype, dtypes)
             if want is not None and cname not in want and name not in want:
                 continue
             cseed = _case_seed(seed, cname)
@@ -1331,7 +1366,8 @@ def check_attention(fn, scheme=None, *, params=None, causal=None, dtype=None, he
             try:
                 ref, tol = _attn_ref(q, k, v, scheme, params64, kw, settings, dt, angles)
             except _pe.Error as e:
-                raise ValueError(f"check_attention: the oracle rejects the case '{cname}': {e}") from e
+                raise ValueError(f"check_attention: the oracle rejects the case '{cname}': "
+                                 f"{e}") from e
             case.tolerance = tol
             ukw = dict(kw)
             if not cz:  # posenc's default: a function without a causal keyword still runs
@@ -1446,13 +1482,14 @@ def _attn_ref(q, k, v, scheme, params64, kw, settings, dt, angles, **over):
             f = _pe.rope_frequencies(q.shape[-1], rotary_dim=rope_kw.get("rotary_dim", 0),
                                      base=rope_kw.get("base", 1e4), scaling=rope_kw.get("scaling"),
                                      seq_len=seq_len, angles="float32")
-        qq = np.asarray(_pe.apply_rope(q.astype(np.float32), f, style=style, positions=qp), np.float64)
-        kk = np.asarray(_pe.apply_rope(k.astype(np.float32), f, style=style, positions=kp), np.float64)
+        qq, kk = (np.asarray(_pe.apply_rope(t.astype(np.float32), f, style=style, positions=p),
+                             np.float64) for t, p in ((q, qp), (k, kp)))
         sch = None
     p = params64 or None
     ref = np.asarray(_pe.ref.attention(qq, kk, v, sch, params=p, **okw), np.float64)
     smax = 0.0
-    skw = {n: x for n, x in okw.items() if n not in ("causal", "window", "chunk", "allow_fully_masked")}
+    skw = {n: x for n, x in okw.items()
+           if n not in ("causal", "window", "chunk", "allow_fully_masked")}
     for b in range(q.shape[0]):
         for h in range(q.shape[2]):
             s = _pe.ref.attention_scores(qq, kk, sch, batch_index=b, head=h, params=p, **skw)
@@ -1475,7 +1512,8 @@ def _attn_diagnosis(results, scheme, params64, settings, angles):
         style = settings.get("style", "half")
         other = "interleaved" if style == "half" else "half"
         hyps.append(({"style": other}, f"RoPE pairs are rotated {other}-style but the setting is "
-                     f"{style}-style (half: x[i], x[i+R/2], rotate_half; interleaved: x[2i], x[2i+1])."))
+                     f"{style}-style (half: x[i], x[i+R/2], rotate_half; interleaved: x[2i], "
+                     "x[2i+1])."))
         if angles == "accurate":
             hyps.append(("f32", "Float32 angles at long context: the scores equal those of RoPE "
                          "with the float32 angle recipe (float32(position)·float32(inv_freq)), "
@@ -1488,7 +1526,8 @@ def _attn_diagnosis(results, scheme, params64, settings, angles):
         p2c = settings.get("deberta_p2c", "model")
         o = "paper" if p2c == "model" else "model"
         hyps.append(({"deberta_p2c": o}, "DeBERTa's p2c index is " +
-                     ("the paper's δ(j, i) = clamp(-ρ + K)" if o == "paper" else "c2p's row clamp(ρ + K)")
+                     ("the paper's δ(j, i) = clamp(-ρ + K)" if o == "paper"
+                      else "c2p's row clamp(ρ + K)")
                      + "; trained checkpoints (authors' code, Hugging Face) use c2p's row "
                      "clamp(ρ + K, 0, 2K - 1) (deberta_p2c='model')."))
     if scheme == "alibi" and "slopes" not in params64:
@@ -1566,7 +1605,8 @@ def _attn_diagnosis(results, scheme, params64, settings, angles):
                 okw["causal"] = not kw["causal"]
             elif key == "scale1":
                 s = settings.get("scale")
-                okset["scale"] = (1.0 / math.sqrt(q.shape[-1])) if (s == 1.0 or scheme == "t5") else 1.0
+                okset["scale"] = (1.0 / math.sqrt(q.shape[-1])
+                                  if (s == 1.0 or scheme == "t5") else 1.0)
                 if scheme == "deberta":
                     continue
             try:
@@ -1574,10 +1614,12 @@ def _attn_diagnosis(results, scheme, params64, settings, angles):
             except (_pe.Error, TypeError):
                 continue
             ea = _maxerr(y, alt)
-            if ea <= 2 * c.tolerance + (4 * EPS["float32"] * (1 + np.max(np.abs(v))) if key == "f32" else 0) and ea < 0.5 * c.max_error:
+            slack = 4 * EPS["float32"] * (1 + np.max(np.abs(v))) if key == "f32" else 0
+            if ea <= 2 * c.tolerance + slack and ea < 0.5 * c.max_error:
                 found[sentence] = c
     for sentence, c in found.items():
-        out.append(sentence + f" Seen in '{c.name}' (error {c.max_error:.3g}, tolerance {c.tolerance:.3g}).")
+        out.append(sentence + f" Seen in '{c.name}' (error {c.max_error:.3g}, tolerance "
+                   f"{c.tolerance:.3g}).")
     if not found:
         out.append("No known mistake matches the error pattern; compare the first failing case "
                    "with posenc.ref.attention.")
