@@ -199,7 +199,8 @@ def test_t5_buckets():
         assert r.ok, str(r)
         wrong = T.check_bias(good, "t5", params=params, bidirectional=not bidi)
         assert not wrong.ok
-        assert "T5 buckets are " + ("bidirectional" if bidi else "causal") in diag(wrong), str(wrong)
+        kind = "bidirectional" if bidi else "causal"
+        assert f"T5 buckets are {kind}" in diag(wrong), str(wrong)
         wrong = T.check_bias(good, "t5", heads=4, bidirectional=not bidi)  # table-free
         assert not wrong.ok and "T5 buckets are" in diag(wrong), str(wrong)
     # T5Attention.compute_bias without past_seen_tokens: queries at 0..q_len-1
