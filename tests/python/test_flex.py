@@ -49,32 +49,55 @@ class Problem:
         self.params = {n: f(rng) for n, f in (params or {}).items()}
         self.dout_rng = rng
 
-    def run(self, fn, dtype, grad):
-        q, k, v = (x.to(dtype).detach().requires_grad_(grad) for x in (self.q, self.k, self.v))
-        params = {n: t.to(dtype).detach().requires_grad_(grad) for n, t in self.params.items()}
+    def run(self, fn, dtype, grad, device="cpu"):
+        def leaf(x):
+            return x.to(dtype).to(device).detach().requires_grad_(grad)
+        q, k, v = (leaf(x) for x in (self.q, self.k, self.v))
+        params = {n: leaf(t) for n, t in self.params.items()}
         out = fn(q, k, v, self.scheme, params=params or None, **self.kw)
         res = {"out": out.detach()}
         if grad:
-            (out * self.dout.to(out.dtype)).sum().backward()
+            (out * self.dout.to(out.dtype).to(device)).sum().backward()
             res.update(dq=q.grad, dk=k.grad, dv=v.grad)
             res.update({"d" + n: t.grad for n, t in params.items()})
-        return {n: t.detach().double().numpy() for n, t in res.items()}
+        return {n: t.detach().cpu().double().numpy() for n, t in res.items()}
 
-    def check(self, grad, flex_kw=None):
+    def check(self, grad, flex_kw=None, device="cpu", dtype=torch.float32, report=False):
+        """Compares flex (on device, in dtype) with the oracle; returns [(tensor, err, tol)].
+
+        dtype torch.bfloat16 (scripts/flex_gpu.py): the inputs are rounded to bf16 first, the
+        oracle runs on the rounded values, the yardstick is posenc's bf16 result (float32
+        arithmetic rounded once to bf16) and the tolerance 2 max |posenc_bf16 - oracle| +
+        2^-6 max(1, max |oracle|): FlexAttention also rounds the probabilities to bf16 before
+        P·V (a relative 2^-9 each) and its backward works on bf16 operands; 2^-6 is four bf16
+        ulps (2^-8) of the largest value."""
         if grad:
             shape = self.q.shape[:3] + self.v.shape[3:]
             self.dout = torch.from_numpy(self.dout_rng.standard_normal(tuple(shape)))
+        if dtype == torch.bfloat16:
+            for name in ("q", "k", "v"):
+                setattr(self, name, getattr(self, name).bfloat16().double())
+            self.params = {n: t.bfloat16().double() for n, t in self.params.items()}
+            if grad:
+                self.dout = self.dout.bfloat16().double()
         ref = self.run(pt.attention, torch.float64, grad)
-        fused = self.run(pt.attention, torch.float32, grad)
+        fused = self.run(pt.attention, dtype, grad)
 
         def flex(*a, **kw):
             return fx.attention(*a, **kw, **(flex_kw or {}))
-        got = self.run(flex, torch.float32, grad)
+        got = self.run(flex, dtype, grad, device)
         assert set(got) == set(ref)
+        rows = []
         for n in ref:
-            err, tol = maxerr(got[n], ref[n]), tol32(ref[n], fused[n])
-            assert err <= tol, f"{n}: max error {err:.3g} > tolerance {tol:.3g}"
-        return got
+            err = maxerr(got[n], ref[n])
+            if dtype == torch.bfloat16:
+                tol = 2 * maxerr(fused[n], ref[n]) + 2.0 ** -6 * max(1.0, float(np.abs(
+                    ref[n]).max()))
+            else:
+                tol = tol32(ref[n], fused[n])
+            rows.append((n, err, tol))
+            assert report or err <= tol, f"{n}: max error {err:.3g} > tolerance {tol:.3g}"
+        return rows
 
 
 def _t5(nb, h):
