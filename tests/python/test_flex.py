@@ -295,3 +295,43 @@ def test_errors():
         fx.score_mod("rope", q, q)
     with pytest.raises(NotImplementedError, match="compile=False"):
         fx.attention(q, q, q, params={"sinks": torch.zeros(2)}, compile=True)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(style="half", base=1e4),
+    dict(style="interleaved", rotary_dim=6, base=500.0),
+    dict(style="half", scaling={"rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 8}),
+], ids=["half", "interleaved-partial", "yarn"])
+def test_rope_off_the_cpu_equals_posencs_rope(kw):
+    """The rotation used for tensors on other devices (GPUs: posenc's op is CPU-only), run here
+    on CPU tensors, against posenc.torch.rope: float64 angles, cos/sin rounded to float32, so
+    it differs from posenc's kernel by the float32 roundings of the rotation: at most 4 ulps
+    (2^-23 each) of max |x|."""
+    from posenc.torch.flex import _Pos, _rope_torch
+    x = torch.randn(2, 9, 3, 16)
+    ids = torch.tensor([[0, 1, 2, 3, 9, 10, 11, 100000, 1 << 20],
+                        [5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    for pos, positions in ((_Pos(ids=ids), ids), (_Pos(offset=1000), 1000)):
+        want = pt.rope(x, positions=positions, seq_len=(1 << 20) + 1, **kw)
+        got = _rope_torch(x, pos, kw, (1 << 20) + 1)
+        assert maxerr(got, want) <= 4 * 2.0 ** -23 * float(x.abs().max())
+
+
+def test_empty_problems():
+    q = torch.randn(1, 3, 2, 8)
+    empty = torch.randn(1, 0, 2, 8)
+    out = fx.attention(empty, q, q, causal=True)
+    assert out.shape == (1, 0, 2, 8)
+    with pytest.raises(ValueError, match="sees no key"):
+        fx.attention(q, empty, empty, query_positions=[0, 1, 2])
+    out, lse = fx.attention(q, empty, empty, query_positions=[0, 1, 2], return_lse=True,
+                            params={"sinks": torch.tensor([0.5, 1.0])})
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse, torch.tensor([0.5, 1.0])[None, :, None].expand(1, 2, 3))
+
+
+def test_compiled_cpu_has_no_backward():
+    q = torch.randn(1, 4, 2, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="compile=False"):
+        fx.attention(q, q, q, compile=True)

@@ -634,6 +634,13 @@ def _rope(x, pos, settings, seq_len, batch):
         if pos.ids is not None and pos.ids.shape[0] == 1 and batch > 1:
             positions = pos.ids[0]
         return posenc_rope(x, kw.pop("freqs", None), positions=positions, **kw)
+    return _rope_torch(x, pos, kw, seq_len)
+
+
+def _rope_torch(x, pos, kw, seq_len):
+    """RoPE in PyTorch operations on x's device: posenc's frequencies (posenc.rope_frequencies,
+    or kw['freqs']), angles p·inv_freq in float64 (float32 with angles='float32'), cos and sin
+    (times the attention factor) rounded to float32, the rotation in float32."""
     f = kw.get("freqs")
     if f is None:
         f = _posenc.rope_frequencies(x.shape[-1], rotary_dim=kw.get("rotary_dim", 0),
@@ -811,6 +818,8 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, compile=No
         raise ValueError(f"k: kv heads ({Hkv}) must divide q heads ({Hq})")
     dev = q.device
     allow_empty = bool(common.pop("allow_fully_masked", False))
+    if Lq == 0 or Lk == 0:
+        return _empty(q, v, params, common, allow_empty, return_lse, packed)
     scale = _default_scale(scheme, D, common.pop("scale", None))
     softcap = common.pop("softcap", None)
     spec = _MaskSpec(B, Lq, Lk, dev, **common)
@@ -832,6 +841,12 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, compile=No
             f"{'return_lse' if return_lse else 'sinks'} need; call with compile=False on the "
             "CPU (or use posenc.torch.attention)")
     want_lse = not cpu_compiled
+    if cpu_compiled and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError(
+            "posenc.torch.flex: compiled FlexAttention on the CPU has no backward; call with "
+            "compile=False on the CPU (FlexAttention's eager implementation differentiates) or "
+            "use posenc.torch.attention")
     bmask = None if spec.trivial and Lq and Lk else _create_block_mask(spec, dev, block_size,
                                                                        None)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -849,6 +864,26 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, compile=No
     if return_lse:
         return out, lse.float()
     return out
+
+
+def _empty(q, v, params, common, allow_empty, return_lse, packed):
+    """A call without queries or without keys: out 0, lse -inf (the sink with sinks)."""
+    B, Lq, Hq, _ = q.shape
+    _MaskSpec(B, Lq, 0, q.device, **{n: x for n, x in common.items()
+                                     if n not in ("key_positions", "key_documents", "mask")})
+    sinks = (params or {}).get("sinks")
+    if sinks is not None and tuple(sinks.shape) != (Hq,):
+        raise _shape_error("sinks", f"[heads_q] = [{Hq}]", sinks.shape)
+    if Lq and sinks is None and not allow_empty:
+        raise ValueError("attention: query 0 of batch row 0 sees no key (seq_k is 0; pass "
+                         "allow_fully_masked=True for a zero output)")
+    out = torch.zeros(B, Lq, Hq, v.shape[3], dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hq, Lq), float("-inf"), device=q.device)
+    if sinks is not None:
+        lse = sinks.to(q.device, torch.float32)[None, :, None].expand(B, Hq, Lq)
+    if packed:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out
 
 
 def _check_rows(spec, lse, bmask):
