@@ -335,3 +335,18 @@ def test_compiled_cpu_has_no_backward():
     q = torch.randn(1, 4, 2, 8, requires_grad=True)
     with pytest.raises(NotImplementedError, match="compile=False"):
         fx.attention(q, q, q, compile=True)
+
+
+def test_docs_examples_run():
+    """The Python blocks of docs/flex.md run as written (in order, sharing names)."""
+    import os
+    import re
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "flex.md")
+    with open(doc) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) == 2
+    env = {}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/flex.md (block {i})", "exec"), env)
+    assert env["o"].shape == (2, 8, 64, 32) and env["lse"].shape == (2, 8, 64)
+    assert env["table"].grad is not None

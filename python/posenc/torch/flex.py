@@ -682,7 +682,10 @@ def _call_flex(q, k, v, mod, bmask, scale, gqa, want_lse, compile):
     fa = _flex()
     kwargs = dict(score_mod=mod, block_mask=bmask, scale=scale, enable_gqa=gqa)
     if want_lse:
-        kwargs["return_aux"] = fa.AuxRequest(lse=True)
+        if hasattr(fa, "AuxRequest"):
+            kwargs["return_aux"] = fa.AuxRequest(lse=True)
+        else:  # PyTorch before AuxRequest
+            kwargs["return_lse"] = True
     if torch.compiler.is_compiling():
         fn = fa.flex_attention
     elif compile:
@@ -709,7 +712,7 @@ def _call_flex(q, k, v, mod, bmask, scale, gqa, want_lse, compile):
         res = fn(q, k, v, **kwargs)
     if want_lse:
         out, aux = res
-        return out, aux.lse
+        return out, getattr(aux, "lse", aux)
     return res, None
 
 
