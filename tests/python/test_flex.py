@@ -268,6 +268,10 @@ def test_errors():
     out = fx.attention(q, q, q, causal=True, query_positions=[0, 1, 2, 3],
                        key_positions=[5, 6, 7, 8], allow_fully_masked=True)
     assert torch.equal(out, torch.zeros_like(out))
+    bad = q.clone()
+    bad[0, 2, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"k: non-finite value nan at \[0, 2, 1, 3\]"):
+        fx.attention(q, bad, q, causal=True)
     with pytest.raises(TypeError, match="another scheme"):
         fx.attention(q, q, q, "alibi", num_buckets=32)
     with pytest.raises(TypeError, match="unexpected keyword"):

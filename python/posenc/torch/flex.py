@@ -799,6 +799,7 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, compile=No
     scheme = _check_scheme(scheme, params)
     settings, common = _split(scheme, keywords, "attention")
     common.pop("num_threads", None)
+    given = {"q": q, "k": k, "v": v}
     packed = "cu_seqlens_q" in common or "cu_seqlens_k" in common
     if packed:
         q, k, v = _packed(q, k, v, common)
@@ -854,6 +855,8 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, compile=No
                                                                        None)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     out, lse = _call_flex(qt, kt, vt, terms.mod, bmask, scale, Hq != Hkv, want_lse, compile)
+    if not compiling:
+        _check_finite(out, given)
     if not allow_empty and sinks is None and not compiling and not spec.trivial:
         _check_rows(spec, lse, bmask)
     if sinks is not None:
@@ -887,6 +890,21 @@ def _empty(q, v, params, common, allow_empty, return_lse, packed):
     if packed:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
+
+
+def _check_finite(out, tensors):
+    """posenc's rule for non-finite values: when the output has one, name the input element
+    (ValueError), or say that the scores overflowed."""
+    if bool(torch.isfinite(out.detach()).all()):
+        return
+    for name, t in tensors.items():
+        bad = ~torch.isfinite(t.detach())
+        if bool(bad.any()):
+            idx = [int(i) for i in torch.nonzero(bad)[0]]
+            raise ValueError(f"attention: {name}: non-finite value {float(t.detach()[tuple(idx)])}"
+                             f" at {idx}")
+    raise ValueError("attention: the scores overflowed (non-finite output from finite inputs: "
+                     "inputs or scale too large)")
 
 
 def _check_rows(spec, lse, bmask):
