@@ -136,7 +136,7 @@ def _positions(value, seq, batch, what, device, default):
         raise ValueError(f"{what}: ids of shape [{seq}] or [{batch}, {seq}], got "
                          f"{list(value.shape) if hasattr(value, 'shape') else list(t.shape)}")
     t = t.to(device=device, dtype=torch.int64)
-    if t.numel():
+    if t.numel() and not torch.compiler.is_compiling():
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi > _POSITION_LIMIT:
             bad = lo if lo < 0 else hi
@@ -343,7 +343,7 @@ def _table(params, name, scheme):
         t = torch.as_tensor(np.asarray(t))
     if not t.dtype.is_floating_point:
         raise TypeError(f"params['{name}']: a floating-point tensor, got {t.dtype}")
-    if not bool(torch.isfinite(t.detach()).all()):
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(t.detach()).all()):
         raise ValueError(f"params['{name}']: non-finite values")
     return t
 
