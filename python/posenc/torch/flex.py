@@ -380,7 +380,7 @@ class _Terms:
         if self.sinks is not None and tuple(self.sinks.shape) != (heads_q,):
             raise _shape_error("sinks", f"[heads_q] = [{heads_q}]", self.sinks.shape)
         qpos, kpos = spec.qpos, spec.kpos
-        dev = q.device if q is not None else torch.device("cpu")
+        dev = spec.device
         self.mod = None
         if scheme == "alibi":
             slopes = _table(params, "slopes", scheme)
@@ -545,7 +545,8 @@ def _split(scheme, keywords, fn):
 
 
 def score_mod(scheme=None, q=None, k=None, *, params=None, scale=None, softcap=None,
-              layout="blhd", heads=None, q_len=None, k_len=None, batch=None, **keywords):
+              layout="blhd", heads=None, q_len=None, k_len=None, batch=None, device=None,
+              **keywords):
     """posenc's scheme as a FlexAttention score_mod(score, b, h, q_idx, kv_idx).
 
     Pass the returned function with ``scale=fn.scale`` to ``flex_attention`` (the score it
@@ -555,7 +556,8 @@ def score_mod(scheme=None, q=None, k=None, *, params=None, scale=None, softcap=N
     [batch, heads, seq, head_dim]); Shaw and DeBERTa build their tables from them (scale·q·rel_k
     [batch, heads, seq_q, 2K+1], scale·q·pos_key and scale·k·pos_query [batch, heads, seq, 2K]),
     so gradients reach q, k and the tables through the score_mod. Without q and k give heads,
-    q_len, k_len (and batch with per-row positions). keywords: the scheme's settings (max_bias;
+    q_len, k_len (and batch with per-row positions) and device (where its tables go; default
+    q's device, else the CPU). keywords: the scheme's settings (max_bias;
     num_buckets, max_distance, bidirectional; position_buckets, max_relative_positions,
     deberta_p2c, deberta_float64_log), causal (T5's bucket direction) and the positions
     (query_positions, key_positions). Masks are block_mask's; sinks are apply_sinks'. RoPE is
@@ -584,7 +586,9 @@ def score_mod(scheme=None, q=None, k=None, *, params=None, scale=None, softcap=N
     if heads_q is None or q_len is None or k_len is None:
         raise ValueError("score_mod: give q and k, or heads, q_len and k_len")
     head_dim = q.shape[3] if q is not None else 0
-    device = q.device if q is not None else torch.device("cpu")
+    if device is None:
+        device = q.device if q is not None else torch.device("cpu")
+    device = torch.device(device)
     spec = _MaskSpec(batch, q_len, k_len, device, **common)
     s = _default_scale(scheme, head_dim if q is not None else 1, scale) if (
         scale is not None or q is not None) else None
