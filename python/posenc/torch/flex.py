@@ -825,6 +825,11 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, compile=No
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"k: kv heads ({Hkv}) must divide q heads ({Hq})")
     dev = q.device
+    out_dtype = q.dtype
+    if not (q.dtype == k.dtype == v.dtype):
+        # one computing dtype, the widest of the three (posenc: q's dtype decides the result's)
+        wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        q, k, v = (x.to(wide) for x in (q, k, v))
     allow_empty = bool(common.pop("allow_fully_masked", False))
     if Lq == 0 or Lk == 0:
         return _empty(q, v, params, common, allow_empty, return_lse, packed)
@@ -866,8 +871,8 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, compile=No
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     out = out.transpose(1, 2).contiguous()
-    if out.dtype != q.dtype:
-        out = out.to(q.dtype)
+    if out.dtype != out_dtype:
+        out = out.to(out_dtype)
     if packed:
         out = out[0]
         lse = lse[0] if lse is not None else None
@@ -879,8 +884,7 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, compile=No
 def _empty(q, v, params, common, allow_empty, return_lse, packed):
     """A call without queries or without keys: out 0, lse -inf (the sink with sinks)."""
     B, Lq, Hq, _ = q.shape
-    _MaskSpec(B, Lq, 0, q.device, **{n: x for n, x in common.items()
-                                     if n not in ("key_positions", "key_documents", "mask")})
+    _MaskSpec(B, Lq, 0, q.device, query_positions=common.get("query_positions"))
     sinks = (params or {}).get("sinks")
     if sinks is not None and tuple(sinks.shape) != (Hq,):
         raise _shape_error("sinks", f"[heads_q] = [{Hq}]", sinks.shape)
