@@ -354,3 +354,19 @@ def test_docs_examples_run():
         exec(compile(code, f"docs/flex.md (block {i})", "exec"), env)
     assert env["o"].shape == (2, 8, 64, 32) and env["lse"].shape == (2, 8, 64)
     assert env["table"].grad is not None
+
+
+def test_score_mod_from_sizes_and_tables():
+    """score_mod without q and k: heads from the table, lengths from the positions or equal,
+    the scale left to flex_attention (1/sqrt(head_dim), posenc's default)."""
+    rng = _rng("sizes")
+    q, k, v = (_tensor(rng, 1, 3, 9, 8).float() for _ in range(3))  # [B, H, L, D]
+    table = _tensor(rng, 32, 3).float()
+    want = pt.attention(*(x.transpose(1, 2) for x in (q, k, v)), "t5", causal=True,
+                        params={"relative_attention_bias": table})
+    mod = fx.score_mod("t5", params={"relative_attention_bias": table}, causal=True)
+    assert mod.scale is None
+    out = fa.flex_attention(q, k, v, score_mod=mod, block_mask=fx.block_mask(9, 9, causal=True))
+    assert maxerr(out.transpose(1, 2), want) <= 5e-6
+    with pytest.raises(ValueError, match="heads"):
+        fx.score_mod("alibi")

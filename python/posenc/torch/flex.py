@@ -555,9 +555,11 @@ def score_mod(scheme=None, q=None, k=None, *, params=None, scale=None, softcap=N
     call, in posenc's layout [batch, seq, heads, head_dim] (layout='bhld': flex_attention's
     [batch, heads, seq, head_dim]); Shaw and DeBERTa build their tables from them (scale·q·rel_k
     [batch, heads, seq_q, 2K+1], scale·q·pos_key and scale·k·pos_query [batch, heads, seq, 2K]),
-    so gradients reach q, k and the tables through the score_mod. Without q and k give heads,
-    q_len, k_len (and batch with per-row positions) and device (where its tables go; default
-    q's device, else the CPU). keywords: the scheme's settings (max_bias;
+    so gradients reach q, k and the tables through the score_mod. Without q and k (none, alibi,
+    t5): heads (default: the tables' heads), q_len and k_len (default: the lengths of the
+    position ids, else equal lengths, query i at position i), batch with per-row positions,
+    device (where its tables go; default q's device, else the CPU), and scale (fn.scale None:
+    flex_attention's default 1/sqrt(head_dim), posenc's default too). keywords: the scheme's settings (max_bias;
     num_buckets, max_distance, bidirectional; position_buckets, max_relative_positions,
     deberta_p2c, deberta_float64_log), causal (T5's bucket direction) and the positions
     (query_positions, key_positions). Masks are block_mask's; sinks are apply_sinks'. RoPE is
@@ -580,21 +582,26 @@ def score_mod(scheme=None, q=None, k=None, *, params=None, scale=None, softcap=N
         if name not in ("causal", "query_positions", "key_positions"):
             raise TypeError(f"score_mod(): '{name}' belongs to block_mask (masks) or attention")
     batch = batch or (q.shape[0] if q is not None else 1)
-    heads_q = heads or (q.shape[2] if q is not None else None)
-    q_len = q_len if q_len is not None else (q.shape[1] if q is not None else None)
-    k_len = k_len if k_len is not None else (k.shape[1] if k is not None else None)
-    if heads_q is None or q_len is None or k_len is None:
-        raise ValueError("score_mod: give q and k, or heads, q_len and k_len")
+    heads_q = heads or (q.shape[2] if q is not None else _heads_of(params))
+    if heads_q is None:
+        raise ValueError(f"score_mod('{scheme}'): give q, or heads (the query heads)")
+    q_len = q_len if q_len is not None else (
+        q.shape[1] if q is not None else _len_of(common.get("query_positions")))
+    k_len = k_len if k_len is not None else (
+        k.shape[1] if k is not None else _len_of(common.get("key_positions")))
+    if q_len is None or k_len is None:
+        # lengths unknown: default positions are the indices on both sides (q_len == k_len)
+        q_len = k_len = q_len if q_len is not None else (k_len if k_len is not None else 0)
     head_dim = q.shape[3] if q is not None else 0
     if device is None:
         device = q.device if q is not None else torch.device("cpu")
     device = torch.device(device)
     spec = _MaskSpec(batch, q_len, k_len, device, **common)
-    s = _default_scale(scheme, head_dim if q is not None else 1, scale) if (
-        scale is not None or q is not None) else None
-    if s is None:
-        raise ValueError("score_mod: give q (for the default scale) or scale")
-    terms = _Terms(scheme, q, k, params, settings, spec, s, softcap, heads_q, head_dim)
+    # The score_mod of none, alibi and t5 adds terms after the scale: without q and scale, it
+    # leaves the scale to flex_attention's default, 1/sqrt(head_dim) (posenc's default too).
+    s = _default_scale(scheme, head_dim, scale) if (scale is not None or q is not None) else None
+    terms = _Terms(scheme, q, k, params, settings, spec, s if s is not None else 1.0, softcap,
+                   heads_q, head_dim)
     if terms.sinks is not None:
         raise ValueError("score_mod: sinks are not a score term; apply them to flex_attention's "
                          "result with posenc.torch.flex.apply_sinks(out, lse, sinks)")
@@ -604,6 +611,26 @@ def score_mod(scheme=None, q=None, k=None, *, params=None, scale=None, softcap=N
         return fn(score, b, h, q_idx, kv_idx) if fn is not None else score
     mod.scale = s
     return mod
+
+
+def _heads_of(params):
+    """The query heads a scheme's tables show (None if they do not)."""
+    for name, axis in (("relative_attention_bias", 1), ("slopes", 0), ("pos_key", 1),
+                       ("pos_query", 1), ("sinks", 0)):
+        t = (params or {}).get(name)
+        if t is not None and len(np.shape(t)) > axis:
+            return int(np.shape(t)[axis])
+    t = (params or {}).get("rel_k")
+    if t is not None and len(np.shape(t)) == 3 and np.shape(t)[1] > 1:
+        return int(np.shape(t)[1])
+    return None
+
+
+def _len_of(positions):
+    """The length of explicit position ids (None for None or an offset)."""
+    if positions is None or isinstance(positions, (int, np.integer)):
+        return None
+    return int(np.shape(positions)[-1])
 
 
 def apply_sinks(out, lse, sinks, *, layout="bhld"):
