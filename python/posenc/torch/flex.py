@@ -726,6 +726,8 @@ def _call_flex(q, k, v, mod, bmask, scale, gqa, want_lse, compile):
     else:
         fn = fa.flex_attention
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not grad:  # FlexAttention's CPU check looks at requires_grad even under no_grad
+        q, k, v = q.detach(), k.detach(), v.detach()
     if q.device.type == "cpu" and grad and not compile and not torch.compiler.is_compiling():
         # FlexAttention refuses q, k, v with requires_grad on the CPU up front, although its
         # eager (unfused, score-materializing) implementation differentiates there; let it run.
