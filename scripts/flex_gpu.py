@@ -22,7 +22,12 @@ kernel" column calls flex_attention with a block mask and score_mod built once; 
 "flex.attention" column is the whole call (the block mask rebuilt each time, as a training step
 without caching does). An out-of-memory run prints OOM.
 
+Both parts compile many kernels (the check: a forward and a backward for each compiled case and
+dtype; the timings: three per scheme and length), which takes minutes: under a time limit, run
+`--part check` and `--part time` as separate commands, and narrow --lengths / --schemes.
+
 Without a CUDA device (and without --device cpu) it prints a message and exits with status 0.
+Exit status 1 when a comparison fails.
 """
 
 import argparse
