@@ -53,6 +53,11 @@ class PosencMask:
         """The shape of the dense mask this stands for: (batch, 1, q_length, kv_length)."""
         return (self.batch_size, 1, self.q_length, self.kv_length)
 
+    @property
+    def ndim(self):
+        """4, as the dense mask this stands for (a prepared mask, not a 2-D padding mask)."""
+        return 4
+
     def __repr__(self):
         parts = [f"{n}={getattr(self, n)!r}" for n in ("q_length", "kv_length", "q_offset",
                                                          "kv_offset", "causal", "window", "chunk")]
@@ -156,6 +161,14 @@ def posenc_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
     boolean mask (exact)."""
     from transformers import masking_utils as mu
 
+    if isinstance(attention_mask, PosencMask):
+        # prepared ahead for this step (generate with a static cache): kept when it fits
+        if (attention_mask.batch_size, attention_mask.q_length, attention_mask.kv_length) != (
+                int(batch_size), int(q_length), int(kv_length)):
+            raise ValueError(f"posenc: a prepared mask for {attention_mask.q_length} queries and "
+                             f"{attention_mask.kv_length} keys was given for {int(q_length)} "
+                             f"queries and {int(kv_length)} keys")
+        return attention_mask
     if mask_function is None:
         mask_function = mu.causal_mask_function
     q_offset = int(q_offset)
