@@ -408,3 +408,22 @@ def test_from_pretrained_and_registration(tmp_path):
     ids = _ids(1, 9)
     with torch.no_grad():
         assert rel(model(ids).logits, loaded.eval()(ids).logits) <= REL_LOGITS
+
+
+def test_a_known_looking_pattern_with_another_meaning_goes_dense():
+    """The description is checked against transformers' own mask function: a function that
+    looks like the sliding-window overlay but means something else is taken as it is (dense)."""
+    from transformers import masking_utils as mu
+
+    def sliding_window_overlay(sliding_window):  # same name, one key more
+        def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+            return kv_idx >= q_idx - sliding_window
+        return inner_mask
+
+    fn = mu.and_masks(sliding_window_overlay(3), mu.causal_mask_function)
+    m = hfb.posenc_mask(1, 9, 9, mask_function=fn)
+    assert m.dense is not None
+    want = mu.sdpa_mask(1, 9, 9, mask_function=fn, allow_is_causal_skip=False)[:, 0]
+    assert torch.equal(m.dense, want)
+    m = hfb.posenc_mask(1, 9, 9, mask_function=mu.sliding_window_causal_mask_function(3))
+    assert m.dense is None and m.window == 3

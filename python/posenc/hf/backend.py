@@ -150,6 +150,55 @@ def _spec_from_atoms(atoms):
     return spec
 
 
+def _visible(spec, b, q_idx, kv_idx):
+    """What posenc will make of spec, at absolute query / key indices: bool [batch, q, k]."""
+    if spec["positions"] is not None:
+        pos = spec["positions"].to(torch.int64).expand(b, -1)
+        pq, pk = pos[:, q_idx], pos[:, kv_idx]
+    else:
+        pq = q_idx[None, :].expand(b, -1)
+        pk = kv_idx[None, :].expand(b, -1)
+    if spec["chunk"] is not None:
+        chunk, left = spec["chunk"]
+        shift = torch.remainder(-torch.as_tensor(left).to(torch.int64).reshape(-1), chunk)
+        shift = shift.expand(b)[:, None]
+        pq, pk = pq + shift, pk + shift
+    rel = pk[:, None, :] - pq[:, :, None]
+    keep = torch.ones_like(rel, dtype=torch.bool)
+    if spec["causal"]:
+        keep &= rel <= 0
+    if spec["window"] is not None:
+        keep &= rel.abs() < spec["window"]
+    if spec["chunk"] is not None:
+        c = spec["chunk"][0]
+        keep &= torch.div(pk[:, None, :], c, rounding_mode="floor") == \
+            torch.div(pq[:, :, None], c, rounding_mode="floor")
+    if spec["documents"] is not None:
+        docs = spec["documents"].expand(b, -1)
+        keep &= docs[:, q_idx][:, :, None] == docs[:, kv_idx][:, None, :]
+    if spec["padding"] is not None:
+        pad = spec["padding"].to(torch.bool)
+        keep &= pad[:, kv_idx][:, None, :]
+    return keep
+
+
+def _agrees(spec, mask_function, b, lq, lk, q_offset, kv_offset):
+    """Checks the description against transformers' own mask function on a sample of query rows
+    (the first and last, and up to 14 in between; every key): False on any difference."""
+    from transformers import masking_utils as mu
+
+    rows = torch.unique(torch.linspace(0, lq - 1, min(lq, 16)).round().to(torch.int64))
+    q_idx = rows + q_offset
+    kv_idx = torch.arange(lk, dtype=torch.int64) + kv_offset
+    try:
+        want = mask_function(*mu._non_vmap_expansion_sdpa(
+            torch.arange(b), torch.arange(1), q_idx, kv_idx))
+        want = torch.as_tensor(want).to(torch.bool).expand(b, 1, rows.numel(), lk)[:, 0]
+        return bool(torch.equal(want, _visible(spec, b, q_idx, kv_idx)))
+    except Exception:  # noqa: BLE001 - not evaluable by broadcasting: not one of the known ones
+        return False
+
+
 def posenc_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                 attention_mask=None, use_vmap=False, device="cpu", **kwargs):
     """transformers' mask function for attn_implementation="posenc" (AttentionMaskInterface).
@@ -191,6 +240,9 @@ def posenc_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
         spec = None  # position-space patterns are only made for a full, cache-free batch
     if spec is not None and spec["documents"] is not None and q_length != kv_length:
         spec = None
+    if spec is not None and not _agrees(spec, mask_function, int(batch_size), int(q_length),
+                                        int(kv_length), q_offset, kv_offset):
+        spec = None  # a pattern that looks known but means something else: take it as it is
     if spec is None:
         dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                              q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
