@@ -357,3 +357,22 @@ def test_saved_configs_read_the_same():
                 np.testing.assert_allclose(fa.inv_freq, fb.inv_freq, rtol=REL, err_msg=name)
                 assert math.isclose(fa.attention_factor, fb.attention_factor, rel_tol=REL)
             assert a.layers[i]["sliding_window"] == b.layers[i]["sliding_window"], (name, i)
+
+
+def test_every_rope_model_type_posenc_reads_is_covered():
+    """posenc's list of model types (its error message for an unknown one): every type that reads
+    as RoPE is in ROPE_TYPES_READ, so a type added to posenc is compared here too."""
+    import re
+    with pytest.raises(Exception) as err:
+        posenc.read_model_config({"model_type": "no-such-model", "hidden_size": 64,
+                                  "num_attention_heads": 4})
+    listed = re.search(r"supported: ([^)]*)\)", str(err.value)).group(1).split(", ")
+    rope = []
+    for mt in listed:
+        try:
+            if posenc.read_model_config({"model_type": mt}).scheme == "rope":
+                rope.append(mt)
+        except Exception:  # noqa: BLE001 - types whose defaults alone do not form a config
+            if mt in DEFAULTS_REFUSED:
+                rope.append(mt)
+    assert sorted(rope) == sorted(ROPE_TYPES_READ)
