@@ -164,7 +164,7 @@ def accuracy():
             scale = float(exact.abs().max())
             ee = float((e16 - exact).abs().max()) / scale
             pe = float((p16 - exact).abs().max()) / scale
-        print(f"| {name[:-5]} | {logit:.1e} | {grad:.1e} | {padded:.1e} | {pe:.1e} / {ee:.1e} |",
+        print(f"| {name.removesuffix('.json')} | {logit:.1e} | {grad:.1e} | {padded:.1e} | {pe:.1e} / {ee:.1e} |",
               flush=True)
 
 

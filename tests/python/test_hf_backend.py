@@ -45,6 +45,7 @@ FAMILIES = [
     ("llama-3.1-8b.json", 2, "GQA, llama3 scaling"),
     ("mistral-7b.json", 2, "sliding window on every layer"),
     ("qwen2.5-7b-yarn.json", 2, "YaRN, GQA 7:1"),
+    ("qwen3-8b", 2, "q / k norms, GQA 4:1 (Qwen3-8B's published settings, inline)"),
     ("phi-3-mini-128k-like.json", 2, "LongRoPE, fused qkv"),
     ("phi-2.json", 2, "partial rotary (0.4)"),
     ("gpt-neox-20b.json", 2, "rotary_pct 0.25"),
@@ -57,13 +58,22 @@ FAMILIES = [
     ("deepseek-v2-lite.json", 2, "MLA: 192-dim q, k over 128-dim v, YaRN mscale"),
     ("deepseek-v3.json", 2, "MLA with interleaved RoPE, q LoRA"),
 ]
-IDS = [f[0][:-5] for f in FAMILIES]
+IDS = [f[0].removesuffix(".json") for f in FAMILIES]
 
 REL_LOGITS = 1e-5
 
 
+# Published settings of models without a shipped file.
+INLINE = {"qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 32,
+                       "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000.0,
+                       "max_position_embeddings": 40960, "num_hidden_layers": 36,
+                       "tie_word_embeddings": False}}
+
+
 def load_config(name):
     """A config.json as a flat dict of the text model (multimodal files: their text_config)."""
+    if name in INLINE:
+        return copy.deepcopy(INLINE[name])
     with open(os.path.join(CONFIGS, name)) as f:
         d = json.load(f)
     if "text_config" in d:
