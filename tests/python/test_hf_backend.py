@@ -261,7 +261,7 @@ def test_decode_step_by_step_equals_full_forward():
         steps = [res.logits]
         cache = res.past_key_values
         for t in range(4, 12):
-            res = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            res = model(ids[:, t:t + 1], cache=cache, use_cache=True)
             cache = res.past_key_values
             steps.append(res.logits)
     assert rel(full, torch.cat(steps, 1)) <= REL_LOGITS
