@@ -274,7 +274,14 @@ struct MRopeKeys {
 void read_rope(const Reader& r, const Scope& s, const TypeDefaults& td,
                const std::string& model_type, ModelConfig& cfg) {
   const Family family = td.family;
-  const auto sd = scaling_dict(r, s);
+  auto sd = scaling_dict(r, s);
+  if (!sd && family == Family::kGptOss) {
+    // GptOssConfig's default when the config gives no RoPE dict: YaRN over 4096 positions.
+    static const json kGptOssYarn = {
+        {"rope_type", "yarn"}, {"factor", 32.0},    {"beta_fast", 32.0},
+        {"beta_slow", 1.0},    {"truncate", false}, {"original_max_position_embeddings", 4096}};
+    sd = ScalingDict{{Node{&kGptOssYarn, "rope_parameters"}}, "rope_parameters"};
+  }
   cfg.rope.base = read_theta(r, s, sd, td, cfg);
   cfg.rope.rotary_dim = read_rotary_dim(r, s, sd, cfg.rope.head_dim, td, cfg);
   const int64_t pairs = cfg.rope.rotary_dim / 2;
