@@ -21,7 +21,6 @@ both models).
 import copy
 import json
 import os
-import warnings
 
 import numpy as np
 import pytest
@@ -335,3 +334,136 @@ def test_left_padding_float32(family):
         lr = run(ref, cfg, ids, mask)
         lp = run(pat, cfg, ids, mask)
     assert _rel(lp, lr, mask.to(torch.bool)) <= 1e-5
+
+
+def test_generate_t5_padded_encoder_batch():
+    cfg = t5_config()
+    ref, pat = pair(cfg)
+    ids, mask = inputs(cfg, 2, 18, seed=7, pad="right")
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    with torch.no_grad():
+        a = ref.generate(ids, **kw)
+        b = pat.generate(ids, **kw)
+    assert a.shape[1] == 9 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt", "falcon"])
+def test_generate_decoder_with_cache_left_padded(family):
+    cfg = {"bloom": bloom_config, "mpt": mpt_config, "falcon": falcon_config}[family](4)
+    cfg.pad_token_id = 0
+    ref, pat = pair(cfg)
+    ids, mask = inputs(cfg, 2, 10, seed=8, pad="left")
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        a = ref.generate(ids, **kw)
+        b = pat.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb in zip(a.scores, b.scores):  # every step's logits (-inf: tokens suppressed)
+        fin = torch.isfinite(sa)
+        assert torch.equal(fin, torch.isfinite(sb))
+        assert float((sa - sb)[fin].abs().max()) <= 1e-5 * float(sa[fin].abs().max())
+
+
+class _ShapeRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shapes of every tensor an op returns (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def _square(shapes, length):
+    return [s for s in shapes if len(s) >= 2 and s[-1] >= length and s[-2] >= length]
+
+
+@pytest.mark.parametrize("name", ["t5", "bloom", "mpt", "falcon", "deberta-v3"])
+def test_no_length_squared_tensor_is_built(name):
+    # Hidden sizes and vocabularies are below the length: any tensor whose last two dims are both
+    # >= L is a score, bias or mask (e.g. [B, H, L, L], [B, 1, L, L], [1, L, L]).
+    cfg = CASES[name][0]()
+    length = 130
+    ids, mask = inputs(cfg, 2, length, pad="right")
+    dec_ids = dec_mask = None
+    if cfg.model_type == "t5":
+        dec_ids, dec_mask = inputs(cfg, 2, length, seed=1, pad="right")
+    ref, pat = pair(cfg)
+    for model, expect in ((ref, True), (pat, False)):
+        rec = _ShapeRecorder()
+        with rec:
+            logits = run(model, cfg, ids, mask, dec_ids=dec_ids, dec_mask=dec_mask)
+            _loss(logits, real_rows(cfg, mask, dec_mask)).backward()
+        found = _square(rec.shapes, length)
+        assert bool(found) == expect, found[:3]
+
+
+def test_t5_table_gradient_reaches_both_stacks():
+    cfg = t5_config()
+    _, pat = pair(cfg)
+    cfg_, ids, mask, dec_ids, dec_mask = _case("t5")
+    _, grads = forward_backward(pat, cfg, ids, mask, dec_ids, dec_mask)
+    tables = [n for n in grads if "relative_attention_bias" in n]
+    assert sorted(tables) == ["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                              "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+    assert all(float(grads[n].abs().max()) > 0 for n in tables)
+
+
+def test_requests_that_cannot_be_fused_raise():
+    cfg = bloom_config(4)
+    _, pat = pair(cfg)
+    ids, mask = inputs(cfg, 1, 6)
+    with pytest.raises(ValueError, match="output_attentions"):
+        pat(input_ids=ids, output_attentions=True)
+    cfg = deberta_config()
+    _, pat = pair(cfg)
+    with pytest.raises(ValueError, match="output_attentions"):
+        pat(input_ids=ids, output_attentions=True)
+    cfg = t5_config()
+    _, pat = pair(cfg)
+    attn = pat.encoder.block[1].layer[0].SelfAttention
+    with pytest.raises(ValueError, match="position_bias"):
+        attn(torch.zeros(1, 4, 32), position_bias=torch.zeros(1, 4, 4, 4))
+
+
+def test_unsupported_models_raise_type_error():
+    from transformers import AutoModelForCausalLM
+    gpt2 = AutoModelForCausalLM.from_config(_config("gpt2", n_embd=32, n_head=4, n_layer=1,
+                                                    vocab_size=64))
+    with pytest.raises(TypeError, match="gpt2"):
+        patch(gpt2)
+    rope_falcon = AutoModelForCausalLM.from_config(_config(
+        "falcon-rw-1b", alibi=False, hidden_size=32, num_attention_heads=4, num_kv_heads=4,
+        num_hidden_layers=1, vocab_size=64))
+    with pytest.raises(TypeError, match="RoPE"):
+        patch(rope_falcon)
+    with pytest.raises(TypeError):
+        patch("t5")
+    with pytest.raises(ValueError, match="attention_dropout"):
+        patch(gpt2, attention_dropout="sometimes")
+
+
+def test_attention_dropout_policy_and_unpatch():
+    cfg = t5_config(dropout_rate=0.1)
+    ref, pat = pair(cfg)
+    ids, mask = inputs(cfg, 1, 6)
+    dec = torch.zeros(1, 3, dtype=torch.long)
+    pat.train()
+    with pytest.warns(RuntimeWarning, match="dropout"):
+        pat(input_ids=ids, decoder_input_ids=dec)
+    strict = patch(copy.deepcopy(ref), attention_dropout="error").train()
+    with pytest.raises(ValueError, match="dropout"):
+        strict(input_ids=ids, decoder_input_ids=dec)
+    pat.eval()
+    assert unpatch(pat) is pat
+    assert pat.config._attn_implementation == "eager"
+    assert all("_posenc_state" not in m.__dict__ for m in pat.modules())
+    with torch.no_grad():
+        assert torch.equal(pat(input_ids=ids, decoder_input_ids=dec).logits,
+                           ref(input_ids=ids, decoder_input_ids=dec).logits)
