@@ -48,10 +48,11 @@ def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     if fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
         padding = None
         if attention_mask is not None:
-            padding = attention_mask[:, kv_offset:kv_offset + kv_length].to(torch.bool)
-            if padding.shape[1] != kv_length:
-                padding = None if padding.shape[1] == 0 else padding
-            if padding is not None and bool(padding.all()):
+            # Shorter than the keys (a static cache's free slots): padded with False.
+            padding = mu.prepare_padding_mask(attention_mask.to(torch.bool), kv_length,
+                                              kv_offset)
+            padding = padding[:, kv_offset:kv_offset + kv_length]
+            if bool(padding.all()):
                 padding = None
         return BiasMask(padding, fn is mu.causal_mask_function, q_offset - kv_offset)
     kwargs.pop("allow_is_causal_skip", None)
