@@ -17,9 +17,10 @@ else "eager" (BLOOM, DeBERTa: their attention is written out in the model). T5 r
 decoder with L tokens each (encoder self, decoder self and cross attention).
 
 Every measurement runs in a fresh subprocess (one run's freed memory cannot hide the next one's
-peak); the implementations alternate per round. Time: the median of `--reps` steps after one
-untimed step. Peak: the growth of the process's peak resident set (VmHWM, reset through
-/proc/self/clear_refs) over one step, after the model and inputs exist. "LxL": the bytes of every
+peak); the implementations alternate per round. Time: the median of `--reps` steps after `--warmup`
+untimed steps (default 1). Peak: the growth of the process's peak resident set (VmHWM, reset through
+/proc/self/clear_refs) over the last timed step, after the model and inputs exist (`--warmup 0`:
+no untimed step, for long runs). "LxL": the bytes of every
 tensor a forward creates whose last two dimensions are (L, L) (scores, probabilities, biases,
 masks, relative positions), counted in a separate forward (L <= --lxl-max); the bias alone (transformers' own tensors, by shape):
 T5 position_bias [1, H, L, L] per stack and cross-attention's zero bias, BLOOM's [B, 1, L, L]
@@ -85,7 +86,8 @@ def output_tensor(out):
     return out.logits if hasattr(out, "logits") and out.logits is not None else out[0]
 
 
-def measure(family, L, impl, mode, layers, hidden, heads, reps, threads, lxl_pass=True):
+def measure(family, L, impl, mode, layers, hidden, heads, reps, threads, lxl_pass=True,
+            warmup=1):
     """One measurement (in a subprocess): {'seconds', 'peak_mib', 'lxl_mib'}."""
     import torch
     if threads:
@@ -101,7 +103,8 @@ def measure(family, L, impl, mode, layers, hidden, heads, reps, threads, lxl_pas
             model.zero_grad(set_to_none=True)
             output_tensor(model(**kw)).float().square().mean().backward()
 
-    step()
+    for _ in range(warmup):
+        step()
     times = []
     peak = 0.0
     for i in range(reps):
@@ -152,13 +155,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--lxl-max", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # family,L,impl,mode: one measurement
     a = ap.parse_args()
     if a.one:
         fam, L, impl, mode = a.one.split(",")
         print(json.dumps(measure(fam, int(L), impl, mode, a.layers, a.hidden, a.heads, a.reps,
-                                 a.threads, int(L) <= a.lxl_max)))
+                                 a.threads, int(L) <= a.lxl_max, a.warmup)))
         return
     rows = []
     for fam in a.families.split(","):
@@ -170,7 +174,8 @@ def main():
                         cmd = [sys.executable, __file__, "--one", f"{fam},{L},{impl},{mode}",
                                "--layers", str(a.layers), "--hidden", str(a.hidden),
                                "--heads", str(a.heads), "--reps", str(a.reps),
-                               "--threads", str(a.threads), "--lxl-max", str(a.lxl_max)]
+                               "--threads", str(a.threads), "--lxl-max", str(a.lxl_max),
+                               "--warmup", str(a.warmup)]
                         p = subprocess.run(cmd, capture_output=True, text=True)
                         if p.returncode != 0:
                             res[impl].append({"error": p.stderr.strip().splitlines()[-1]})

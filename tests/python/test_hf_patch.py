@@ -434,12 +434,18 @@ def test_requests_that_cannot_be_fused_raise():
     ids, mask = inputs(cfg, 1, 6)
     with pytest.raises(ValueError, match="output_attentions"):
         pat(input_ids=ids, output_attentions=True)
+    for cfg in (mpt_config(4), falcon_config(4), deberta_config()):
+        _, pat = pair(cfg)
+        with pytest.raises(ValueError, match="output_attentions"):
+            pat(input_ids=ids, output_attentions=True)
     cfg = deberta_config()
     _, pat = pair(cfg)
     with pytest.raises(ValueError, match="output_attentions"):
         pat(input_ids=ids, output_attentions=True)
     cfg = t5_config()
     _, pat = pair(cfg)
+    with pytest.raises(ValueError, match="output_attentions"):
+        pat(input_ids=ids, decoder_input_ids=ids[:, :2], output_attentions=True)
     attn = pat.encoder.block[1].layer[0].SelfAttention
     with pytest.raises(ValueError, match="position_bias"):
         attn(torch.zeros(1, 4, 32), position_bias=torch.zeros(1, 4, 4, 4))

@@ -13,8 +13,7 @@ import sys
 import torch
 
 from .. import torch as pt
-from ._bias_mask import attention_kwargs
-from ._bias_t5 import check_call
+from ._bias_mask import attention_kwargs, check_call
 
 
 def model_slopes(family, base_model, heads):

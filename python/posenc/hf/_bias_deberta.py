@@ -9,8 +9,7 @@ are not built (the encoder is patched to keep the 2-D padding mask).
 import torch
 
 from .. import torch as pt
-from ._bias_mask import BiasMask, attention_kwargs
-from ._bias_t5 import check_call
+from ._bias_mask import BiasMask, attention_kwargs, check_call
 
 
 def forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None,

@@ -157,3 +157,16 @@ def attention_kwargs(mask, batch, seq_q, seq_k, *, causal, kind, what, alibi_pos
     if explicit_q:
         kw["query_positions"] = torch.arange(seq_q, dtype=torch.int64) + q_offset
     return kw
+
+
+def check_call(module, kwargs, training_dropout):
+    """Refuses requests the fused kernel cannot serve (attention weights, head masks)."""
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{type(module).__name__} patched by posenc.hf.patch cannot return "
+                         "attention weights (output_attentions=True): the fused kernel never "
+                         "forms them; use the unpatched model (posenc.hf.unpatch)")
+    for name in ("head_mask", "layer_head_mask", "cross_attn_head_mask"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__} patched by posenc.hf.patch: {name} is not "
+                             "supported (the fused kernel does not scale attention weights)")
+    training_dropout(module)

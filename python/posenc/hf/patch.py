@@ -183,11 +183,23 @@ def _patch_alibi(model, policy, name):
         check = _make_dropout_check(policy, family, name)
         for a in attns:
             _bias_alibi.install(a, family, slopes, check)
+        if family == "mpt":  # MptBlock does not pass output_attentions on to its attention
+            for blk in base.modules():
+                if type(blk).__name__ == "MptBlock" and "_posenc_hook" not in blk.__dict__:
+                    blk.__dict__["_posenc_hook"] = blk.register_forward_pre_hook(
+                        _refuse_output_attentions, with_kwargs=True)
     left = [type(m).__name__ for m in model.modules()
             if _family_of(m) in ("bloom", "mpt", "falcon") and "_posenc_state" not in m.__dict__]
     if left:
         raise TypeError(f"posenc.hf.patch: {name}: {left[0]} outside its base model "
                         "(BloomModel / MptModel / FalconModel): the slopes are unknown")
+
+
+def _refuse_output_attentions(module, args, kwargs):
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{type(module).__name__} patched by posenc.hf.patch cannot return "
+                         "attention weights (output_attentions=True): the fused kernel never "
+                         "forms them; use the unpatched model (posenc.hf.unpatch)")
 
 
 def _patch_deberta(model, policy, name):
@@ -203,6 +215,9 @@ def unpatch(model):
     """Restores the attention posenc.hf.patch replaced (and the configs' attention
     implementation); returns the model."""
     for m in model.modules():
+        hook = m.__dict__.pop("_posenc_hook", None)
+        if hook is not None:
+            hook.remove()
         if "_posenc_state" in m.__dict__:
             del m.__dict__["_posenc_state"]
             m.__dict__.pop("forward", None)
