@@ -501,3 +501,26 @@ def test_generate_with_a_static_cache():
         a = ref.generate(ids, **kw)
         b = pat.generate(ids, cache_implementation="static", **kw)
     assert torch.equal(a, b)
+
+
+def test_dense_masks_from_the_caller():
+    # Masks that are not a padding pattern reach the kernel as posenc's dense mask: a [B, L, L]
+    # mask given to DeBERTa's encoder, a 4-D additive mask given to T5's encoder.
+    g = torch.Generator().manual_seed(11)
+    cfg = deberta_config()
+    ref, pat = pair(cfg)
+    ids, _ = inputs(cfg, 2, 16)
+    m3 = (torch.rand(2, 16, 16, generator=g) < 0.6) | torch.eye(16, dtype=torch.bool)
+    with torch.no_grad():  # the encoder takes [B, L, L] masks (the embeddings do not)
+        h = ref.deberta.embeddings(input_ids=ids)
+        a = ref.deberta.encoder(h, m3.long()).last_hidden_state
+        b = pat.deberta.encoder(h, m3.long()).last_hidden_state
+    assert _rel(b, a, torch.ones(2, 16, dtype=torch.bool)) <= 1e-5
+    cfg = t5_config()
+    ref, pat = pair(cfg)
+    m4 = ((torch.rand(2, 1, 16, 16, generator=g) < 0.6) | torch.eye(16, dtype=torch.bool))
+    m4 = torch.zeros(m4.shape).masked_fill(~m4, torch.finfo(torch.float32).min)  # additive
+    with torch.no_grad():
+        a = ref.encoder(input_ids=ids, attention_mask=m4).last_hidden_state
+        b = pat.encoder(input_ids=ids, attention_mask=m4).last_hidden_state
+    assert _rel(b, a, torch.ones(2, 16, dtype=torch.bool)) <= 1e-5
