@@ -524,3 +524,18 @@ def test_dense_masks_from_the_caller():
         a = ref.encoder(input_ids=ids, attention_mask=m4).last_hidden_state
         b = pat.encoder(input_ids=ids, attention_mask=m4).last_hidden_state
     assert _rel(b, a, torch.ones(2, 16, dtype=torch.bool)) <= 1e-5
+
+
+def test_mpt_alibi_bias_max_follows_transformers():
+    # transformers' MPT builds its slopes with alibi_bias_max 8 whatever the config says: patch
+    # follows the model's code (so the outputs still match) and warns.
+    cfg = _config("mpt-7b", d_model=32, n_heads=4, n_layers=1, vocab_size=64, max_seq_len=64,
+                  attn_config={"attn_pdrop": 0, "alibi_bias_max": 16})
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with pytest.warns(RuntimeWarning, match="alibi_bias_max"):
+        pat = patch(copy.deepcopy(ref))
+    ids, mask = inputs(cfg, 1, 12)
+    with torch.no_grad():
+        assert _rel(pat(input_ids=ids).logits, ref(input_ids=ids).logits,
+                    mask.to(torch.bool)) <= 1e-5
