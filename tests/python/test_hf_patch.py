@@ -315,7 +315,7 @@ def test_falcon_heads_not_a_power_of_two_float32_bias():
     print(f"\nfalcon 6 heads (float32 ALiBi product): {rel:.2e} (relative)")
 
 
-@pytest.mark.parametrize("name", ["t5", "bloom", "deberta-v3"])
+@pytest.mark.parametrize("name", ["t5", "mt5", "bloom", "mpt", "falcon", "deberta-v3"])
 def test_bfloat16_within_the_unpatched_models_error(name):
     cfg, ids, mask, dec_ids, dec_mask = _case(name)
     ref, pat = pair(cfg)
