@@ -4,28 +4,30 @@ bias), BLOOM (ALiBi) and DeBERTa-v3 (disentangled c2p + p2c). Time and peak memo
 and of a forward + backward at L = 2048 and 8192, measured in one run.
 
     .venv/bin/python bench/hf_bias_bench.py [--lengths 2048,8192] [--families t5,bloom,deberta]
-                                            [--layers 2] [--hidden 256] [--heads 4]
-                                            [--reps 2] [--rounds 2] [--threads N] [--json]
+                                            [--layers 1] [--hidden 256] [--heads 4]
+                                            [--reps 2] [--rounds 2] [--warmup 1] [--json]
 (.venv/ with torch and transformers; posenc importable: installed, or
 PYTHONPATH=build-test/python/stage.)
 
 Models: random weights from tests/configs (t5-base, bloom-560m, deberta-v3-base) shrunk to
-`--layers` layers (default 1), hidden size `--hidden`, `--heads` heads, the positional settings intact
-(32 buckets / max distance 128, ALiBi, position_buckets 256 / max_relative_positions 512); batch 1,
-float32, no padding. The baseline is transformers' "sdpa" attention where the model has one (T5),
-else "eager" (BLOOM, DeBERTa: their attention is written out in the model). T5 runs encoder and
-decoder with L tokens each (encoder self, decoder self and cross attention).
+`--layers` layers (default 1), hidden size `--hidden`, `--heads` heads, the positional
+settings intact (32 buckets / max distance 128, ALiBi, position_buckets 256 /
+max_relative_positions 512); batch 1, float32, no padding. The baseline is transformers' "sdpa"
+attention where the model has one (T5), else "eager" (BLOOM, DeBERTa: their attention is written
+out in the model). T5 runs encoder and decoder with L tokens each (encoder self, decoder self and
+cross attention).
 
 Every measurement runs in a fresh subprocess (one run's freed memory cannot hide the next one's
-peak); the implementations alternate per round. Time: the median of `--reps` steps after `--warmup`
-untimed steps (default 1). Peak: the growth of the process's peak resident set (VmHWM, reset through
-/proc/self/clear_refs) over the last timed step, after the model and inputs exist (`--warmup 0`:
-no untimed step, for long runs). "LxL": the bytes of every
-tensor a forward creates whose last two dimensions are (L, L) (scores, probabilities, biases,
-masks, relative positions), counted in a separate forward (L <= --lxl-max); the bias alone (transformers' own tensors, by shape):
-T5 position_bias [1, H, L, L] per stack and cross-attention's zero bias, BLOOM's [B, 1, L, L]
-mask (its ALiBi [B*H, 1, L] is added inside the score matmul), DeBERTa's [1, L, L] relative
-positions and [B, 1, L, L] mask (int64) and its c2p / p2c terms [B*H, L, L].
+peak); the implementations alternate per round. Time: the median of `--reps` steps after
+`--warmup` untimed steps (default 1). Peak: the growth of the process's peak resident set
+(VmHWM, reset through /proc/self/clear_refs) over the last timed step, after the model and
+inputs exist (`--warmup 0`: no untimed step, for long runs). "LxL": the bytes of every tensor a
+forward creates whose last two dimensions are (L, L) (scores, probabilities, biases, masks,
+relative positions), counted in a separate forward (L <= --lxl-max). The bias alone
+(transformers' own tensors, by shape): T5 position_bias [1, H, L, L] per stack and
+cross-attention's zero bias, BLOOM's [B, 1, L, L] mask (its ALiBi [B*H, 1, L] is added inside the
+score matmul), DeBERTa's [1, L, L] relative positions and [B, 1, L, L] mask (int64) and its
+c2p / p2c terms [B*H, L, L].
 """
 
 import argparse
@@ -205,7 +207,8 @@ def _line(row):
             return f"error: {r['error'][:60]}"
         lxl = "" if r["lxl_mib"] is None else f", LxL {r['lxl_mib']:.0f} MiB"
         return f"{r['seconds']:.3f} s, peak +{r['peak_mib']:.0f} MiB{lxl}"
-    s = (f"{row['family']:8s} L={row['L']:5d} {row['mode']:6s} | hf ({row['hf'].get('baseline', '?')}): "
+    base = row["hf"].get("baseline", "?")
+    s = (f"{row['family']:8s} L={row['L']:5d} {row['mode']:6s} | hf ({base}): "
          f"{part(row['hf'])} | posenc: {part(row['posenc'])}")
     if "speedup" in row:
         s += f" | x{row['speedup']:.2f}"
