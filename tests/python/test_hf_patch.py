@@ -476,7 +476,9 @@ def test_attention_dropout_policy_and_unpatch():
     pat.train()
     with pytest.warns(RuntimeWarning, match="dropout"):
         pat(input_ids=ids, decoder_input_ids=dec)
-    strict = patch(copy.deepcopy(ref), attention_dropout="error").train()
+    copied = copy.deepcopy(ref)
+    assert patch(copied, attention_dropout="error") is copied  # patched in place, returned
+    strict = copied.train()
     with pytest.raises(ValueError, match="dropout"):
         strict(input_ids=ids, decoder_input_ids=dec)
     pat.eval()
