@@ -26,8 +26,16 @@ class BiasMask:
         self.q_offset = q_offset
         self.dense = dense
 
+    dtype = torch.bool
+
+    @property
+    def device(self):
+        """The device of the mask's tensors (the CPU without any)."""
+        t = self.padding if self.padding is not None else self.dense
+        return t.device if t is not None else torch.device("cpu")
+
     def to(self, *args, **kwargs):
-        """The mask itself (transformers casts masks; this one has no dtype)."""
+        """The mask itself (transformers casts masks; this one is kept as it is)."""
         return self
 
     def __repr__(self):
