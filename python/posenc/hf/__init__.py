@@ -7,6 +7,6 @@ using the model's own weights. See docs/hf.md.
 """
 
 from .backend import register  # noqa: F401
-from .patch import patch  # noqa: F401
+from .patch import patch, unpatch  # noqa: F401
 
-__all__ = ["register", "patch"]
+__all__ = ["register", "patch", "unpatch"]
