@@ -1099,13 +1099,19 @@ def _estimated_slopes(case):
     return np.median(steps, axis=-1)
 
 
-def _bias_diagnosis(results, ctx):
+def _errors_and_failing(results):
+    """The diagnosis' first sentence for cases that raised (a list, maybe empty) and the failing
+    cases."""
     out = []
     errors = [c for c in results if c.status == "error"]
     if errors:
         out.append(f"The function raised or returned a wrong shape in {len(errors)} case(s), first "
                    f"'{errors[0].name}': {errors[0].message}.")
-    failing = [c for c in results if c.status == "fail"]
+    return out, [c for c in results if c.status == "fail"]
+
+
+def _bias_diagnosis(results, ctx):
+    out, failing = _errors_and_failing(results)
     if not failing:
         return out
     scheme = ctx["scheme"]
@@ -1499,12 +1505,7 @@ def _attn_ref(q, k, v, scheme, params64, kw, settings, dt, angles, **over):
 
 
 def _attn_diagnosis(results, scheme, params64, settings, angles):
-    out = []
-    errors = [c for c in results if c.status == "error"]
-    if errors:
-        out.append(f"The function raised or returned a wrong shape in {len(errors)} case(s), first "
-                   f"'{errors[0].name}': {errors[0].message}.")
-    failing = [c for c in results if c.status == "fail"]
+    out, failing = _errors_and_failing(results)
     if not failing:
         return out
     hyps = []
