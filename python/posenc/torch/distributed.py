@@ -837,7 +837,8 @@ def _ring_backward(p, q, k, v, out, lse, dout):
         c.wait([waits_in])
         if incoming is not None:
             dkv += incoming
-        c.send(dkv, _next(c), _TAG_DKV + step)
+        if c.world > 1:
+            c.send(dkv, _next(c), _TAG_DKV + step)
         c.wait(waits)
         if nxt is not None:
             buf = nxt
@@ -1125,6 +1126,10 @@ def context_parallel_attention(q, k, v, scheme=None, *, group=None, strategy="ri
         p.cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         p.reduce_grads = reduce_grads
         if strategy == "all_to_all":
+            if kwargs.get("config") is not None:
+                raise ValueError("strategy all_to_all: config= fixes the model's head count, "
+                                 "which a head shard cannot match; use strategy='ring', or the "
+                                 "scheme and its settings as keywords")
             _check_heads(p)
         elif p.Hkv == 0 or p.Hq % p.Hkv:
             raise ValueError(f"k: kv heads ({p.Hkv}) must divide q heads ({p.Hq})")
