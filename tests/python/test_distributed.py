@@ -360,6 +360,34 @@ def shard_cases():
     return fails
 
 
+def training_case(group):
+    """Item 3: the extrapolation model trained with its sequences split over the group gives the
+    single-process losses step by step (float64: to 1e-9; float32: within twice the float32 vs
+    float64 difference of the single-process run, + 1e-6). T5 (a learned table shared by the
+    layers) on the ring, ALiBi on the all-to-all."""
+    import copy
+    from posenc.experiments import context_parallel as cp
+    from posenc.experiments.extrapolation import _max_rel
+    fails = []
+    cfg = dict(cp.CONFIG, steps=4)
+    data = cp.batches(cfg, 0)
+    for scheme, strategy, layout in (("t5", "ring", "zigzag"), ("alibi", "all_to_all",
+                                                                "contiguous")):
+        base = cp.ContextParallelLM(scheme, strategy=strategy, layout=layout, seed=0, **cfg)
+        single32 = cp.train_single(copy.deepcopy(base), cfg, data)
+        single64 = cp.train_single(copy.deepcopy(base).double(), cfg, data)
+        sharded32 = cp.train_sharded(copy.deepcopy(base), cfg, data, group)
+        sharded64 = cp.train_sharded(copy.deepcopy(base).double(), cfg, data, group)
+        tol = 2 * _max_rel(single32, single64) + 1e-6
+        if not _max_rel(sharded32, single32) <= tol:
+            fails.append(f"[training {scheme} {strategy}] float32 losses {sharded32} vs "
+                         f"{single32} (tol {tol:.2g})")
+        if not _max_rel(sharded64, single64) <= 1e-9:
+            fails.append(f"[training {scheme} {strategy}] float64 losses {sharded64} vs "
+                         f"{single64}")
+    return fails
+
+
 def _setup_threads():
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -389,6 +417,8 @@ def worker(rank, world, port, outdir, mode):
                 fails += model_config_cases(group)
                 fails += half_case(group)
                 fails += error_cases(group)
+                if n == 2:
+                    fails += training_case(group)
             dist.barrier()
         # A dead rank: the last one leaves; the others must fail fast, not hang.
         if rank == world - 1:
