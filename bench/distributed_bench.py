@@ -16,9 +16,10 @@ i.e. not hidden behind compute) comes from comm_stats(), as do the bytes each ra
 query-key pairs each rank computed (max/min: the compute balance). Medians over the rounds; the
 speedup is the median of the per-round ratios (1-rank time / 2-rank time).
 
-The projection (printed, and in docs/distributed.md) uses the measured 1-rank compute time c at
-this length (scaled by (L / 8192)^2 for other lengths: attention work is quadratic) and the bytes
-the implementation sends (cost_model, which the counted bytes must match):
+The projection (printed, and in docs/distributed.md) takes the measured 1-rank rate (causal
+query-key pairs x heads x head_dim per second of one thread), a layer of 32 query / 8 kv heads of
+128, ranks of 1 or 32 threads (assumed 32 times faster), gives the 1-rank time c, and uses the
+bytes the implementation sends (cost_model, which the counted bytes match):
 
     ring, zigzag, N ranks: T = c / N^2 + (N - 1) * max(c / N^2, a + b_kv / B)
     all_to_all:            T = c / N + 2 * (N - 1) * a + b_a2a / B
@@ -130,16 +131,39 @@ def _rank(rank, world, port, args, out_path):
 
 
 def project(c, L, n, H, Hkv, D, bandwidth, latency=20e-6, bytes_per_element=4):
-    """Projected (ring time, all_to_all time) for N ranks; c: 1-rank compute time at L."""
+    """Projected (ring time, all_to_all time or None) for N ranks; c: the 1-rank time at L."""
     import posenc.torch.distributed as ptd
     b_kv = L / n * Hkv * 2 * D * bytes_per_element
     ring = c / n ** 2 + (n - 1) * max(c / n ** 2, latency + b_kv / bandwidth)
     a2a = None
-    if H % n == 0:
+    group = H // Hkv
+    if H % n == 0 and ((H // n) % group == 0 or group % (H // n) == 0):
         m = ptd.cost_model(L, n, heads_q=H, heads_kv=Hkv, head_dim=D, strategy="all_to_all",
-                           layout="zigzag")
+                           layout="zigzag", bytes_per_element=bytes_per_element)
         a2a = c / n + 2 * (n - 1) * latency + m["bytes_sent_forward"] / bandwidth
     return ring, a2a
+
+
+# The model shape of the projection: a Llama-3-8B-like layer (32 query heads, 8 kv heads of 128).
+PROJ_SHAPE = (32, 8, 128)
+
+
+def projection(rate, bws, lengths=(8192, 131072), threads=(1, 32), ranks=(2, 8, 16, 32, 64)):
+    """Rows of the projection table. rate: measured causal query-key pairs x heads x head_dim
+    per second of one thread; a rank of T threads is assumed T times faster."""
+    H, Hkv, D = PROJ_SHAPE
+    rows = []
+    for length in lengths:
+        for t in threads:
+            c = length * (length + 1) / 2 * H * D / (rate * t)
+            for bw in bws:
+                cells = []
+                for n in ranks:
+                    ring, a2a = project(c, length, n, H, Hkv, D, bw * 1e9 / 8)
+                    cells.append((c / ring, (c / a2a) if a2a else None))
+                rows.append({"L": length, "threads": t, "gbit": bw, "one_rank_s": c,
+                             "speedups": cells})
+    return rows
 
 
 def main(argv=None):
@@ -206,25 +230,22 @@ def main(argv=None):
                   f"throughput) | {wall:.3f} | {speed:.2f} | "
                   f"{comp[0]:.3f} / {comp[1]:.3f} | {wait[0]:.3f} / {wait[1]:.3f} | "
                   f"{max(sent) / 2**20:.2f} MiB / {model / 2**20:.2f} MiB | {bal:.2f} |")
-    # Projection from the measured 1-rank compute time (the first scheme's).
+    # Projection from the measured 1-rank rate (the first scheme's).
     c0 = summary[args.schemes[0]]["single_s"]
+    rate = L * (L + 1) / 2 * H * D / c0
     bws = [float(x) for x in args.bandwidth_gbit.split(",")]
-    print(f"\nProjection ({args.schemes[0]}, causal, {what}; 1-rank time {c0:.3f} s at L = {L}, "
-          f"scaled by (L / {L})^2; speedup over 1 rank, ring zigzag / all_to_all)")
-    header = "| L | N | " + " | ".join(f"{b:g} Gbit/s" for b in bws) + " |"
-    print(header)
-    print("|---" * (2 + len(bws)) + "|")
-    proj = []
-    for length in (L, 16 * L):
-        c = c0 * (length / L) ** 2
-        for n in (2, 8, 16, 32, 64):
-            cells = []
-            for bw in bws:
-                ring, a2a = project(c, length, n, H, Hkv, D, bw * 1e9 / 8)
-                cells.append(f"{c / ring:.1f} / " + (f"{c / a2a:.1f}" if a2a else "-"))
-                proj.append({"L": length, "N": n, "gbit": bw, "ring_speedup": c / ring,
-                             "a2a_speedup": (c / a2a) if a2a else None})
-            print(f"| {length} | {n} | " + " | ".join(cells) + " |")
+    proj = projection(rate, bws)
+    ranks = (2, 8, 16, 32, 64)
+    print(f"\nProjection: {args.schemes[0]}, causal, {what}, one layer of {PROJ_SHAPE[0]}/"
+          f"{PROJ_SHAPE[1]} heads of {PROJ_SHAPE[2]}; measured rate {rate / 1e9:.2f} G "
+          f"pair-dims/s per thread; speedup over 1 rank, ring zigzag / all_to_all")
+    print("| L | threads per rank | link | 1 rank (s) | " + " | ".join(f"N = {n}" for n in ranks)
+          + " |")
+    print("|---" * (4 + len(ranks)) + "|")
+    for row in proj:
+        cells = [f"{a:.1f} / " + (f"{b:.1f}" if b else "-") for a, b in row["speedups"]]
+        print(f"| {row['L']} | {row['threads']} | {row['gbit']:g} Gbit/s | "
+              f"{row['one_rank_s']:.3g} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rounds": rows, "summary": summary,

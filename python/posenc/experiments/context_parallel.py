@@ -75,8 +75,9 @@ class ContextParallelLM(ex.LanguageModel):
                                                       else None)
         if module is None:
             return context_parallel_attention(q, k, v, "none", **kw)
+        # The call's keywords override the module's settings (as the module's forward does).
         return context_parallel_attention(q, k, v, module.scheme, params=module.tables() or None,
-                                          **module.settings(), **kw)
+                                          **{**module.settings(), **kw})
 
 
 def batches(cfg, seed):

@@ -1172,10 +1172,11 @@ def cost_model(seq_len, world_size, *, heads_q, heads_kv=None, head_dim, v_dim=N
             return 0
         if not causal:
             return (qb - qa) * (kb - ka)
-        tot = 0
-        for i in range(qa, qb):
-            tot += max(0, min(kb, i + 1) - ka)
-        return tot
+        # sum over queries i of |{j in [ka, kb): j <= i}|, in closed form
+        lo, hi = max(qa, ka), min(qb, kb - 1)
+        ramp = (hi - lo) * (lo + hi + 1 - 2 * ka) // 2 if hi > lo else 0
+        full = max(0, qb - max(qa, kb - 1)) * (kb - ka)
+        return ramp + full
 
     def block_pairs(qr, kr):
         return sum(pairs(a, b, c, d) for a, b in segs[qr] for c, d in segs[kr])
