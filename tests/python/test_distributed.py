@@ -425,6 +425,21 @@ def worker(rank, world, port, outdir, mode):
                         fails.append(f"[n={n} {check.__name__}] raised\n"
                                      f"{traceback.format_exc()}")
             dist.barrier()
+        # A hung rank: rank 1 of a group with a 2-second timeout does not call; rank 0 must
+        # raise within the timeout instead of waiting for it.
+        hung = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+        if rank == 0:
+            import posenc.torch.distributed as ptd
+            t0 = time.time()
+            x = torch.randn(1, 3, 4, 8)
+            try:
+                ptd.context_parallel_attention(x, x, x, group=hung)
+                fails.append("hung rank: rank 0 did not raise")
+            except Exception:
+                if time.time() - t0 > 20:
+                    fails.append(f"hung rank: rank 0 took {time.time() - t0:.0f} s")
+        elif rank == 1:
+            time.sleep(5)
         # A dead rank: the last one leaves; the others must fail fast, not hang.
         if rank == world - 1:
             with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
