@@ -326,6 +326,9 @@ def error_cases(group):
         # ranks disagreeing on the options
         expect("options", ValueError, "differ", lambda: ptd.context_parallel_attention(
             ql, kl, vl, group=group, causal=(r == 0)))
+        # positions that differ between ranks
+        expect("positions", ValueError, "given whole", lambda: ptd.context_parallel_attention(
+            ql, kl, vl, group=group, query_positions=r, key_positions=0))
         # tables that are not replicated
         slopes = torch.full((4,), 0.5 + r)
         expect("tables", ValueError, "replicated", lambda: ptd.context_parallel_attention(

@@ -331,6 +331,14 @@ def _crc(*arrays):
     return h
 
 
+def _fingerprint_value(value):
+    """A positions / mask argument in a form whose bytes do not depend on how it was passed."""
+    if value is None or isinstance(value, (bool, int, np.integer)):
+        return repr(value)
+    t = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    return t.to(torch.int64)
+
+
 def _as_int_tensor(value, what):
     if isinstance(value, torch.Tensor):
         _ops.require_cpu(value, what)
@@ -432,13 +440,15 @@ def _make_plan(q, k, v, scheme, params, group, strategy, layout, kwargs, timeout
         meta[5:9] = torch.tensor(k.shape)
         meta[9:13] = torch.tensor(v.shape)
         meta[13] = _DTYPES[q.dtype]
+        whole = ("query_positions", "key_positions") + _MASK_TENSORS
         settings = {n: kwargs[n] for n in sorted(kwargs)
-                    if n not in ("query_positions", "key_positions", "config") + _MASK_TENSORS}
+                    if n not in whole + ("config", "num_threads")}
         meta[14] = _crc(repr((scheme, strategy, layout, sorted(params or {}),
                               _ops.encode(settings))))
         cfg = kwargs.get("config")
         meta[15] = _crc(cfg if isinstance(cfg, str) else repr(type(cfg).__name__))
         meta[16] = _crc(*[params[n] for n in sorted(params or {})])
+        meta[17] = _crc(*[_fingerprint_value(kwargs.get(n)) for n in whole])
     except Exception as e:  # reported on every rank below
         error = e
         meta.zero_()
@@ -493,6 +503,9 @@ def _cross_check(m, layout, world):
                     f"from rank 0's (every rank must make the same call)")
         if row[15] != m[0][15]:
             return f"rank {r}: config differs from rank 0's"
+        if row[17] != m[0][17]:
+            return (f"rank {r}: the positions, document ids, prefix or mask differ from rank "
+                    f"0's (they are given whole, the same on every rank)")
         if row[16] != m[0][16]:
             return (f"rank {r}: the parameter tables differ from rank 0's (tables must be "
                     f"replicated on every rank)")
