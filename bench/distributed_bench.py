@@ -23,6 +23,8 @@ bytes the implementation sends (cost_model, which the counted bytes match):
 
     ring, zigzag, N ranks: T = c / N^2 + (N - 1) * max(c / N^2, a + b_kv / B)
     all_to_all:            T = c / N + 2 * (N - 1) * a + b_a2a / B
+    (forward + backward: the ring's steps carry 2 b_kv, plus one last hop; the all-to-all's
+    bytes and messages are the forward's and the backward's)
 
 where b_kv is one k/v shard's bytes, b_a2a the bytes a rank sends in the forward's two
 all-to-alls, B the link bandwidth per rank and a = 20 us the per-message latency: the ring
@@ -130,17 +132,25 @@ def _rank(rank, world, port, args, out_path):
     dist.destroy_process_group()
 
 
-def project(c, L, n, H, Hkv, D, bandwidth, latency=20e-6, bytes_per_element=4):
-    """Projected (ring time, all_to_all time or None) for N ranks; c: the 1-rank time at L."""
+def project(c, L, n, H, Hkv, D, bandwidth, latency=20e-6, bytes_per_element=4,
+            backward=False):
+    """Projected (ring time, all_to_all time or None) for N ranks; c: the 1-rank time at L.
+    backward: a forward + backward pass (the ring's backward steps carry a k/v shard and a dk/dv
+    shard, plus the last dk/dv hop home)."""
     import posenc.torch.distributed as ptd
     b_kv = L / n * Hkv * 2 * D * bytes_per_element
-    ring = c / n ** 2 + (n - 1) * max(c / n ** 2, latency + b_kv / bandwidth)
+    hop = latency + b_kv / bandwidth
+    if backward:
+        ring = c / n ** 2 + (n - 1) * max(c / n ** 2, latency + 2 * b_kv / bandwidth) + hop
+    else:
+        ring = c / n ** 2 + (n - 1) * max(c / n ** 2, hop)
     a2a = None
     group = H // Hkv
     if H % n == 0 and ((H // n) % group == 0 or group % (H // n) == 0):
         m = ptd.cost_model(L, n, heads_q=H, heads_kv=Hkv, head_dim=D, strategy="all_to_all",
                            layout="zigzag", bytes_per_element=bytes_per_element)
-        a2a = c / n + 2 * (n - 1) * latency + m["bytes_sent_forward"] / bandwidth
+        sent = m["bytes_sent_forward"] + (m["bytes_sent_backward"] if backward else 0)
+        a2a = c / n + (4 if backward else 2) * (n - 1) * latency + sent / bandwidth
     return ring, a2a
 
 
@@ -148,7 +158,8 @@ def project(c, L, n, H, Hkv, D, bandwidth, latency=20e-6, bytes_per_element=4):
 PROJ_SHAPE = (32, 8, 128)
 
 
-def projection(rate, bws, lengths=(8192, 131072), threads=(1, 32), ranks=(2, 8, 16, 32, 64)):
+def projection(rate, bws, lengths=(8192, 131072), threads=(1, 32), ranks=(2, 8, 16, 32, 64),
+               backward=False):
     """Rows of the projection table. rate: measured causal query-key pairs x heads x head_dim
     per second of one thread; a rank of T threads is assumed T times faster."""
     H, Hkv, D = PROJ_SHAPE
@@ -159,7 +170,8 @@ def projection(rate, bws, lengths=(8192, 131072), threads=(1, 32), ranks=(2, 8, 
             for bw in bws:
                 cells = []
                 for n in ranks:
-                    ring, a2a = project(c, length, n, H, Hkv, D, bw * 1e9 / 8)
+                    ring, a2a = project(c, length, n, H, Hkv, D, bw * 1e9 / 8,
+                                        backward=backward)
                     cells.append((c / ring, (c / a2a) if a2a else None))
                 rows.append({"L": length, "threads": t, "gbit": bw, "one_rank_s": c,
                              "speedups": cells})
@@ -234,7 +246,7 @@ def main(argv=None):
     c0 = summary[args.schemes[0]]["single_s"]
     rate = L * (L + 1) / 2 * H * D / c0
     bws = [float(x) for x in args.bandwidth_gbit.split(",")]
-    proj = projection(rate, bws)
+    proj = projection(rate, bws, backward=args.backward)
     ranks = (2, 8, 16, 32, 64)
     print(f"\nProjection: {args.schemes[0]}, causal, {what}, one layer of {PROJ_SHAPE[0]}/"
           f"{PROJ_SHAPE[1]} heads of {PROJ_SHAPE[2]}; measured rate {rate / 1e9:.2f} G "

@@ -415,7 +415,8 @@ def worker(rank, world, port, outdir, mode):
         total = 0
         for n, (members, group) in groups.items():
             if rank in members:
-                f, c = battery(group, full=(n in (2, 4)))
+                # One rank (no communication): the grid only; 3 ranks: float32 only.
+                f, c = battery(group, full=(n in (2, 4)), extras_limit=None if n > 1 else 0)
                 fails += f
                 total += c
                 checks = [model_config_cases, half_case, error_cases]
@@ -499,7 +500,7 @@ def test_context_parallel_battery():
         fails, cases = _collect(outdir, world)
         assert not alive, f"workers {alive} hung (killed)\n" + "\n".join(fails[:40])
         assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:60])
-        assert cases >= 56 + 19 * 4
+        assert cases >= 56 + 19 * 4  # the largest group's count
 
 
 def test_torchrun_smoke():
