@@ -268,10 +268,6 @@ def _all_to_all(c, sends, recv_numels, dtype, tag):
 
 # ---- agreement between ranks -------------------------------------------------------------------
 
-class _RankError(Exception):
-    pass
-
-
 def _raise_agreed(c, errors, local=None):
     """errors: the gathered (rank, type name, message) of the ranks that failed."""
     first = errors[0]
@@ -388,7 +384,8 @@ def _resolve_config(kw):
 
 
 class _Plan:
-    """The call's layout, positions, masks and options, agreed between the ranks."""
+    """The call's layout, positions, masks, options and tables, agreed between the ranks (plain
+    attributes, set by _make_plan and _finish_plan)."""
 
 
 def _local_checks(q, k, v, strategy, layout, kwargs):
