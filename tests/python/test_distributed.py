@@ -252,6 +252,41 @@ def model_config_cases(group):
     return fails
 
 
+def module_case(group):
+    """ContextParallel(PositionalAttention) against the module on the whole sequence, in
+    float64 (posenc's float64 reference in both: equal to rounding, 1e-9 x max(1, |ref|))."""
+    import posenc.torch as pt
+    import posenc.torch.distributed as ptd
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    fails = []
+    torch.manual_seed(5)
+    for strategy, layout in (("ring", "zigzag"), ("all_to_all", "contiguous")):
+        m = pt.PositionalAttention("t5", heads=12, kv_heads=n, head_dim=8, causal=True,
+                                   sinks=True, layout="bhld", num_buckets=8,
+                                   max_distance=10).double()
+        with torch.no_grad():
+            m.sinks.normal_()
+        g = torch.Generator().manual_seed(6)
+        q = torch.randn(2, 12, 11, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(2, n, 11, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        want = m(q, k, v)
+        want.sum().backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        cpm = ptd.ContextParallel(m, group=group, strategy=strategy, layout=layout)
+        ql, kl, vl = (ptd.shard(x, r, n, layout, dim=2) for x in (q, k, v))
+        out = cpm(ql, kl, vl)
+        out.sum().backward()
+        err = float((out.detach() - ptd.shard(want.detach(), r, n, layout, dim=2)).abs().max())
+        gerr = max(float((p.grad - gw).abs().max()) for p, gw in zip(m.parameters(), grads))
+        mag = max(1.0, float(want.abs().max()))
+        gmag = max(1.0, max(float(gw.abs().max()) for gw in grads))
+        if not (err <= 1e-9 * mag and gerr <= 1e-9 * gmag):
+            fails.append(f"[n={n} ContextParallel {strategy} {layout}] out err {err}, table "
+                         f"grad err {gerr}")
+    return fails
+
+
 def half_case(group):
     """bf16 shards: the output is the float32 result rounded once (as single-process)."""
     import posenc.torch as pt
@@ -419,7 +454,7 @@ def worker(rank, world, port, outdir, mode):
                 f, c = battery(group, full=(n in (2, 4)), extras_limit=None if n > 1 else 0)
                 fails += f
                 total += c
-                checks = [model_config_cases, half_case, error_cases]
+                checks = [model_config_cases, module_case, half_case, error_cases]
                 if n == 2:
                     checks.append(training_case)
                 for check in checks:

@@ -47,8 +47,8 @@ import torch.distributed as dist
 
 from .. import _ops, _posenc
 
-__all__ = ["context_parallel_attention", "shard", "unshard", "shard_indices", "comm_stats",
-           "reset_comm_stats", "cost_model", "STRATEGIES", "LAYOUTS"]
+__all__ = ["context_parallel_attention", "ContextParallel", "shard", "unshard", "shard_indices",
+           "comm_stats", "reset_comm_stats", "cost_model", "STRATEGIES", "LAYOUTS"]
 
 STRATEGIES = ("ring", "all_to_all")
 LAYOUTS = ("contiguous", "zigzag")
@@ -1153,6 +1153,50 @@ def context_parallel_attention(q, k, v, scheme=None, *, group=None, strategy="ri
     if out_dtype in _HALF:
         out = out.to(out_dtype)
     return (out, lse) if return_lse else out
+
+
+class ContextParallel(torch.nn.Module):
+    """A posenc.torch attention module run context-parallel: wraps a PositionalAttention or a
+    scheme module (NoPositions, Rope, Alibi, T5RelativeBias, ShawRelative, XLRelative,
+    DebertaRelative) and calls context_parallel_attention with its scheme, settings and tables
+    (and, for PositionalAttention, its causal flag, chunk, sinks and layout) on this rank's
+    shards. The wrapped module keeps its parameters (``.module``); the forward's keywords are
+    context_parallel_attention's and override the module's settings."""
+
+    def __init__(self, module, *, group=None, strategy="ring", layout="contiguous",
+                 reduce_grads=True, timeout=None):
+        super().__init__()
+        from . import PositionalAttention, _Scheme
+        if not isinstance(module, (PositionalAttention, _Scheme)):
+            raise TypeError("module: a posenc.torch.PositionalAttention or scheme module, got "
+                            f"{type(module).__name__}")
+        self.module = module
+        self.cp = {"group": group, "strategy": strategy, "layout": layout,
+                   "reduce_grads": reduce_grads, "timeout": timeout}
+
+    def forward(self, q, k, v, *, params=None, causal=None, **kwargs):
+        """This rank's shard of the module's attention over the whole sequence."""
+        from . import PositionalAttention
+        m = self.module
+        transpose = False
+        tables = {}
+        if isinstance(m, PositionalAttention):
+            transpose = m.layout == "bhld"
+            if transpose:
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if m.chunk is not None:
+                kwargs.setdefault("chunk", m.chunk)
+            if m.sinks is not None:
+                tables["sinks"] = m.sinks
+            causal = m.causal if causal is None else causal
+            m = m.positions
+        tables = {**m.tables(), **tables, **(params or {})}
+        kw = {**m.settings(), **kwargs}
+        if causal is not None:
+            kw["causal"] = causal
+        out = context_parallel_attention(q, k, v, m.scheme, params=tables or None,
+                                         **{**self.cp, **kw})
+        return out.transpose(1, 2) if transpose else out
 
 
 # ---- cost model --------------------------------------------------------------------------------
