@@ -279,7 +279,7 @@ def module_case(group):
         out.sum().backward()
         err = float((out.detach() - ptd.shard(want.detach(), r, n, layout, dim=2)).abs().max())
         gerr = max(float((p.grad - gw).abs().max()) for p, gw in zip(m.parameters(), grads))
-        mag = max(1.0, float(want.abs().max()))
+        mag = max(1.0, float(want.detach().abs().max()))
         gmag = max(1.0, max(float(gw.abs().max()) for gw in grads))
         if not (err <= 1e-9 * mag and gerr <= 1e-9 * gmag):
             fails.append(f"[n={n} ContextParallel {strategy} {layout}] out err {err}, table "
@@ -300,8 +300,15 @@ def half_case(group):
         if 4 % n:
             continue
         ql, kl, vl = (ptd.shard(x, r, n, "zigzag").requires_grad_() for x in (q, k, v))
+        ptd.reset_comm_stats()
         out = ptd.context_parallel_attention(ql, kl, vl, "alibi", group=group, strategy=strategy,
                                              layout="zigzag", causal=True)
+        if strategy == "ring":  # bf16 k / v travel as bf16 (lossless): 2 bytes per element
+            want_bytes = ptd.cost_model(10, n, heads_q=4, heads_kv=4, head_dim=8, layout="zigzag",
+                                        bytes_per_element=2)["bytes_sent_forward_per_rank"][r]
+            if ptd.comm_stats()["bytes_sent"] != want_bytes:
+                fails.append(f"[n={n} bf16 ring] sent {ptd.comm_stats()['bytes_sent']} bytes, "
+                             f"expected {want_bytes}")
         out.float().sum().backward()
         ref = ptd.shard(want, r, n, "zigzag")
         err = float((out.detach().float() - ref).abs().max())

@@ -669,13 +669,17 @@ def _sink_grad(out, lse, dout, sinks):
 
 # ---- ring --------------------------------------------------------------------------------------
 
-def _pack(k, v):
-    return torch.cat([k.reshape(-1), v.reshape(-1)])
+def _pack(p, k, v):
+    """k and v of a shard as one flat message in the wire dtype: half precision when the inputs
+    were (lossless: the values came from it), else the computing dtype."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)]).to(p.wire)
 
 
 def _unpack(p, buf, src):
     n = p.lk[src]
     nk = p.B * n * p.Hkv * p.D
+    if buf.dtype != p.cdtype:
+        buf = buf.to(p.cdtype)
     k = buf[:nk].view(p.B, n, p.Hkv, p.D)
     v = buf[nk:].view(p.B, n, p.Hkv, p.Dv)
     return k, v
@@ -721,7 +725,7 @@ def _ring_forward(p, q, k, v):
     qsegs = _local_q_segs(p)
     acc = [None] * len(qsegs)
     error = None
-    buf = _pack(k, v)
+    buf = _pack(p, k, v)
     for step in range(c.world):
         src = (c.rank - step) % c.world
         waits = []
@@ -805,14 +809,14 @@ def _ring_backward(p, q, k, v, out, lse, dout):
     dq = torch.zeros_like(q)
     tgrads = {n: torch.zeros(p.tables[n].shape, dtype=torch.float64) for n in p.names}
     error = None
-    buf = _pack(k, v)
+    buf = _pack(p, k, v)
     dkv = None
     for step in range(c.world):
         src = (c.rank - step) % c.world
         waits_in = None
         incoming = None
         if step > 0:  # the shard's gradient so far, from the ranks it visited before
-            incoming = torch.empty(_kv_numel(p, src), dtype=buf.dtype)
+            incoming = torch.empty(_kv_numel(p, src), dtype=p.cdtype)
             waits_in = c.recv(incoming, _prev(c), _TAG_DKV + step - 1)
         waits = []
         nxt = None
@@ -820,7 +824,7 @@ def _ring_backward(p, q, k, v, out, lse, dout):
             nxt = torch.empty(_kv_numel(p, (c.rank - step - 1) % c.world), dtype=buf.dtype)
             waits.append(c.recv(nxt, _prev(c), _TAG_KV + step))
             c.send(buf, _next(c), _TAG_KV + step)
-        dkv = torch.zeros(_kv_numel(p, src), dtype=buf.dtype)
+        dkv = torch.zeros(_kv_numel(p, src), dtype=p.cdtype)
         if error is None:
             try:
                 ks, vs = _unpack(p, buf, src)
@@ -852,7 +856,7 @@ def _ring_backward(p, q, k, v, out, lse, dout):
         c.wait(waits)
         if nxt is not None:
             buf = nxt
-    own = torch.empty(_kv_numel(p, c.rank), dtype=buf.dtype) if c.world > 1 else dkv
+    own = torch.empty(_kv_numel(p, c.rank), dtype=p.cdtype) if c.world > 1 else dkv
     if c.world > 1:
         c.wait([c.recv(own, _prev(c), _TAG_DKV + c.world - 1)])
     c.flush()
@@ -1064,6 +1068,7 @@ class _ContextParallel(torch.autograd.Function):
         _STATS["calls"] += 1
         p.tables = {n: t.detach().to(p.cdtype) for n, t in zip(p.names, tables)}
         q0, k0, v0 = q, k, v
+        p.wire = k.dtype if (k.dtype in _HALF and v.dtype == k.dtype) else p.cdtype
         q, k, v = (x.detach().to(p.cdtype).contiguous() for x in (q, k, v))
         if p.strategy == "ring":
             out, lse = _ring_forward(p, q, k, v)
