@@ -202,7 +202,7 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
 }
 
 bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4> out,
-               int* nan_score, const View<float, 3>* lse) {
+               int* nan_score, int* nonfinite_out, const View<float, 3>* lse) {
   const Dims& d = pr.d;
   if (!pr.q.last_dim_contiguous() || !pr.k.last_dim_contiguous() || !pr.v.last_dim_contiguous() ||
       !out.last_dim_contiguous()) {
@@ -222,6 +222,7 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
   fp.out = out.data;
   fp.out_stride = {out.stride[0], out.stride[1], out.stride[2]};
   fp.nan_score = nan_score;
+  fp.nonfinite_out = nonfinite_out;
   if (lse) {
     fp.lse = lse->data;
     fp.lse_stride = {lse->stride[0], lse->stride[1], lse->stride[2]};
@@ -290,13 +291,13 @@ void attention_impl(View<const float, 4> q, View<const float, 4> k, View<const f
     require_grad(*lse, {pr.d.batch, pr.d.heads_q, pr.d.seq_q},
                  std::string("attention: lse [batch, heads_q, seq_q]"));
   }
-  int nan_score = 0;
+  int nan_score = 0, nonfinite_out = 0;
   bool fused = false;
   {
     const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
                                   /*simple_path=*/false);
     check_fully_masked(pr);
-    fused = run_fused(pr, p, out, &nan_score, lse);
+    fused = run_fused(pr, p, out, &nan_score, &nonfinite_out, lse);
   }
   if (!fused) {
     // Outside the fused kernel's domain (positions too sparse for int32 distance tables, a
@@ -304,7 +305,9 @@ void attention_impl(View<const float, 4> q, View<const float, 4> k, View<const f
     const auto pn = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
     run<float>(pr, pn, out, lse);
   }
-  if (nan_score != 0 || !all_finite(out)) {
+  // The fused kernel checks its output rows as it writes them (in parallel); the simple path's
+  // output is checked here.
+  if (nan_score != 0 || (fused ? nonfinite_out != 0 : !all_finite(out))) {
     require_finite_inputs(q, k, v);
     fail(
         "attention: the output is not finite although q, k and v are: the scores overflow "

@@ -1357,6 +1357,16 @@ class ForwardKernel {
       // Half-precision output: the row in float32 first, rounded once below.
       float* dst = p_.out16 != nullptr ? RowBuffer(dim_) : p_.out + oat;
       FinishRow(it, r, h, i, dst, sc);
+      if (p_.nonfinite_out != nullptr && p_.out16 == nullptr) {
+        // Exponent bits all ones: inf or NaN (an integer OR the compiler vectorizes).
+        uint32_t bad = 0;
+        for (int64_t x = 0; x < dim_; ++x) {
+          uint32_t u;
+          std::memcpy(&u, dst + x, sizeof u);
+          bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+        }
+        if (bad != 0) __atomic_store_n(p_.nonfinite_out, 1, __ATOMIC_RELAXED);
+      }
       if (p_.out16 != nullptr) {
         uint16_t* o16 = p_.out16 + oat;
         if (p_.out_type == DType::kBF16) {

@@ -125,6 +125,8 @@ struct FusedAttentionParams {
   // Set to 1 (by any thread) when a visible score is not finite; the API then finds and reports
   // the offending input. Such scores would otherwise vanish: exp(NaN) is 0 in the kernel.
   int* nan_score = nullptr;
+  // Set to 1 (by any thread) when a float32 output element is not finite (null: not checked).
+  int* nonfinite_out = nullptr;
 
   // ---- Paged KV cache (attention_paged, posenc/paged.h; forward only) -------------------------
   // pages == nullptr: k and v are the contiguous tensors above. Otherwise k and v (k16, v16) are
