@@ -62,14 +62,8 @@ class ContextParallelLM(ex.LanguageModel):
         kw = {"causal": True, "num_threads": self.threads, "group": self.cp_group,
               "reduce_grads": False, **self.cp}
         if self.attn_scheme == "deberta":
-            d = self.d
-            r = self.rel_norm(self.rel_embeddings)
-            w = block.qkv.weight
-            shape = (r.shape[0], block.heads, block.head_dim)
-            params = {"pos_query": (r @ w[:d].t()).view(shape),
-                      "pos_key": (r @ w[d:2 * d].t()).view(shape)}
-            return context_parallel_attention(q, k, v, "deberta", params=params, **self.deberta,
-                                              **kw)
+            return context_parallel_attention(q, k, v, "deberta", params=self.deberta_tables(block),
+                                              **self.deberta, **kw)
         kw["scale"] = self.scale
         module = self.t5 if self.t5 is not None else (self.pos[i] if self.pos is not None
                                                       else None)

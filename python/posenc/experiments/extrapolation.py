@@ -261,19 +261,23 @@ class LanguageModel(nn.Module):
                             "position_buckets": deberta_buckets}
         self.scale = 1.0 / math.sqrt(hd)
 
+    def deberta_tables(self, block):
+        """DeBERTa's c2p/p2c tables of a layer: LayerNorm(rel_embeddings) through the layer's
+        query and key projections."""
+        d = self.d
+        r = self.rel_norm(self.rel_embeddings)
+        w = block.qkv.weight
+        shape = (r.shape[0], block.heads, block.head_dim)
+        return {"pos_query": (r @ w[:d].t()).view(shape),
+                "pos_key": (r @ w[d:2 * d].t()).view(shape)}
+
     def attend(self, block, q, k, v):
         i = block.layer_index
         kw = {"causal": True, "num_threads": self.threads}
         if self.attn_scheme == "deberta":
-            # DeBERTa's c2p/p2c tables: LayerNorm(rel_embeddings) through this layer's key and
-            # query projections; its own score scale 1/sqrt(3 head_dim) (posenc's default).
-            d = self.d
-            r = self.rel_norm(self.rel_embeddings)
-            w = block.qkv.weight
-            shape = (r.shape[0], block.heads, block.head_dim)
-            params = {"pos_query": (r @ w[:d].t()).view(shape),
-                      "pos_key": (r @ w[d:2 * d].t()).view(shape)}
-            return pt.attention(q, k, v, "deberta", params=params, **self.deberta, **kw)
+            # its own score scale 1/sqrt(3 head_dim) (posenc's default)
+            return pt.attention(q, k, v, "deberta", params=self.deberta_tables(block),
+                                **self.deberta, **kw)
         kw["scale"] = self.scale
         if self.t5 is not None:
             return self.t5(q, k, v, **kw)
