@@ -21,12 +21,14 @@
 //      validation.
 //   7. Varlen: the fused forward, lse and backward on random packings (lengths 1..L, empty
 //      sequences) against ref::attention_varlen, the concatenation of each sequence's own oracle
-//      (table gradients: the per-sequence gradients summed); bf16 equals the widened float32
-//      path; cu_seqlens validation.
+//      (table gradients: the per-sequence gradients summed); long documents over many kv heads
+//      give the same bits at every thread count; bf16 equals the widened float32 path;
+//      cu_seqlens validation.
 // Failures print the seed (POSENC_TEST_SEED replays it), shape, scheme and options.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -630,6 +632,45 @@ TEST(Varlen, FusedMatchesPerSequenceOracle) {
     pk.cu_q.push_back(pk.cu_q.back() + 2);
     pk.cu_k.push_back(pk.cu_k.back());
     check_varlen(name, pk, 4, 2, 16, o, rng);
+  }
+}
+
+// Long documents (several query blocks and key tiles each, boundaries inside tiles), many kv heads
+// (a work unit runs a document for a run of heads, split when there are few documents), GQA with
+// padded row slots, an odd head_dim (the key-tile transpose's remainders) and causal diagonal
+// tiles (only the columns a row can see are computed): the oracle, and the same bits at every
+// thread count.
+TEST(Varlen, LongDocumentsManyHeadsEveryThreadCount) {
+  Rng rng(posenc_test::test_seed(), 105);
+  struct Heads {
+    int64_t hq, hkv;
+  };
+  for (const Heads hh : {Heads{8, 8}, Heads{6, 2}}) {
+    for (const auto& name : cases::kSchemes) {
+      const Packing pk = random_packing(rng, 4, 300, false, true);
+      check_varlen(name, pk, hh.hq, hh.hkv, 13, {.causal = true}, rng);
+      auto box = cases::make_scheme(name, hh.hq, 13, rng.engine(), 0);
+      const int64_t tq = pk.cu_q.back(), tk = pk.cu_k.back();
+      const PackedSequences packed = pack_sequences(pk.cu_q, pk.cu_k, tq, tk);
+      const std::array<int64_t, 3> qs{tq, hh.hq, 13}, ks{tk, hh.hkv, 13};
+      const auto q = randn<float>(rng, numel(qs)), k = randn<float>(rng, numel(ks));
+      const auto v = randn<float>(rng, numel(ks));
+      std::vector<float> first;
+      for (const int threads : {1, 2, 3, 5}) {
+        SCOPED_TRACE(name + " threads " + std::to_string(threads) + posenc_test::seed_trace());
+        std::vector<float> out(q.size(), -5.0f);
+        attention_varlen(cview(q, qs), cview(k, ks), cview(v, ks), packed, box->scheme,
+                         {.causal = true, .num_threads = threads}, mview(out, qs));
+        if (first.empty()) {
+          first = out;
+          continue;
+        }
+        for (std::size_t i = 0; i < out.size(); ++i) {
+          ASSERT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(first[i]))
+              << "element " << i;
+        }
+      }
+    }
   }
 }
 

@@ -67,11 +67,22 @@ HWY_INLINE void Block(const float* HWY_RESTRICT a, int64_t as, const float* b, i
   }
 }
 
+// The columns rows [r, r + R) need: the largest of cols[r..r + R) (cols: per row, how many of
+// the tile's first columns it sees), or all `all` columns when there is no such bound.
+HWY_INLINE int64_t BlockColumns(const int32_t* cols, int64_t r, int64_t rows, int64_t all) {
+  if (cols == nullptr) return all;
+  int32_t most = 0;
+  for (int64_t i = r; i < r + rows; ++i) most = std::max(most, cols[i]);
+  return std::min<int64_t>(most, all);
+}
+
 // S[r][c] = sum_{k < dim} Qp[r][k] * Kt[k][c] for r < rows_pad (multiple of 4), c < kTileK; Qp
-// rows qs floats apart (0: dim), S rows ss apart; accumulate: S += instead of S =.
+// rows qs floats apart (0: dim), S rows ss apart; accumulate: S += instead of S =. cols (may be
+// null): per row, the number of leading columns it needs (a causal diagonal tile); each block of
+// rows then computes only the column chunks its rows need, and leaves the others unwritten.
 HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const float* HWY_RESTRICT kt,
                            int64_t rows_pad, float* HWY_RESTRICT s, int64_t ss = kTileK,
-                           int64_t qs = 0, bool accumulate = false) {
+                           int64_t qs = 0, bool accumulate = false, const int32_t* cols = nullptr) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   if (qs == 0) qs = dim;
@@ -84,14 +95,16 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
     // fused multiply-adds cover their latency; the rest in blocks of 4. Each score is the same
     // chain in k order either way.
     for (const int64_t end = rows_pad / 12 * 12; r < end; r += 6) {
-      for (int64_t c0 = 0; c0 < kTileK; c0 += 2 * n) {
+      const int64_t nc = BlockColumns(cols, r, 6, kTileK);
+      for (int64_t c0 = 0; c0 < nc; c0 += 2 * n) {
         Block<6, 2>(qp + r * qs, qs, kt + c0, kTileK, dim, s + r * ss + c0, ss, accumulate);
       }
     }
   }
   for (; r < rows_pad; r += 4) {
     const float* q0 = qp + r * qs;
-    for (int64_t c0 = 0; c0 < kTileK; c0 += chunk) {
+    const int64_t nc = BlockColumns(cols, r, 4, kTileK);
+    for (int64_t c0 = 0; c0 < nc; c0 += chunk) {
       const int64_t nv = std::min<int64_t>(cv, (kTileK - c0) / n);
       float* s0 = s + r * ss + c0;
       if (nv == 4) {
@@ -105,10 +118,13 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
 
 // O[r][:] += sum_{c < nk} P[r][c] * V[c][:] for r < rows_pad (multiple of 4); columns
 // [0, dpad) with dpad a multiple of lanes; V rows vstride floats apart with at least dpad
-// readable. P rows are ps floats apart (default kTileK), O rows os floats apart (0: dpad).
+// readable. P rows are ps floats apart (default kTileK), O rows os floats apart (0: dpad). cols
+// (may be null): per row, how many leading columns of P it needs (see ScoresTile); each block of
+// rows reads only as many.
 HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const float* v,
                                int64_t vstride, int64_t dpad, int64_t rows_pad,
-                               float* HWY_RESTRICT o, int64_t ps = kTileK, int64_t os = 0) {
+                               float* HWY_RESTRICT o, int64_t ps = kTileK, int64_t os = 0,
+                               const int32_t* cols = nullptr) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = HWY_MAX_BYTES >= 64 ? 4 : 2;
@@ -119,8 +135,9 @@ HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const f
     // the row goes to the blocks of 4 below.
     if (dpad % (2 * n) == 0) {
       for (const int64_t end = rows_pad / 12 * 12; r < end; r += 6) {
+        const int64_t kn = BlockColumns(cols, r, 6, nk);
         for (int64_t x0 = 0; x0 < dpad; x0 += 2 * n) {
-          Block<6, 2>(pm + r * ps, ps, v + x0, vstride, nk, o + r * os + x0, os, true);
+          Block<6, 2>(pm + r * ps, ps, v + x0, vstride, kn, o + r * os + x0, os, true);
         }
       }
     }
@@ -128,19 +145,20 @@ HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const f
   for (; r < rows_pad; r += 4) {
     const float* p0 = pm + r * ps;
     float* o0 = o + r * os;
+    const int64_t kn = BlockColumns(cols, r, 4, nk);
     for (int64_t x0 = 0; x0 < dpad; x0 += dv * n) {
       const int64_t nv = std::min<int64_t>(dv, (dpad - x0) / n);
       if (nv == 4) {
-        Block<4, 4>(p0, ps, v + x0, vstride, nk, o0 + x0, os, true);
+        Block<4, 4>(p0, ps, v + x0, vstride, kn, o0 + x0, os, true);
       } else if (nv == 2) {
         // Two vectors x 4 rows: 8 independent accumulators.
-        Block<4, 2>(p0, ps, v + x0, vstride, nk, o0 + x0, os, true);
+        Block<4, 2>(p0, ps, v + x0, vstride, kn, o0 + x0, os, true);
       } else {
         for (int64_t xv = 0; xv < nv; ++xv) {
           const int64_t x = x0 + xv * n;
           auto a0 = hn::LoadU(d, o0 + x), a1 = hn::LoadU(d, o0 + os + x),
                a2 = hn::LoadU(d, o0 + 2 * os + x), a3 = hn::LoadU(d, o0 + 3 * os + x);
-          for (int64_t c = 0; c < nk; ++c) {
+          for (int64_t c = 0; c < kn; ++c) {
             const auto vv = hn::LoadU(d, v + c * vstride + x);
             a0 = hn::MulAdd(hn::Set(d, p0[c]), vv, a0);
             a1 = hn::MulAdd(hn::Set(d, p0[ps + c]), vv, a1);
@@ -152,6 +170,44 @@ HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const f
         }
       }
     }
+  }
+}
+
+// kt[x * kTileK + c] = rows[c * rs + x] for c < nk (<= kTileK), x < dim: a tile of key rows
+// transposed. In 4 x 4 blocks of 128-bit vectors (eight even/odd concatenations per block, on
+// every target but scalar), one cache line of the key rows (16 floats) at a
+// time across all rows, so that the 16 rows of the tile it fills stay in L1 (column by column,
+// the 256-byte stride of those rows put each store on another line, and a 64-key tile of 128
+// dimensions is all of a 32 KiB L1).
+HWY_INLINE void TransposeRows(const float* HWY_RESTRICT rows, int64_t rs, int64_t nk, int64_t dim,
+                              float* HWY_RESTRICT kt) {
+  int64_t nk4 = 0, dim4 = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::Full128<float> d4;
+  nk4 = nk / 4 * 4;
+  dim4 = dim / 4 * 4;
+  for (int64_t x0 = 0; x0 < dim4; x0 += 16) {
+    const int64_t x1 = std::min(dim4, x0 + 16);
+    for (int64_t c = 0; c < nk4; c += 4) {
+      const float* r0 = rows + c * rs;
+      for (int64_t x = x0; x < x1; x += 4) {
+        const auto a = hn::LoadU(d4, r0 + x), b = hn::LoadU(d4, r0 + rs + x);
+        const auto e = hn::LoadU(d4, r0 + 2 * rs + x), f = hn::LoadU(d4, r0 + 3 * rs + x);
+        // Even and odd lanes of row pairs, then of those: whole-vector operations only.
+        const auto ab_even = hn::ConcatEven(d4, b, a), ab_odd = hn::ConcatOdd(d4, b, a);
+        const auto ef_even = hn::ConcatEven(d4, f, e), ef_odd = hn::ConcatOdd(d4, f, e);
+        float* out = kt + x * kTileK + c;
+        hn::StoreU(hn::ConcatEven(d4, ef_even, ab_even), d4, out);  // lane 0 of a, b, e, f
+        hn::StoreU(hn::ConcatEven(d4, ef_odd, ab_odd), d4, out + kTileK);
+        hn::StoreU(hn::ConcatOdd(d4, ef_even, ab_even), d4, out + 2 * kTileK);
+        hn::StoreU(hn::ConcatOdd(d4, ef_odd, ab_odd), d4, out + 3 * kTileK);
+      }
+    }
+  }
+#endif
+  for (int64_t c = 0; c < nk; ++c) {
+    const float* kr = rows + c * rs;
+    for (int64_t x = c < nk4 ? dim4 : 0; x < dim; ++x) kt[x * kTileK + c] = kr[x];
   }
 }
 

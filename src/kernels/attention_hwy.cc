@@ -66,13 +66,59 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Runs of DeBERTa index entries (see PrepareDeberta).
 constexpr int8_t kConst = 0, kLinear = 1, kGather = 2;
 
+// Rows to bring into L2 a few cache lines at a time while a work item computes (RunSegments):
+// fetched in one burst, they stalled the thread as long as reading them would have.
+class FetchQueue {
+ public:
+  void Clear() {
+    rows_.clear();
+    row_ = 0;
+    at_ = 0;
+    lines_ = 0;
+  }
+  void Add(const void* p, int64_t bytes) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t first = a & ~uintptr_t{63},
+                    last = (a + static_cast<uintptr_t>(bytes) - 1) & ~uintptr_t{63};
+    const int64_t n = static_cast<int64_t>((last - first) / 64 + 1);
+    rows_.push_back({first, n});
+    lines_ += n;
+  }
+  int64_t Pending() const { return lines_; }
+  // Fetches the next n lines (all when n < 0).
+  void Issue(int64_t n) {
+    while (n != 0 && row_ < rows_.size()) {
+      const Run& r = rows_[row_];
+      fetch_l2(reinterpret_cast<const void*>(r.first + static_cast<uintptr_t>(at_) * 64), 64);
+      --lines_;
+      if (++at_ == r.lines) {
+        ++row_;
+        at_ = 0;
+      }
+      if (n > 0) --n;
+    }
+  }
+
+ private:
+  struct Run {
+    uintptr_t first;  // first line's address
+    int64_t lines;
+  };
+  std::vector<Run> rows_;
+  size_t row_ = 0;
+  int64_t at_ = 0, lines_ = 0;
+};
+
 // Per-thread buffers of one work item (aligned, reused across tiles).
 struct Scratch {
+  FetchQueue fetch;  // rows of the next work item (RunSegments)
   hwy::AlignedFreeUniquePtr<float[]> qp, kt, vt, s, o, extra, extra2, part;
   // A segment's transposed key tiles and packed value tiles (RunSegments).
   hwy::AlignedFreeUniquePtr<float[]> kseg, vseg;
   size_t kseg_n = 0, vseg_n = 0;
   hwy::AlignedFreeUniquePtr<int32_t[]> kpos;
+  // Causal diagonal tiles: per row slot, how many of the tile's leading keys it can see.
+  std::vector<int32_t> cols;
   // Block masks: the tile's key documents and open flags, and one row of the dense mask.
   hwy::AlignedFreeUniquePtr<int32_t[]> kdoc, kopen, dense;
   std::vector<float> m, l, wsum;
@@ -288,38 +334,135 @@ class ForwardKernel {
   }
 
   // False (nothing run) when the masks give no segments.
+  //
+  // One work unit = (segment, a run of kv heads): a thread reads a document's rows of every head
+  // (adjacent in memory) in turn, and no two threads write the same output cache lines. Each item
+  // packs the tiles no earlier block of its head saw. A task runs a few consecutive units, and
+  // while one item computes, the rows the next item reads (its queries, the tiles it will pack)
+  // and its own output rows are fetched toward L2 a few cache lines at a time (FetchQueue): rows
+  // heads x head_dim elements apart, a page apart for 8 heads of 128 floats, which the
+  // processor's own prefetchers (they stay within a page) do not follow.
   bool RunSegments(int threads) {
     const std::vector<Segment> segs = Segments();
     if (segs.empty()) return false;
-    const int64_t heads = p_.heads_kv;
-    parallel_for(static_cast<int64_t>(segs.size()) * heads, threads, [&](int64_t w) {
-      const Segment& seg = segs[static_cast<size_t>(w / heads)];
-      const int64_t hk = w % heads, span = seg.t1 - seg.t0;
-      Scratch& sc = Local();
-      Scratch::Ensure(sc.kseg, sc.kseg_n,
-                      static_cast<size_t>(std::max<int64_t>(1, span) * dim_ * kTileK));
-      Scratch::Ensure(sc.vseg, sc.vseg_n,
-                      static_cast<size_t>(std::max<int64_t>(1, span) * kTileK * dpad_));
-      for (int64_t t = seg.t0; t < seg.t1; ++t) {
-        bool seen = false;  // skip tiles no block of the segment sees
-        for (int64_t qb = seg.qb0; qb < seg.qb1 && !seen; ++qb) {
-          const int64_t i0 = qb * bq_, nq = std::min(bq_, p_.seq_q - i0);
-          seen = tiles_->Classify(tiles_->Queries(seg.b, i0, nq), seg.b, t, i0, nq) !=
-                 TileKind::kHidden;
+    const int64_t heads = p_.heads_kv, nseg = static_cast<int64_t>(segs.size());
+    // Kv heads per unit: all, unless that leaves fewer than 4 units per thread.
+    int64_t per_unit = heads;
+    while (per_unit > 1 && nseg * ((heads + per_unit - 1) / per_unit) < 4 * threads) {
+      per_unit = (per_unit + 1) / 2;
+    }
+    const int64_t chunks = (heads + per_unit - 1) / per_unit, units = nseg * chunks;
+    // Units per task: as many as leaves 4 tasks per thread.
+    const int64_t grain = std::max<int64_t>(1, units / (4 * threads));
+    // Per segment, per tile: the first of its blocks that sees the tile (none: the block count);
+    // the same for every head.
+    std::vector<std::vector<int64_t>> first(static_cast<size_t>(nseg));
+    parallel_for(nseg, threads, [&](int64_t g) {
+      const Segment& seg = segs[static_cast<size_t>(g)];
+      const int64_t nb = seg.qb1 - seg.qb0;
+      std::vector<int64_t>& f = first[static_cast<size_t>(g)];
+      f.assign(static_cast<size_t>(seg.t1 - seg.t0), nb);
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t i0 = (seg.qb0 + k) * bq_, nq = std::min(bq_, p_.seq_q - i0);
+        const QueryBlockInfo q = tiles_->Queries(seg.b, i0, nq);
+        for (int64_t t = seg.t0; t < seg.t1; ++t) {
+          int64_t& ft = f[static_cast<size_t>(t - seg.t0)];
+          if (ft == nb && tiles_->Classify(q, seg.b, t, i0, nq) != TileKind::kHidden) ft = k;
         }
-        if (!seen) continue;
-        TransposeTile(seg.b, hk, t * kTileK, sc.kseg.get() + (t - seg.t0) * dim_ * kTileK);
-        PackValueTile(seg.b, hk, t * kTileK, sc.vseg.get() + (t - seg.t0) * kTileK * dpad_);
-      }
-      for (int64_t qb = seg.qb0; qb < seg.qb1; ++qb) {
-        const Item it = MakeItem(qb * p_.batch * heads + seg.b * heads + hk);
-        InitAccumulators(it, sc);
-        Process(it, seg.t0 * kTileK, std::min(p_.seq_k, seg.t1 * kTileK), sc.kseg.get(),
-                sc.vseg.get(), sc, seg.t0);
-        Finish(it, sc);
       }
     });
+    // Item x of unit u: blocks of the unit's first head, then of the next, ...
+    struct Step {
+      int64_t g, hk, k;  // segment, kv head, block of the segment
+    };
+    auto steps = [&](int64_t u) {
+      const int64_t h0 = (u % chunks) * per_unit;
+      const Segment& seg = segs[static_cast<size_t>(u / chunks)];
+      return (std::min(heads, h0 + per_unit) - h0) * (seg.qb1 - seg.qb0);
+    };
+    auto step = [&](int64_t u, int64_t x) {
+      const int64_t g = u / chunks;
+      const int64_t nb = segs[static_cast<size_t>(g)].qb1 - segs[static_cast<size_t>(g)].qb0;
+      return Step{g, (u % chunks) * per_unit + x / nb, x % nb};
+    };
+    auto item = [&](const Step& st) {
+      const Segment& seg = segs[static_cast<size_t>(st.g)];
+      return MakeItem((seg.qb0 + st.k) * p_.batch * heads + seg.b * heads + st.hk);
+    };
+    parallel_for((units + grain - 1) / grain, threads, [&](int64_t task) {
+      Scratch& sc = Local();
+      const int64_t u1 = std::min(units, (task + 1) * grain);
+      for (int64_t u = task * grain; u < u1; ++u) {
+        const Segment& seg = segs[static_cast<size_t>(u / chunks)];
+        const std::vector<int64_t>& f = first[static_cast<size_t>(u / chunks)];
+        const int64_t span = seg.t1 - seg.t0;
+        Scratch::Ensure(sc.kseg, sc.kseg_n,
+                        static_cast<size_t>(std::max<int64_t>(1, span) * dim_ * kTileK));
+        Scratch::Ensure(sc.vseg, sc.vseg_n,
+                        static_cast<size_t>(std::max<int64_t>(1, span) * kTileK * dpad_));
+        for (int64_t x = 0, nx = steps(u); x < nx; ++x) {
+          const Step st = step(u, x);
+          const Item it = item(st);
+          for (int64_t t = seg.t0; t < seg.t1; ++t) {
+            if (f[static_cast<size_t>(t - seg.t0)] != st.k) continue;
+            TransposeTile(seg.b, st.hk, t * kTileK, sc.kseg.get() + (t - seg.t0) * dim_ * kTileK);
+            PackValueTile(seg.b, st.hk, t * kTileK, sc.vseg.get() + (t - seg.t0) * kTileK * dpad_);
+          }
+          sc.fetch.Clear();
+          QueueOutputRows(it, sc.fetch);
+          if (x + 1 < nx || u + 1 < u1) {  // the task's next item
+            const Step nst = x + 1 < nx ? step(u, x + 1) : step(u + 1, 0);
+            const Segment& ns = segs[static_cast<size_t>(nst.g)];
+            QueueQueryRows(item(nst), sc.fetch);
+            for (int64_t t = ns.t0; t < ns.t1; ++t) {
+              if (first[static_cast<size_t>(nst.g)][static_cast<size_t>(t - ns.t0)] == nst.k) {
+                QueueKeyRows(ns.b, nst.hk, t * kTileK, sc.fetch);
+              }
+            }
+          }
+          InitAccumulators(it, sc);
+          Process(it, seg.t0 * kTileK, std::min(p_.seq_k, seg.t1 * kTileK), sc.kseg.get(),
+                  sc.vseg.get(), sc, seg.t0);
+          Finish(it, sc);
+        }
+      }
+      sc.fetch.Clear();
+    });
     return true;
+  }
+
+  // Queues the key and value rows of keys [j0, j0 + kTileK) of (batch row b, kv head hk), or the
+  // query rows of an item, for fetching (RunSegments).
+  void QueueKeyRows(int64_t b, int64_t hk, int64_t j0, FetchQueue& q) const {
+    const int64_t nk = std::clamp<int64_t>(KeyEnd(b) - j0, 0, kTileK);
+    const int64_t kbytes = dim_ * (p_.k16 != nullptr ? 2 : 4);
+    const int64_t vbytes = dim_ * (p_.v16 != nullptr ? 2 : 4);
+    for (int64_t c = 0; c < nk; ++c) {
+      const int64_t ka = KeyAt(b, j0 + c, p_.k_stride) + hk * p_.k_stride[2];
+      q.Add(p_.k16 != nullptr ? static_cast<const void*>(p_.k16 + ka) : p_.k + ka, kbytes);
+    }
+    for (int64_t c = 0; c < nk; ++c) {
+      const int64_t va = KeyAt(b, j0 + c, p_.v_stride) + hk * p_.v_stride[2];
+      q.Add(p_.v16 != nullptr ? static_cast<const void*>(p_.v16 + va) : p_.v + va, vbytes);
+    }
+  }
+  void QueueOutputRows(const Item& it, FetchQueue& q) const {
+    const int64_t bytes = dim_ * (p_.out16 != nullptr ? 2 : 4);
+    for (int64_t r = 0; r < it.rows; ++r) {
+      if (!Valid(it, r)) continue;
+      const int64_t at = it.b * p_.out_stride[0] + QueryOf(it, r) * p_.out_stride[1] +
+                         HeadOf(it, r) * p_.out_stride[2];
+      q.Add(p_.out16 != nullptr ? static_cast<const void*>(p_.out16 + at) : p_.out + at, bytes);
+    }
+  }
+  void QueueQueryRows(const Item& it, FetchQueue& q) const {
+    const int64_t bytes = dim_ * (p_.q16 != nullptr ? 2 : 4);
+    for (int64_t r = 0; r < it.rows; ++r) {
+      if (!Valid(it, r)) continue;
+      const int64_t at =
+          it.b * p_.q_stride[0] + QueryOf(it, r) * p_.q_stride[1] + HeadOf(it, r) * p_.q_stride[2];
+      q.Add(p_.q16 != nullptr ? static_cast<const void*>(p_.q16 + at) : p_.q + at, bytes);
+    }
   }
 
   // Whether transposing and packing every key tile of a group once (shared by its query blocks)
@@ -454,10 +597,7 @@ class ForwardKernel {
       k0 = rows;
       ks = dim_;
     }
-    for (int64_t c = 0; c < nk; ++c) {
-      const float* kr = k0 + c * ks;
-      for (int64_t x = 0; x < dim_; ++x) kt[x * kTileK + c] = kr[x];
-    }
+    TransposeRows(k0, ks, nk, dim_, kt);
     if (nk < kTileK) {
       for (int64_t x = 0; x < dim_; ++x)
         std::fill(kt + x * kTileK + nk, kt + (x + 1) * kTileK, 0.0f);
@@ -971,6 +1111,27 @@ class ForwardKernel {
     }
   }
 
+  // Per row slot, how many leading keys of the tile at j0 (nk keys, consecutive positions) the
+  // causal mask leaves visible: those at positions up to the row's query position, every key
+  // for the open rows of a prefix-LM (the other masks only hide more). Padding slots see none and
+  // their score rows are zeroed, so that a block's products read only defined scores.
+  const int32_t* TileColumns(const Item& it, int64_t j0, int64_t nk, Scratch& sc) const {
+    sc.cols.resize(static_cast<size_t>(it.rows_pad));
+    const int64_t k0 = p_.kpos[it.b * p_.seq_k + j0];
+    for (int64_t r = 0; r < it.rows_pad; ++r) {
+      int64_t c = 0;
+      if (r < it.rows && Valid(it, r)) {
+        const int64_t qat = it.b * p_.seq_q + QueryOf(it, r);
+        const bool open = p_.qopen != nullptr && p_.qopen[qat] != 0;
+        c = open ? nk : std::clamp<int64_t>(int64_t{QPos(it, r)} - k0 + 1, 0, nk);
+      } else {
+        std::fill(sc.s.get() + r * kTileK, sc.s.get() + (r + 1) * kTileK, 0.0f);
+      }
+      sc.cols[static_cast<size_t>(r)] = static_cast<int32_t>(c);
+    }
+    return sc.cols.data();
+  }
+
   // Processes keys [j_begin, j_end) (multiples of kTileK except at seq_k) for the item.
   // kt_all / vt_all hold tiles tile0, tile0 + 1, ... (a segment's, or a group's from 0).
   void Process(const Item& it, int64_t j_begin, int64_t j_end, const float* kt_all,
@@ -996,6 +1157,16 @@ class ForwardKernel {
     }
     // A paged cache: the row's keys end at kv_len[b] (past it the block table holds no page).
     j_end = std::min(j_end, KeyEnd(it.b));
+    // The next item's rows (RunSegments), spread over the row updates of the visible tiles.
+    int64_t fetch_per_row = 0;
+    if (sc.fetch.Pending() > 0) {
+      int64_t updates = 0;
+      for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
+        updates += tiles_->Classify(qinfo, it.b, j0 / kTileK, it.i0, it.nq) != TileKind::kHidden;
+      }
+      updates *= group_ * it.nq * it.nkv;
+      fetch_per_row = (sc.fetch.Pending() + updates - 1) / std::max<int64_t>(1, updates);
+    }
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
       const int64_t t = j0 / kTileK;
       const size_t ta = static_cast<size_t>(it.b * ntiles_ + t);
@@ -1035,12 +1206,21 @@ class ForwardKernel {
         for (int64_t r = 0; r < it.nkv * it.gstride; ++r) {
           std::fill(sc.s.get() + r * kTileK + nk, sc.s.get() + (r + 1) * kTileK, 0.0f);
         }
-      } else {
-        ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get());
       }
       const bool consec = tile_consec_[ta] != 0;
+      // A causal tile the diagonal crosses, with consecutive key positions: row r sees at most
+      // its first cols[r] keys, and the products skip the column chunks no row of a block needs
+      // (about half of a diagonal tile).
+      const int32_t* cols = nullptr;
+      if (!dot && !full && consec && p_.mask.causal && p_.kopen == nullptr) {
+        cols = TileColumns(it, j0, nk, sc);
+      }
+      if (!dot) ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get(), kTileK, 0, false, cols);
       for (int64_t r = 0; r < it.rows; ++r) {
-        if (Valid(it, r)) RowUpdate(it, r, j0, nk, full, consec, rt, sc);
+        if (Valid(it, r)) {
+          RowUpdate(it, r, j0, nk, full, consec, rt, sc, cols == nullptr ? kTileK : cols[r]);
+          if (fetch_per_row > 0) sc.fetch.Issue(fetch_per_row);
+        }
       }
       if (dot) {
         const int64_t vs1 = p_.v_stride[1], vs2 = p_.v_stride[2];
@@ -1102,7 +1282,8 @@ class ForwardKernel {
           PackValueTile(it.b, it.hk + g2, j0, sc.vt.get());
         }
         AccumulateTile(sc.s.get() + g2 * it.gstride * kTileK, nk, vt, dpad_, dpad_, it.gstride,
-                       sc.o.get() + g2 * it.gstride * dpad_);
+                       sc.o.get() + g2 * it.gstride * dpad_, kTileK, 0,
+                       cols == nullptr ? nullptr : cols + g2 * it.gstride);
       }
     }
   }
@@ -1187,11 +1368,14 @@ class ForwardKernel {
   // Adds the scheme's terms to row r of the score tile, masks it, and folds it into the
   // running softmax: afterwards S[r][:] holds the probabilities (unnormalized, relative to the
   // new running maximum) and O[r], l[r] are rescaled.
+  // Only the row's first `cend` columns can be visible (a causal diagonal tile, TileColumns):
+  // the rest of S is neither read nor computed, and is set to 0.
   HWY_INLINE void RowUpdate(const Item& it, int64_t r, int64_t j0, int64_t nk, bool full,
-                            bool consec, const RowTables& rt, Scratch& sc) const {
+                            bool consec, const RowTables& rt, Scratch& sc, int64_t cend) const {
     const DF d;
     const DI di;
     const int64_t n = lanes_;
+    const int64_t cn = RoundUp(cend, n);
     float* s = sc.s.get() + r * kTileK;
     const int64_t h = HeadOf(it, r);
     const int32_t qp = QPos(it, r);
@@ -1242,7 +1426,7 @@ class ForwardKernel {
     }
     // Lane offsets 0..n-1, built once per row (Iota may go through memory).
     const auto lane_iota = hn::Iota(di, 0);
-    for (int64_t c = 0; c < kTileK; c += n) {
+    for (int64_t c = 0; c < cn; c += n) {
       auto sv = hn::Mul(hn::Load(d, s + c), vscale);
       if (bias.row != nullptr) sv = bias.Add(d, sv, kp, c, consec);
       if (p_.xl_sin != nullptr) {
@@ -1315,11 +1499,12 @@ class ForwardKernel {
     const float corr = m == m_new ? 1.0f : std::exp(m - m_new);  // 0 when m was -inf
     const auto vm = hn::Set(d, m_new);
     auto vsum = hn::Zero(d);
-    for (int64_t c = 0; c < kTileK; c += n) {
+    for (int64_t c = 0; c < cn; c += n) {
       const auto e = hn::Exp(d, hn::Sub(hn::Load(d, s + c), vm));  // exp(-inf) = 0
       hn::Store(e, d, s + c);
       vsum = hn::Add(vsum, e);
     }
+    std::fill(s + cn, s + kTileK, 0.0f);
     const float tile_sum = hn::GetLane(hn::SumOfLanes(d, vsum));
     if (corr != 1.0f) {
       float* o = sc.o.get() + r * dpad_;

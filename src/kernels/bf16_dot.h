@@ -40,6 +40,20 @@ __attribute__((always_inline)) inline void prefetch_l2(const void* p, int64_t by
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
 }
 
+// The same as prefetch_l2, as an instruction the compiler must keep: GCC 12 at -O3 dropped the
+// __builtin_prefetch of prefetch_l2 from some callers (an address chosen between two tensors by a
+// condition, among others), leaving those fetches silently out of the binary.
+__attribute__((always_inline)) inline void fetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) {
+#if defined(__x86_64__) || defined(__i386__)
+    asm volatile("prefetcht1 %0" : : "m"(*(c + b)));
+#else
+    __builtin_prefetch(c + b, 0, 2);
+#endif
+  }
+}
+
 // Fetches row i (nothing past the last row) into L2. Always inlined: declared outside the SIMD
 // targets' code, it was otherwise compiled into the AVX2 decoding loops in a way that made bf16
 // and f16 decoding markedly slower (docs/performance.md, Measured design choices).
