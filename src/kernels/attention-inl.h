@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "hwy/highway.h"
+#include "kernels/fetch_queue.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
@@ -32,6 +33,15 @@ inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // Targets with 16 vector registers of 8 floats (AVX2) also run the score and P.V micro-kernels
 // on blocks of 6 rows (12 accumulators).
 constexpr bool kSixRows = HWY_MAX_BYTES == 32 && HWY_TARGET != HWY_SCALAR;
+
+// About how many register blocks ScoresTile and AccumulateTile run for one tile of rows_pad rows
+// (P.V over dpad columns): the steps that fetch a FetchQueue's lines.
+inline int64_t ProductBlocks(int64_t rows_pad, int64_t dpad) {
+  const int64_t n = static_cast<int64_t>(hn::Lanes(DF()));
+  const int64_t w = (HWY_MAX_BYTES >= 64 ? 4 : 2) * n;  // columns per block
+  const int64_t rows = kSixRows ? 6 : 4;
+  return (rows_pad + rows - 1) / rows * ((kTileK + w - 1) / w + (dpad + w - 1) / w);
+}
 
 // The micro-kernel of both products: for R rows i and V vectors of columns,
 // C[i][x] (+)= sum_{k < kn} A[i * as + k] * B[k * bs + x], x < V lanes (rows of C cs apart; C
@@ -82,7 +92,8 @@ HWY_INLINE int64_t BlockColumns(const int32_t* cols, int64_t r, int64_t rows, in
 // rows then computes only the column chunks its rows need, and leaves the others unwritten.
 HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const float* HWY_RESTRICT kt,
                            int64_t rows_pad, float* HWY_RESTRICT s, int64_t ss = kTileK,
-                           int64_t qs = 0, bool accumulate = false, const int32_t* cols = nullptr) {
+                           int64_t qs = 0, bool accumulate = false, const int32_t* cols = nullptr,
+                           FetchQueue* fetch = nullptr, int64_t fetch_n = 0) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   if (qs == 0) qs = dim;
@@ -98,6 +109,7 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
       const int64_t nc = BlockColumns(cols, r, 6, kTileK);
       for (int64_t c0 = 0; c0 < nc; c0 += 2 * n) {
         Block<6, 2>(qp + r * qs, qs, kt + c0, kTileK, dim, s + r * ss + c0, ss, accumulate);
+        if (fetch != nullptr) fetch->Issue(fetch_n);
       }
     }
   }
@@ -112,6 +124,7 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
       } else {  // two vectors (targets with 16 registers)
         Block<4, 2>(q0, qs, kt + c0, kTileK, dim, s0, ss, accumulate);
       }
+      if (fetch != nullptr) fetch->Issue(fetch_n);
     }
   }
 }
@@ -124,7 +137,8 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
 HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const float* v,
                                int64_t vstride, int64_t dpad, int64_t rows_pad,
                                float* HWY_RESTRICT o, int64_t ps = kTileK, int64_t os = 0,
-                               const int32_t* cols = nullptr) {
+                               const int32_t* cols = nullptr, FetchQueue* fetch = nullptr,
+                               int64_t fetch_n = 0) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = HWY_MAX_BYTES >= 64 ? 4 : 2;
@@ -138,6 +152,7 @@ HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const f
         const int64_t kn = BlockColumns(cols, r, 6, nk);
         for (int64_t x0 = 0; x0 < dpad; x0 += 2 * n) {
           Block<6, 2>(pm + r * ps, ps, v + x0, vstride, kn, o + r * os + x0, os, true);
+          if (fetch != nullptr) fetch->Issue(fetch_n);
         }
       }
     }
@@ -147,6 +162,7 @@ HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const f
     float* o0 = o + r * os;
     const int64_t kn = BlockColumns(cols, r, 4, nk);
     for (int64_t x0 = 0; x0 < dpad; x0 += dv * n) {
+      if (fetch != nullptr) fetch->Issue(fetch_n);
       const int64_t nv = std::min<int64_t>(dv, (dpad - x0) / n);
       if (nv == 4) {
         Block<4, 4>(p0, ps, v + x0, vstride, kn, o0 + x0, os, true);

@@ -38,6 +38,7 @@
 #include "kernels/attention_kernels.h"
 #include "kernels/bf16_dot.h"
 #include "kernels/block_mask.h"
+#include "kernels/fetch_queue.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
 #include "posenc/half.h"
@@ -65,49 +66,6 @@ constexpr int64_t kRowsPerItem = 128;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Runs of DeBERTa index entries (see PrepareDeberta).
 constexpr int8_t kConst = 0, kLinear = 1, kGather = 2;
-
-// Rows to bring into L2 a few cache lines at a time while a work item computes (RunSegments):
-// fetched in one burst, they stalled the thread as long as reading them would have.
-class FetchQueue {
- public:
-  void Clear() {
-    rows_.clear();
-    row_ = 0;
-    at_ = 0;
-    lines_ = 0;
-  }
-  void Add(const void* p, int64_t bytes) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    const uintptr_t first = a & ~uintptr_t{63},
-                    last = (a + static_cast<uintptr_t>(bytes) - 1) & ~uintptr_t{63};
-    const int64_t n = static_cast<int64_t>((last - first) / 64 + 1);
-    rows_.push_back({first, n});
-    lines_ += n;
-  }
-  int64_t Pending() const { return lines_; }
-  // Fetches the next n lines (all when n < 0).
-  void Issue(int64_t n) {
-    while (n != 0 && row_ < rows_.size()) {
-      const Run& r = rows_[row_];
-      fetch_l2(reinterpret_cast<const void*>(r.first + static_cast<uintptr_t>(at_) * 64), 64);
-      --lines_;
-      if (++at_ == r.lines) {
-        ++row_;
-        at_ = 0;
-      }
-      if (n > 0) --n;
-    }
-  }
-
- private:
-  struct Run {
-    uintptr_t first;  // first line's address
-    int64_t lines;
-  };
-  std::vector<Run> rows_;
-  size_t row_ = 0;
-  int64_t at_ = 0, lines_ = 0;
-};
 
 // Per-thread buffers of one work item (aligned, reused across tiles).
 struct Scratch {
@@ -1157,15 +1115,18 @@ class ForwardKernel {
     }
     // A paged cache: the row's keys end at kv_len[b] (past it the block table holds no page).
     j_end = std::min(j_end, KeyEnd(it.b));
-    // The next item's rows (RunSegments), spread over the row updates of the visible tiles.
-    int64_t fetch_per_row = 0;
+    // The next item's rows (RunSegments), spread over the register blocks of the visible tiles'
+    // products.
+    FetchQueue* fetch = nullptr;
+    int64_t fetch_n = 0;
     if (sc.fetch.Pending() > 0) {
-      int64_t updates = 0;
+      int64_t steps = 0;
       for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
-        updates += tiles_->Classify(qinfo, it.b, j0 / kTileK, it.i0, it.nq) != TileKind::kHidden;
+        steps += tiles_->Classify(qinfo, it.b, j0 / kTileK, it.i0, it.nq) != TileKind::kHidden;
       }
-      updates *= group_ * it.nq * it.nkv;
-      fetch_per_row = (sc.fetch.Pending() + updates - 1) / std::max<int64_t>(1, updates);
+      steps *= ProductBlocks(it.rows_pad, dpad_);
+      fetch = &sc.fetch;
+      fetch_n = (sc.fetch.Pending() + steps - 1) / std::max<int64_t>(1, steps);
     }
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
       const int64_t t = j0 / kTileK;
@@ -1215,11 +1176,13 @@ class ForwardKernel {
       if (!dot && !full && consec && p_.mask.causal && p_.kopen == nullptr) {
         cols = TileColumns(it, j0, nk, sc);
       }
-      if (!dot) ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get(), kTileK, 0, false, cols);
+      if (!dot) {
+        ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get(), kTileK, 0, false, cols, fetch,
+                   fetch_n);
+      }
       for (int64_t r = 0; r < it.rows; ++r) {
         if (Valid(it, r)) {
           RowUpdate(it, r, j0, nk, full, consec, rt, sc, cols == nullptr ? kTileK : cols[r]);
-          if (fetch_per_row > 0) sc.fetch.Issue(fetch_per_row);
         }
       }
       if (dot) {
@@ -1283,9 +1246,10 @@ class ForwardKernel {
         }
         AccumulateTile(sc.s.get() + g2 * it.gstride * kTileK, nk, vt, dpad_, dpad_, it.gstride,
                        sc.o.get() + g2 * it.gstride * dpad_, kTileK, 0,
-                       cols == nullptr ? nullptr : cols + g2 * it.gstride);
+                       cols == nullptr ? nullptr : cols + g2 * it.gstride, fetch, fetch_n);
       }
     }
+    if (fetch != nullptr) fetch->Issue(-1);  // what the estimate left
   }
 
   // DeBERTa's c2p + p2c terms of keys c .. c + lanes - 1 of the tile for row r: c2p from the

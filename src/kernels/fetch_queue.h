@@ -1,0 +1,56 @@
+// src/kernels/fetch_queue.h - rows to bring into L2 a few cache lines at a time while a fused
+// attention work item computes (attention_hwy.cc, RunSegments): fetched in one burst they stalled
+// the thread as long as reading them would have, so the score and P.V micro-kernels
+// (attention-inl.h) issue a few lines between their register blocks instead.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/bf16_dot.h"  // fetch_l2
+
+namespace posenc::kernels {
+
+class FetchQueue {
+ public:
+  void Clear() {
+    rows_.clear();
+    row_ = 0;
+    at_ = 0;
+    lines_ = 0;
+  }
+  // Queues the cache lines of [p, p + bytes).
+  void Add(const void* p, int64_t bytes) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t first = a & ~uintptr_t{63};
+    const uintptr_t last = (a + static_cast<uintptr_t>(bytes) - 1) & ~uintptr_t{63};
+    const int64_t n = static_cast<int64_t>((last - first) / 64 + 1);
+    rows_.push_back({first, n});
+    lines_ += n;
+  }
+  int64_t Pending() const { return lines_; }
+  // Fetches the next n lines (all of them when n < 0).
+  void Issue(int64_t n) {
+    while (n != 0 && row_ < rows_.size()) {
+      const Run& r = rows_[row_];
+      fetch_l2(reinterpret_cast<const void*>(r.first + static_cast<uintptr_t>(at_) * 64), 64);
+      --lines_;
+      if (++at_ == r.lines) {
+        ++row_;
+        at_ = 0;
+      }
+      if (n > 0) --n;
+    }
+  }
+
+ private:
+  struct Run {
+    uintptr_t first;  // the first line's address
+    int64_t lines;
+  };
+  std::vector<Run> rows_;
+  size_t row_ = 0;
+  int64_t at_ = 0, lines_ = 0;
+};
+
+}  // namespace posenc::kernels
