@@ -18,12 +18,13 @@
 //      second product against the band of projected distances the tile needs;
 //   3. masking (causal, window, tile tail), online softmax with Highway's Exp;
 //   4. O += P . V (4 rows x 4 vectors of head_dim micro-kernel), plus Shaw's per-bucket weights.
-// Tiles a causal mask hides entirely are skipped. Each item is computed by one thread, so the
+// Tiles a causal mask hides entirely are skipped; in a tile the diagonal crosses, each block of
+// rows computes only the key columns its rows can see. Each item is computed by one thread, so the
 // results do not depend on the thread count. Decoding shapes (few items, many keys) split the
 // keys of an item into fixed chunks merged exactly afterwards (m, l and O rescaled to a common
 // maximum); the chunking depends on the shape only, never on the thread count.
 //
-// Size: one kernel class per Highway target (about 1,200 lines), kept in one file because
+// Size: one kernel class per Highway target (about 1,400 lines), kept in one file because
 // foreach_target compiles the file once per target and the prefill and decoding paths are one
 // tile loop (Process) over one item state; the decoding micro-kernels are in decode-inl.h, those
 // shared with the backward in attention-inl.h and mask-inl.h.
