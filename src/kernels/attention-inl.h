@@ -47,7 +47,7 @@ inline int64_t ProductBlocks(int64_t rows_pad, int64_t dpad) {
 // C[i][x] (+)= sum_{k < kn} A[i * as + k] * B[k * bs + x], x < V lanes (rows of C cs apart; C
 // loaded first when `load`, else zero). Each element is one chain of fused multiply-adds in k
 // order, whatever R and V: 4 x 4 (16 accumulators, AVX-512's 32 registers), 4 x 2 and 6 x 2
-// (8 and 12, AVX2's 16).
+// (8 and 12, AVX2's 16), and fewer vectors where a causal diagonal tile's rows need fewer keys.
 template <int R, int V>
 HWY_INLINE void Block(const float* HWY_RESTRICT a, int64_t as, const float* b, int64_t bs,
                       int64_t kn, float* HWY_RESTRICT c, int64_t cs, bool load) {
@@ -89,7 +89,7 @@ HWY_INLINE int64_t BlockColumns(const int32_t* cols, int64_t r, int64_t rows, in
 // S[r][c] = sum_{k < dim} Qp[r][k] * Kt[k][c] for r < rows_pad (multiple of 4), c < kTileK; Qp
 // rows qs floats apart (0: dim), S rows ss apart; accumulate: S += instead of S =. cols (may be
 // null): per row, the number of leading columns it needs (a causal diagonal tile); each block of
-// rows then computes only the column chunks its rows need, and leaves the others unwritten.
+// rows then computes only the vectors of columns its rows need, and leaves the others unwritten.
 HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const float* HWY_RESTRICT kt,
                            int64_t rows_pad, float* HWY_RESTRICT s, int64_t ss = kTileK,
                            int64_t qs = 0, bool accumulate = false, const int32_t* cols = nullptr,
@@ -108,7 +108,12 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
     for (const int64_t end = rows_pad / 12 * 12; r < end; r += 6) {
       const int64_t nc = BlockColumns(cols, r, 6, kTileK);
       for (int64_t c0 = 0; c0 < nc; c0 += 2 * n) {
-        Block<6, 2>(qp + r * qs, qs, kt + c0, kTileK, dim, s + r * ss + c0, ss, accumulate);
+        float* s0 = s + r * ss + c0;
+        if (nc - c0 > n) {
+          Block<6, 2>(qp + r * qs, qs, kt + c0, kTileK, dim, s0, ss, accumulate);
+        } else {  // the rows need one more vector of columns only
+          Block<6, 1>(qp + r * qs, qs, kt + c0, kTileK, dim, s0, ss, accumulate);
+        }
         if (fetch != nullptr) fetch->Issue(fetch_n);
       }
     }
@@ -117,12 +122,17 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
     const float* q0 = qp + r * qs;
     const int64_t nc = BlockColumns(cols, r, 4, kTileK);
     for (int64_t c0 = 0; c0 < nc; c0 += chunk) {
-      const int64_t nv = std::min<int64_t>(cv, (kTileK - c0) / n);
+      // The chunk's vectors: fewer in the last chunk when the rows need fewer columns.
+      const int64_t nv = std::min<int64_t>(cv, (nc - c0 + n - 1) / n);
       float* s0 = s + r * ss + c0;
       if (nv == 4) {
         Block<4, 4>(q0, qs, kt + c0, kTileK, dim, s0, ss, accumulate);
-      } else {  // two vectors (targets with 16 registers)
+      } else if (nv == 3) {
+        Block<4, 3>(q0, qs, kt + c0, kTileK, dim, s0, ss, accumulate);
+      } else if (nv == 2) {
         Block<4, 2>(q0, qs, kt + c0, kTileK, dim, s0, ss, accumulate);
+      } else {
+        Block<4, 1>(q0, qs, kt + c0, kTileK, dim, s0, ss, accumulate);
       }
       if (fetch != nullptr) fetch->Issue(fetch_n);
     }

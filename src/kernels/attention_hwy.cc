@@ -910,7 +910,11 @@ class ForwardKernel {
     const int64_t alloc_rows = it.rows_pad + 4;
     Scratch::Ensure(sc.qp, sc.qp_n, static_cast<size_t>(alloc_rows * dim_));
     float* qp = sc.qp.get();
-    std::fill(qp, qp + alloc_rows * dim_, 0.0f);
+    // Zeros in the padding slots and the spare rows; every other row is written below.
+    for (int64_t r = 0; r < it.rows; ++r) {
+      if (!Valid(it, r)) std::fill(qp + r * dim_, qp + (r + 1) * dim_, 0.0f);
+    }
+    std::fill(qp + it.rows * dim_, qp + alloc_rows * dim_, 0.0f);
     if (bf16dot_) {
       const size_t want = static_cast<size_t>(alloc_rows * qb_stride_);
       if (sc.qb_n < want) {
