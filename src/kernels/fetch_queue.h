@@ -4,6 +4,7 @@
 // (attention-inl.h) issue a few lines between their register blocks instead.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -29,17 +30,20 @@ class FetchQueue {
     lines_ += n;
   }
   int64_t Pending() const { return lines_; }
-  // Fetches the next n lines (all of them when n < 0).
+  // Fetches the next n lines (all of them when n < 0), a run of consecutive lines at a time.
   void Issue(int64_t n) {
     while (n != 0 && row_ < rows_.size()) {
       const Run& r = rows_[row_];
-      fetch_l2(reinterpret_cast<const void*>(r.first + static_cast<uintptr_t>(at_) * 64), 64);
-      --lines_;
-      if (++at_ == r.lines) {
+      const int64_t left = r.lines - at_;
+      const int64_t m = n < 0 ? left : std::min(n, left);
+      fetch_l2(reinterpret_cast<const void*>(r.first + static_cast<uintptr_t>(at_) * 64), m * 64);
+      lines_ -= m;
+      at_ += m;
+      if (at_ == r.lines) {
         ++row_;
         at_ = 0;
       }
-      if (n > 0) --n;
+      if (n > 0) n -= m;
     }
   }
 
