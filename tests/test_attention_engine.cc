@@ -637,15 +637,15 @@ TEST(Varlen, FusedMatchesPerSequenceOracle) {
 
 // Long documents (several query blocks and key tiles each, boundaries inside tiles), many kv heads
 // (a work unit runs a document for a run of heads, split when there are few documents), GQA with
-// padded row slots, an odd head_dim (the key-tile transpose's remainders) and causal diagonal
-// tiles (only the columns a row can see are computed): the oracle, and the same bits at every
-// thread count.
+// padded row slots or with query rows read in place, an odd head_dim (the key-tile transpose's
+// remainders) and causal diagonal tiles (only the columns a row can see are computed): the
+// oracle, and the same bits at every thread count.
 TEST(Varlen, LongDocumentsManyHeadsEveryThreadCount) {
   Rng rng(posenc_test::test_seed(), 105);
   struct Heads {
     int64_t hq, hkv;
   };
-  for (const Heads hh : {Heads{8, 8}, Heads{6, 2}}) {
+  for (const Heads hh : {Heads{8, 8}, Heads{6, 2}, Heads{8, 4}}) {
     for (const auto& name : cases::kSchemes) {
       const Packing pk = random_packing(rng, 4, 300, false, true);
       check_varlen(name, pk, hh.hq, hh.hkv, 13, {.causal = true}, rng);

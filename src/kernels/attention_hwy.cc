@@ -305,6 +305,11 @@ class ForwardKernel {
     const std::vector<Segment> segs = Segments();
     if (segs.empty()) return false;
     const int64_t heads = p_.heads_kv, nseg = static_cast<int64_t>(segs.size());
+    // An item sees a few tiles here: its products read float32 query rows in place (fetched
+    // ahead) rather than after a copy, unless the kernel transforms them (RoPE, Transformer-XL's
+    // biases) or a scheme's terms read the packed rows (Shaw, DeBERTa).
+    q_in_place_ = !use_dot_ && p_.q16 == nullptr && p_.rope.cs == nullptr && p_.xl_sin == nullptr &&
+                  p_.shaw_rel_k == nullptr && p_.deberta_pos_key == nullptr;
     // Kv heads per unit: all, unless that leaves fewer than 4 units per thread.
     int64_t per_unit = heads;
     while (per_unit > 1 && nseg * ((heads + per_unit - 1) / per_unit) < 4 * threads) {
@@ -387,6 +392,7 @@ class ForwardKernel {
       }
       sc.fetch.Clear();
     });
+    q_in_place_ = false;
     return true;
   }
 
@@ -1100,7 +1106,11 @@ class ForwardKernel {
   void Process(const Item& it, int64_t j_begin, int64_t j_end, const float* kt_all,
                const float* vt_all, Scratch& sc, int64_t tile0 = 0) const {
     RowTables rt;
-    PackQueries(it, j_begin, j_end, sc, rt);
+    // Query rows read in place (RunSegments): one product per query head, over rows that need no
+    // padding.
+    const bool q_in_place =
+        q_in_place_ && it.nkv == 1 && it.nq % 4 == 0 && it.gstride == group_ * it.nq;
+    if (!q_in_place) PackQueries(it, j_begin, j_end, sc, rt);
     Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
     Scratch::Ensure(sc.s, sc.s_n, static_cast<size_t>(it.rows_pad * kTileK));
     // Prefill reads the tile's values packed (PackValueTile): from vt_all when the group's
@@ -1181,7 +1191,14 @@ class ForwardKernel {
       if (!dot && !full && consec && p_.mask.causal && p_.kopen == nullptr) {
         cols = TileColumns(it, j0, nk, sc);
       }
-      if (!dot) {
+      if (q_in_place) {
+        for (int64_t g = 0; g < group_; ++g) {
+          const float* q0 = p_.q + it.b * p_.q_stride[0] + it.i0 * p_.q_stride[1] +
+                            (it.hk * group_ + g) * p_.q_stride[2];
+          ScoresTile(q0, dim_, kt, it.nq, sc.s.get() + g * it.nq * kTileK, kTileK, p_.q_stride[1],
+                     false, cols == nullptr ? nullptr : cols + g * it.nq, fetch, fetch_n);
+        }
+      } else if (!dot) {
         ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get(), kTileK, 0, false, cols, fetch,
                    fetch_n);
       }
@@ -1589,6 +1606,7 @@ class ForwardKernel {
   int64_t splits_ = 1, chunk_ = 0;
   bool use_dot_ = false, wide_ = false, bf16dot_ = false;
   bool block_major_ = false;  // items in query-block order (see MakeItem)
+  bool q_in_place_ = false;   // products read the query rows in place (RunSegments)
   int64_t qb_stride_ = 0;     // bf16 query rows (bf16dot_): dim rounded up to 32
   std::vector<Scratch> scratch_;
   // DeBERTa and XL tables (see PrepareDeberta / PrepareXl).
