@@ -17,7 +17,9 @@
 //   6. Block masks (documents, prefix per row and per document, global tokens with windows, dense
 //      masks, and their combinations with causal): the oracle equals the oracle under the same
 //      visibility written here as a dense mask; the fused forward and backward and the simple
-//      path against the oracle for every scheme on every compiled SIMD target; fully masked rows;
+//      path against the oracle for every scheme on every compiled SIMD target; documents of
+//      lengths around the key tiles (1, 63, 64, 65, several tiles, more than one block takes in
+//      a run) with GQA, odd head_dim, causal / bidirectional / sinks; fully masked rows;
 //      validation.
 //   7. Varlen: the fused forward, lse and backward on random packings (lengths 1..L, empty
 //      sequences) against ref::attention_varlen, the concatenation of each sequence's own oracle
@@ -453,6 +455,51 @@ TEST(BlockMask, EveryTargetAndDecode) {
     }
   }
   kernels::set_simd_target_for_test(0);
+}
+
+// Documents of chosen lengths in one row: a document within one key tile, on a tile boundary,
+// one past it, over several tiles (whose query blocks see all of them in one run: their scores
+// first, then one softmax and one P . V written straight to the output where the rows allow it)
+// and longer than such a run; GQA with query rows read in place (head_dim a whole number of
+// vectors) or padded (odd head_dim); causal, bidirectional and with sinks; every SIMD target
+// (every scheme on the best one).
+void check_document_lengths(const std::string& name, const std::vector<int64_t>& lengths,
+                            int64_t dim, Rng& rng) {
+  std::vector<int32_t> docs;
+  for (std::size_t d = 0; d < lengths.size(); ++d) {
+    docs.insert(docs.end(), static_cast<std::size_t>(lengths[d]), static_cast<int32_t>(d));
+  }
+  const int64_t L = static_cast<int64_t>(docs.size());
+  const std::vector<float> sinks = {0.5f, -1.0f, 1.5f, 0.25f};
+  const Shape s{1, L, L, 4, 2, dim};
+  auto box = cases::make_scheme(name, s.heads_q, s.dim, rng.engine(), 0);
+  for (int variant = 0; variant < 3; ++variant) {
+    AttentionOptions opt{.causal = variant != 1};
+    if (variant == 2) opt.sinks = View<const float, 1>::contiguous(sinks.data(), {4});
+    opt.block_mask.query_documents = View<const int32_t, 2>::contiguous(docs.data(), {1, L});
+    opt.block_mask.key_documents = opt.block_mask.query_documents;
+    if (auto* t5 = std::get_if<T5Bias>(&box->scheme)) t5->bidirectional = !opt.causal;
+    SCOPED_TRACE(trace(name, variant, s, opt));
+    compare_paths(box->scheme, s, opt, rng);
+  }
+}
+
+TEST(BlockMask, DocumentLengthsAroundTilesEveryTarget) {
+  const std::vector<int64_t> lengths = {1, 63, 64, 65, 128, 200, 9, 131};
+  const auto targets = hwy::SupportedAndGeneratedTargets();
+  for (const int64_t target : targets) {
+    SCOPED_TRACE(hwy::TargetName(target));
+    kernels::set_simd_target_for_test(target);
+    Rng rng(posenc_test::test_seed(), 85);
+    for (const auto& name : cases::kSchemes) {
+      if (target != targets.front() && name != "none" && name != "rope") continue;
+      for (const int64_t dim : {32, 13}) check_document_lengths(name, lengths, dim, rng);
+    }
+  }
+  kernels::set_simd_target_for_test(0);
+  // A document longer than the tiles one block takes in a single run.
+  Rng rng(posenc_test::test_seed(), 86);
+  check_document_lengths("none", {70, 600, 5}, 16, rng);
 }
 
 TEST(BlockMask, FullyMaskedRows) {

@@ -75,7 +75,10 @@ class BackwardKernel {
     const DF d;
     lanes_ = static_cast<int64_t>(hn::Lanes(d));
     dim_ = p_.head_dim;
-    dpad_ = RoundUp(dim_, lanes_);
+    // Rows of the transposed tile operands: a multiple of 4 as well (ScoresTile's row blocks write
+    // dimr = dim rounded up to 4 rows of dK^T and dV^T; on one-lane targets dim rounded to lanes
+    // is less).
+    dpad_ = RoundUp(dim_, std::max<int64_t>(lanes_, 4));
     group_ = p_.heads_q / p_.heads_kv;
     nq_ = std::max<int64_t>(1, kTileK / group_);
     rp_max_ = RoundUp(group_ * nq_, 4);
