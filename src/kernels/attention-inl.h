@@ -34,13 +34,15 @@ inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // on blocks of 6 rows (12 accumulators).
 constexpr bool kSixRows = HWY_MAX_BYTES == 32 && HWY_TARGET != HWY_SCALAR;
 
-// About how many register blocks ScoresTile and AccumulateTile run for one tile of rows_pad rows
-// (P.V over dpad columns): the steps that fetch a FetchQueue's lines.
-inline int64_t ProductBlocks(int64_t rows_pad, int64_t dpad) {
+// About how many register blocks ScoresTile and AccumulateTile run for `tiles` score tiles of
+// rows_pad rows and `passes` P.V passes over dpad columns: the steps that fetch a FetchQueue's
+// lines.
+inline int64_t ProductBlocks(int64_t rows_pad, int64_t dpad, int64_t tiles, int64_t passes) {
   const int64_t n = static_cast<int64_t>(hn::Lanes(DF()));
   const int64_t w = (HWY_MAX_BYTES >= 64 ? 4 : 2) * n;  // columns per block
   const int64_t rows = kSixRows ? 6 : 4;
-  return (rows_pad + rows - 1) / rows * ((kTileK + w - 1) / w + (dpad + w - 1) / w);
+  return (rows_pad + rows - 1) / rows *
+         (tiles * ((kTileK + w - 1) / w) + passes * ((dpad + w - 1) / w));
 }
 
 // The micro-kernel of both products: for R rows i and V vectors of columns,
@@ -143,12 +145,12 @@ HWY_INLINE void ScoresTile(const float* HWY_RESTRICT qp, int64_t dim, const floa
 // [0, dpad) with dpad a multiple of lanes; V rows vstride floats apart with at least dpad
 // readable. P rows are ps floats apart (default kTileK), O rows os floats apart (0: dpad). cols
 // (may be null): per row, how many leading columns of P it needs (see ScoresTile); each block of
-// rows reads only as many.
+// rows reads only as many. accumulate false: O = instead of O += (every row and column written).
 HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const float* v,
                                int64_t vstride, int64_t dpad, int64_t rows_pad,
                                float* HWY_RESTRICT o, int64_t ps = kTileK, int64_t os = 0,
                                const int32_t* cols = nullptr, FetchQueue* fetch = nullptr,
-                               int64_t fetch_n = 0) {
+                               int64_t fetch_n = 0, bool accumulate = true) {
   const DF d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dv = HWY_MAX_BYTES >= 64 ? 4 : 2;
@@ -161,7 +163,7 @@ HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const f
       for (const int64_t end = rows_pad / 12 * 12; r < end; r += 6) {
         const int64_t kn = BlockColumns(cols, r, 6, nk);
         for (int64_t x0 = 0; x0 < dpad; x0 += 2 * n) {
-          Block<6, 2>(pm + r * ps, ps, v + x0, vstride, kn, o + r * os + x0, os, true);
+          Block<6, 2>(pm + r * ps, ps, v + x0, vstride, kn, o + r * os + x0, os, accumulate);
           if (fetch != nullptr) fetch->Issue(fetch_n);
         }
       }
@@ -175,15 +177,18 @@ HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const f
       if (fetch != nullptr) fetch->Issue(fetch_n);
       const int64_t nv = std::min<int64_t>(dv, (dpad - x0) / n);
       if (nv == 4) {
-        Block<4, 4>(p0, ps, v + x0, vstride, kn, o0 + x0, os, true);
+        Block<4, 4>(p0, ps, v + x0, vstride, kn, o0 + x0, os, accumulate);
       } else if (nv == 2) {
         // Two vectors x 4 rows: 8 independent accumulators.
-        Block<4, 2>(p0, ps, v + x0, vstride, kn, o0 + x0, os, true);
+        Block<4, 2>(p0, ps, v + x0, vstride, kn, o0 + x0, os, accumulate);
       } else {
         for (int64_t xv = 0; xv < nv; ++xv) {
           const int64_t x = x0 + xv * n;
-          auto a0 = hn::LoadU(d, o0 + x), a1 = hn::LoadU(d, o0 + os + x),
-               a2 = hn::LoadU(d, o0 + 2 * os + x), a3 = hn::LoadU(d, o0 + 3 * os + x);
+          auto a0 = hn::Zero(d), a1 = a0, a2 = a0, a3 = a0;
+          if (accumulate) {
+            a0 = hn::LoadU(d, o0 + x), a1 = hn::LoadU(d, o0 + os + x);
+            a2 = hn::LoadU(d, o0 + 2 * os + x), a3 = hn::LoadU(d, o0 + 3 * os + x);
+          }
           for (int64_t c = 0; c < kn; ++c) {
             const auto vv = hn::LoadU(d, v + c * vstride + x);
             a0 = hn::MulAdd(hn::Set(d, p0[c]), vv, a0);

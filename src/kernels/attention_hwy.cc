@@ -78,6 +78,10 @@ struct Scratch {
   hwy::AlignedFreeUniquePtr<int32_t[]> kpos;
   // Causal diagonal tiles: per row slot, how many of the tile's leading keys it can see.
   std::vector<int32_t> cols;
+  std::vector<int32_t> ends;  // ProcessShort: per row slot, the columns P . V reads
+  // ProcessShort: O already divided by the row's sum (normalized), or already in the output
+  // (out_done; float32 output).
+  bool normalized = false, out_done = false;
   // Block masks: the tile's key documents and open flags, and one row of the dense mask.
   hwy::AlignedFreeUniquePtr<int32_t[]> kdoc, kopen, dense;
   std::vector<float> m, l, wsum;
@@ -251,6 +255,8 @@ class ForwardKernel {
   // blocks and kSegmentTiles tiles (bounded scratch, enough units for the threads); they depend
   // on the masks alone, and every row is computed as in RunItems (thread-count independent).
   static constexpr int64_t kSegmentBlocks = 8, kSegmentTiles = 16;
+  // ProcessShort: at most this many tiles, and S of at most this many cells.
+  static constexpr int64_t kShortTiles = 8, kShortCells = 64 * 512;
   struct Segment {
     int64_t b, qb0, qb1;  // query blocks [qb0, qb1) of batch row b
     int64_t t0, t1;       // key tiles [t0, t1) visible to at least one of them
@@ -384,9 +390,11 @@ class ForwardKernel {
               }
             }
           }
-          InitAccumulators(it, sc);
-          Process(it, seg.t0 * kTileK, std::min(p_.seq_k, seg.t1 * kTileK), sc.kseg.get(),
-                  sc.vseg.get(), sc, seg.t0);
+          const int64_t j_begin = seg.t0 * kTileK, j_end = std::min(p_.seq_k, seg.t1 * kTileK);
+          if (!ProcessShort(it, j_begin, j_end, sc.kseg.get(), sc.vseg.get(), sc, seg.t0)) {
+            InitAccumulators(it, sc);
+            Process(it, j_begin, j_end, sc.kseg.get(), sc.vseg.get(), sc, seg.t0);
+          }
           Finish(it, sc);
         }
       }
@@ -876,6 +884,7 @@ class ForwardKernel {
     std::fill(sc.o.get(), sc.o.get() + it.rows_pad * dpad_, 0.0f);
     sc.m.assign(static_cast<size_t>(it.rows_pad), kNegInf);
     sc.l.assign(static_cast<size_t>(it.rows_pad), 0.0f);
+    sc.normalized = sc.out_done = false;
   }
 
   // Visible distance range of the item's queries against keys [j_begin, j_end), after the
@@ -1084,7 +1093,8 @@ class ForwardKernel {
   // causal mask leaves visible: those at positions up to the row's query position, every key
   // for the open rows of a prefix-LM (the other masks only hide more). Padding slots see none and
   // their score rows are zeroed, so that a block's products read only defined scores.
-  const int32_t* TileColumns(const Item& it, int64_t j0, int64_t nk, Scratch& sc) const {
+  const int32_t* TileColumns(const Item& it, int64_t j0, int64_t nk, float* s, int64_t ss,
+                             Scratch& sc) const {
     sc.cols.resize(static_cast<size_t>(it.rows_pad));
     const int64_t k0 = p_.kpos[it.b * p_.seq_k + j0];
     for (int64_t r = 0; r < it.rows_pad; ++r) {
@@ -1094,34 +1104,43 @@ class ForwardKernel {
         const bool open = p_.qopen != nullptr && p_.qopen[qat] != 0;
         c = open ? nk : std::clamp<int64_t>(int64_t{QPos(it, r)} - k0 + 1, 0, nk);
       } else {
-        std::fill(sc.s.get() + r * kTileK, sc.s.get() + (r + 1) * kTileK, 0.0f);
+        std::fill(s + r * ss, s + r * ss + kTileK, 0.0f);
       }
       sc.cols[static_cast<size_t>(r)] = static_cast<int32_t>(c);
     }
     return sc.cols.data();
   }
 
-  // Processes keys [j_begin, j_end) (multiples of kTileK except at seq_k) for the item.
-  // kt_all / vt_all hold tiles tile0, tile0 + 1, ... (a segment's, or a group's from 0).
-  void Process(const Item& it, int64_t j_begin, int64_t j_end, const float* kt_all,
-               const float* vt_all, Scratch& sc, int64_t tile0 = 0) const {
+  // What Process and ProcessShort share over an item's tiles.
+  struct ItemPass {
     RowTables rt;
+    QueryBlockInfo qinfo{};
+    bool q_in_place = false;  // the products read the query rows in place
+    bool key_lanes = false;   // block masks with per-key documents or open flags
+    int64_t j_end = 0;        // the keys' end (a paged cache's row length)
+    FetchQueue* fetch = nullptr;
+    int64_t fetch_n = 0;  // lines fetched per register block
+  };
+
+  // The item's query rows (packed, unless read in place), scratch for S of s_cols columns, the
+  // block's tile tests, and the spread of the fetch queue over the products' register blocks.
+  void BeginItem(const Item& it, int64_t j_begin, int64_t j_end, const float* vt_all,
+                 int64_t s_cols, bool one_pass, Scratch& sc, ItemPass& ps) const {
     // Query rows read in place (RunSegments): one product per query head, over rows that need no
     // padding.
-    const bool q_in_place =
-        q_in_place_ && it.nkv == 1 && it.nq % 4 == 0 && it.gstride == group_ * it.nq;
-    if (!q_in_place) PackQueries(it, j_begin, j_end, sc, rt);
+    ps.q_in_place = q_in_place_ && it.nkv == 1 && it.nq % 4 == 0 && it.gstride == group_ * it.nq;
+    if (!ps.q_in_place) PackQueries(it, j_begin, j_end, sc, ps.rt);
     Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
-    Scratch::Ensure(sc.s, sc.s_n, static_cast<size_t>(it.rows_pad * kTileK));
+    Scratch::Ensure(sc.s, sc.s_n, static_cast<size_t>(it.rows_pad * s_cols));
     // Prefill reads the tile's values packed (PackValueTile): from vt_all when the group's
     // tiles were packed once for all its query blocks, else packed here per tile.
     if (vt_all == nullptr) Scratch::Ensure(sc.vt, sc.vt_n, static_cast<size_t>(kTileK * dpad_));
     if (!sc.kpos) sc.kpos = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
 
     // The block's queries: the tile tests (causal, window, chunk, block masks).
-    const QueryBlockInfo qinfo = tiles_->Queries(it.b, it.i0, it.nq);
-    const bool key_lanes = p_.kdoc != nullptr || p_.kopen != nullptr;
-    if (key_lanes && !sc.kdoc) {
+    ps.qinfo = tiles_->Queries(it.b, it.i0, it.nq);
+    ps.key_lanes = p_.kdoc != nullptr || p_.kopen != nullptr;
+    if (ps.key_lanes && !sc.kdoc) {
       sc.kdoc = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
       sc.kopen = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
     }
@@ -1129,20 +1148,66 @@ class ForwardKernel {
       sc.dense = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
     }
     // A paged cache: the row's keys end at kv_len[b] (past it the block table holds no page).
-    j_end = std::min(j_end, KeyEnd(it.b));
+    ps.j_end = std::min(j_end, KeyEnd(it.b));
     // The next item's rows (RunSegments), spread over the register blocks of the visible tiles'
     // products.
-    FetchQueue* fetch = nullptr;
-    int64_t fetch_n = 0;
+    ps.fetch = nullptr;
+    ps.fetch_n = 0;
     if (sc.fetch.Pending() > 0) {
-      int64_t steps = 0;
-      for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
-        steps += tiles_->Classify(qinfo, it.b, j0 / kTileK, it.i0, it.nq) != TileKind::kHidden;
+      int64_t tiles = 0;
+      for (int64_t j0 = j_begin; j0 < ps.j_end; j0 += kTileK) {
+        tiles += tiles_->Classify(ps.qinfo, it.b, j0 / kTileK, it.i0, it.nq) != TileKind::kHidden;
       }
-      steps *= ProductBlocks(it.rows_pad, dpad_);
-      fetch = &sc.fetch;
-      fetch_n = (sc.fetch.Pending() + steps - 1) / std::max<int64_t>(1, steps);
+      // One P . V pass per tile, or one in all (ProcessShort).
+      const int64_t steps = ProductBlocks(it.rows_pad, dpad_, tiles, one_pass ? 1 : tiles);
+      ps.fetch = &sc.fetch;
+      ps.fetch_n = (sc.fetch.Pending() + steps - 1) / std::max<int64_t>(1, steps);
     }
+  }
+
+  // Tile keys [j0, j0 + nk): their documents and open flags (block masks) and positions.
+  void TileLanes(const Item& it, int64_t j0, int64_t nk, const ItemPass& ps, Scratch& sc) const {
+    if (ps.key_lanes) FillKeyLanes(p_, it.b, j0, nk, kTileK, sc.kdoc.get(), sc.kopen.get());
+    int32_t* kp = sc.kpos.get();
+    for (int64_t c = 0; c < kTileK; ++c) {
+      kp[c] = p_.kpos[it.b * p_.seq_k + std::min(j0 + c, p_.seq_k - 1)];
+    }
+  }
+
+  // S = Q . Kt for the tile of keys [j0, j0 + nk) (kt transposed), into s with rows ss floats
+  // apart. A causal tile the diagonal crosses, with consecutive key positions: row r sees at most
+  // its first cols[r] keys, and the products skip the column chunks no row of a block needs
+  // (about half of a diagonal tile); returns cols then, else nullptr.
+  const int32_t* TileProducts(const Item& it, int64_t j0, int64_t nk, bool full, bool consec,
+                              const float* kt, const ItemPass& ps, float* s, int64_t ss,
+                              Scratch& sc) const {
+    const int32_t* cols = nullptr;
+    if (!full && consec && p_.mask.causal && p_.kopen == nullptr) {
+      cols = TileColumns(it, j0, nk, s, ss, sc);
+    }
+    if (ps.q_in_place) {
+      for (int64_t g = 0; g < group_; ++g) {
+        const float* q0 = p_.q + it.b * p_.q_stride[0] + it.i0 * p_.q_stride[1] +
+                          (it.hk * group_ + g) * p_.q_stride[2];
+        ScoresTile(q0, dim_, kt, it.nq, s + g * it.nq * ss, ss, p_.q_stride[1], false,
+                   cols == nullptr ? nullptr : cols + g * it.nq, ps.fetch, ps.fetch_n);
+      }
+    } else {
+      ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, s, ss, 0, false, cols, ps.fetch, ps.fetch_n);
+    }
+    return cols;
+  }
+
+  // Processes keys [j_begin, j_end) (multiples of kTileK except at seq_k) for the item.
+  // kt_all / vt_all hold tiles tile0, tile0 + 1, ... (a segment's, or a group's from 0).
+  void Process(const Item& it, int64_t j_begin, int64_t j_end, const float* kt_all,
+               const float* vt_all, Scratch& sc, int64_t tile0 = 0) const {
+    ItemPass ps;
+    BeginItem(it, j_begin, j_end, vt_all, kTileK, false, sc, ps);
+    const RowTables& rt = ps.rt;
+    const QueryBlockInfo& qinfo = ps.qinfo;
+    FetchQueue* fetch = ps.fetch;
+    j_end = ps.j_end;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
       const int64_t t = j0 / kTileK;
       const size_t ta = static_cast<size_t>(it.b * ntiles_ + t);
@@ -1150,7 +1215,6 @@ class ForwardKernel {
       const TileKind kind = tiles_->Classify(qinfo, it.b, t, it.i0, it.nq);
       if (kind == TileKind::kHidden) continue;
       const int64_t nk = std::min(kTileK, j_end - j0);
-      if (key_lanes) FillKeyLanes(p_, it.b, j0, nk, kTileK, sc.kdoc.get(), sc.kopen.get());
       if (vt_all != nullptr && j0 + kTileK < j_end) {
         // The group's next key and value tiles toward L2 while this one is computed (measured
         // faster for causal prefill, whose tiles come from L3; docs/performance.md).
@@ -1163,10 +1227,7 @@ class ForwardKernel {
       const bool dot = use_dot_;
       const float* kt = kt_all != nullptr ? kt_all + (t - tile0) * dim_ * kTileK : sc.kt.get();
       if (kt_all == nullptr && !dot) TransposeTile(it.b, it.hk, j0, sc.kt.get());
-      int32_t* kp = sc.kpos.get();
-      for (int64_t c = 0; c < kTileK; ++c) {
-        kp[c] = p_.kpos[it.b * p_.seq_k + std::min(j0 + c, p_.seq_k - 1)];
-      }
+      TileLanes(it, j0, nk, ps, sc);
       PrefetchRows vahead, kahead, kstream, vstream;  // decoding: see bf16_dot.h
       if (dot) {
         Scratch::Ensure(sc.part, sc.part_n,
@@ -1184,24 +1245,8 @@ class ForwardKernel {
         }
       }
       const bool consec = tile_consec_[ta] != 0;
-      // A causal tile the diagonal crosses, with consecutive key positions: row r sees at most
-      // its first cols[r] keys, and the products skip the column chunks no row of a block needs
-      // (about half of a diagonal tile).
-      const int32_t* cols = nullptr;
-      if (!dot && !full && consec && p_.mask.causal && p_.kopen == nullptr) {
-        cols = TileColumns(it, j0, nk, sc);
-      }
-      if (q_in_place) {
-        for (int64_t g = 0; g < group_; ++g) {
-          const float* q0 = p_.q + it.b * p_.q_stride[0] + it.i0 * p_.q_stride[1] +
-                            (it.hk * group_ + g) * p_.q_stride[2];
-          ScoresTile(q0, dim_, kt, it.nq, sc.s.get() + g * it.nq * kTileK, kTileK, p_.q_stride[1],
-                     false, cols == nullptr ? nullptr : cols + g * it.nq, fetch, fetch_n);
-        }
-      } else if (!dot) {
-        ScoresTile(sc.qp.get(), dim_, kt, it.rows_pad, sc.s.get(), kTileK, 0, false, cols, fetch,
-                   fetch_n);
-      }
+      const int32_t* cols =
+          dot ? nullptr : TileProducts(it, j0, nk, full, consec, kt, ps, sc.s.get(), kTileK, sc);
       for (int64_t r = 0; r < it.rows; ++r) {
         if (Valid(it, r)) {
           RowUpdate(it, r, j0, nk, full, consec, rt, sc, cols == nullptr ? kTileK : cols[r]);
@@ -1268,10 +1313,106 @@ class ForwardKernel {
         }
         AccumulateTile(sc.s.get() + g2 * it.gstride * kTileK, nk, vt, dpad_, dpad_, it.gstride,
                        sc.o.get() + g2 * it.gstride * dpad_, kTileK, 0,
-                       cols == nullptr ? nullptr : cols + g2 * it.gstride, fetch, fetch_n);
+                       cols == nullptr ? nullptr : cols + g2 * it.gstride, fetch, ps.fetch_n);
       }
     }
     if (fetch != nullptr) fetch->Issue(-1);  // what the estimate left
+  }
+
+  // An item whose visible tiles are a run of at most kShortTiles consecutive tiles of kt_all /
+  // vt_all (one kv head: a short document's, RunSegments): the scores of all of them first, then
+  // one softmax over each row (its maximum known before any exponential: no running rescale)
+  // and one P . V over all the row's keys, written into O rather than added to it. Sets every
+  // row's O, m and l. False, with nothing done, for an item that does not qualify.
+  bool ProcessShort(const Item& it, int64_t j_begin, int64_t j_end, const float* kt_all,
+                    const float* vt_all, Scratch& sc, int64_t tile0) const {
+    if (use_dot_ || p_.shaw_rel_v != nullptr || it.nkv != 1) return false;
+    const int64_t je = std::min(j_end, KeyEnd(it.b));
+    const QueryBlockInfo qinfo = tiles_->Queries(it.b, it.i0, it.nq);
+    int64_t tf = -1, tl = -1;
+    for (int64_t j0 = j_begin; j0 < je; j0 += kTileK) {
+      const int64_t t = j0 / kTileK;
+      if (tiles_->Classify(qinfo, it.b, t, it.i0, it.nq) == TileKind::kHidden) continue;
+      if (tl >= 0 && t != tl + 1) return false;  // a hidden tile between two visible ones
+      if (tf < 0) tf = t;
+      tl = t;
+    }
+    const int64_t w = (tl - tf + 1) * kTileK;  // S's columns
+    if (tf < 0 || w > kShortTiles * kTileK || it.rows_pad * w > kShortCells) return false;
+    ItemPass ps;
+    BeginItem(it, j_begin, j_end, vt_all, w, true, sc, ps);
+    const DF d;
+    const int64_t n = lanes_;
+    float* s = sc.s.get();
+    sc.m.assign(static_cast<size_t>(it.rows_pad), kNegInf);
+    sc.l.assign(static_cast<size_t>(it.rows_pad), 0.0f);
+    // Per row: its columns up to the last one computed (what P . V reads).
+    sc.ends.assign(static_cast<size_t>(it.rows_pad), 0);
+    Scratch::Ensure(sc.o, sc.o_n, static_cast<size_t>(it.rows_pad * dpad_));
+    int64_t nk_all = 0;  // keys [tf * kTileK, + nk_all)
+    for (int64_t t = tf; t <= tl; ++t) {
+      const int64_t j0 = t * kTileK, off = j0 - tf * kTileK;
+      const TileKind kind = tiles_->Classify(qinfo, it.b, t, it.i0, it.nq);
+      const int64_t nk = std::min(kTileK, ps.j_end - j0);
+      nk_all = off + nk;
+      const bool full = nk == kTileK && kind == TileKind::kFull;
+      const bool consec = tile_consec_[static_cast<size_t>(it.b * ntiles_ + t)] != 0;
+      TileLanes(it, j0, nk, ps, sc);
+      const float* kt = kt_all + (t - tile0) * dim_ * kTileK;
+      const int32_t* cols = TileProducts(it, j0, nk, full, consec, kt, ps, s + off, w, sc);
+      for (int64_t r = 0; r < it.rows; ++r) {
+        if (!Valid(it, r)) continue;
+        const int64_t cend = cols == nullptr ? kTileK : cols[r];
+        const int64_t cn = RoundUp(cend, n);
+        float* row = s + r * w + off;
+        float& m = sc.m[static_cast<size_t>(r)];
+        m = std::max(m, RowScores(it, r, j0, nk, full, consec, ps.rt, sc, cend, row));
+        // Columns the products left out are hidden.
+        std::fill(row + cn, row + kTileK, kNegInf);
+        if (cn > 0) sc.ends[static_cast<size_t>(r)] = static_cast<int32_t>(off + cn);
+      }
+    }
+    for (int64_t r = 0; r < it.rows_pad; ++r) {
+      float* row = s + r * w;
+      const float m = sc.m[static_cast<size_t>(r)];
+      int32_t& end = sc.ends[static_cast<size_t>(r)];
+      if (r >= it.rows || !Valid(it, r) || m == kNegInf) end = 0;
+      const auto vm = hn::Set(d, m);
+      auto vsum = hn::Zero(d);
+      for (int64_t c = 0; c < end; c += n) {
+        const auto e = hn::Exp(d, hn::Sub(hn::Load(d, row + c), vm));  // exp(-inf) = 0
+        hn::Store(e, d, row + c);
+        vsum = hn::Add(vsum, e);
+      }
+      std::fill(row + end, row + w, 0.0f);
+      if (end == 0) continue;
+      const float l = hn::GetLane(hn::SumOfLanes(d, vsum));
+      sc.l[static_cast<size_t>(r)] = l;
+      // P divided by the row's sum (with a sink's share), so that P . V is the output.
+      float m2 = m, l2 = l;
+      const float o_scale = SinkScale(HeadOf(it, r), m2, l2);
+      const auto f = hn::Set(d, o_scale / l2);
+      for (int64_t c = 0; c < end; c += n) hn::Store(hn::Mul(hn::Load(d, row + c), f), d, row + c);
+    }
+    sc.normalized = true;
+    const float* v = vt_all + (tf - tile0) * kTileK * dpad_;
+    // Float32 output rows that P . V can write directly: one query head's rows evenly apart,
+    // no padding slots or columns.
+    const int64_t os1 = p_.out_stride[1];
+    sc.out_done = p_.out16 == nullptr && ps.q_in_place && dpad_ == dim_ && os1 >= dim_;
+    if (sc.out_done) {
+      for (int64_t g = 0; g < group_; ++g) {
+        float* out = p_.out + it.b * p_.out_stride[0] + it.i0 * os1 +
+                     (it.hk * group_ + g) * p_.out_stride[2];
+        AccumulateTile(s + g * it.nq * w, nk_all, v, dpad_, dpad_, it.nq, out, w, os1,
+                       sc.ends.data() + g * it.nq, ps.fetch, ps.fetch_n, false);
+      }
+    } else {
+      AccumulateTile(s, nk_all, v, dpad_, dpad_, it.rows_pad, sc.o.get(), w, 0, sc.ends.data(),
+                     ps.fetch, ps.fetch_n, false);
+    }
+    if (ps.fetch != nullptr) ps.fetch->Issue(-1);  // what the estimate left
+    return true;
   }
 
   // DeBERTa's c2p + p2c terms of keys c .. c + lanes - 1 of the tile for row r: c2p from the
@@ -1351,18 +1492,17 @@ class ForwardKernel {
     return hn::Add(c2, p2);
   }
 
-  // Adds the scheme's terms to row r of the score tile, masks it, and folds it into the
-  // running softmax: afterwards S[r][:] holds the probabilities (unnormalized, relative to the
-  // new running maximum) and O[r], l[r] are rescaled.
-  // Only the row's first `cend` columns can be visible (a causal diagonal tile, TileColumns):
-  // the rest of S is neither read nor computed, and is set to 0.
-  HWY_INLINE void RowUpdate(const Item& it, int64_t r, int64_t j0, int64_t nk, bool full,
-                            bool consec, const RowTables& rt, Scratch& sc, int64_t cend) const {
+  // Adds the scheme's terms to row r of a score tile at s, masks it and checks it: afterwards
+  // s[0, cn) (cend rounded up to whole vectors) holds the row's scores, -inf where hidden; the
+  // rest is neither read nor written (a causal diagonal tile's columns past the row's, see
+  // TileColumns). Returns the largest.
+  HWY_INLINE float RowScores(const Item& it, int64_t r, int64_t j0, int64_t nk, bool full,
+                             bool consec, const RowTables& rt, Scratch& sc, int64_t cend,
+                             float* HWY_RESTRICT s) const {
     const DF d;
     const DI di;
     const int64_t n = lanes_;
     const int64_t cn = RoundUp(cend, n);
-    float* s = sc.s.get() + r * kTileK;
     const int64_t h = HeadOf(it, r);
     const int32_t qp = QPos(it, r);
     const auto vscale = hn::Set(d, p_.scale);
@@ -1474,7 +1614,23 @@ class ForwardKernel {
     if (!hn::AllFalse(d, hn::MaskFromVec(nan)) && p_.nan_score != nullptr) {
       __atomic_store_n(p_.nan_score, 1, __ATOMIC_RELAXED);
     }
-    const float tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+    return hn::GetLane(hn::MaxOfLanes(d, vmax));
+  }
+
+  // Adds the scheme's terms to row r of the score tile, masks it, and folds it into the
+  // running softmax: afterwards S[r][:] holds the probabilities (unnormalized, relative to the
+  // new running maximum) and O[r], l[r] are rescaled.
+  // Only the row's first `cend` columns can be visible (a causal diagonal tile, TileColumns):
+  // the rest of S is neither read nor computed, and is set to 0.
+  HWY_INLINE void RowUpdate(const Item& it, int64_t r, int64_t j0, int64_t nk, bool full,
+                            bool consec, const RowTables& rt, Scratch& sc, int64_t cend) const {
+    const DF d;
+    const int64_t n = lanes_;
+    const int64_t cn = RoundUp(cend, n);
+    float* s = sc.s.get() + r * kTileK;
+    const int32_t* kp = sc.kpos.get();
+    const int32_t qp = QPos(it, r);
+    const float tile_max = RowScores(it, r, j0, nk, full, consec, rt, sc, cend, s);
     float& m = sc.m[static_cast<size_t>(r)];
     float& l = sc.l[static_cast<size_t>(r)];
     const float m_new = std::max(m, tile_max);
@@ -1549,6 +1705,19 @@ class ForwardKernel {
     }
   }
 
+  // An attention sink joins the denominator only: O (relative to m) is rescaled to the new
+  // maximum and divided by the larger sum. Updates m and l (the row's maximum and sum with the
+  // sink of query head h) and returns O's factor.
+  float SinkScale(int64_t h, float& m, float& l) const {
+    if (p_.sinks == nullptr) return 1.0f;
+    const float sink = p_.sinks[h];
+    const float m_new = std::max(m, sink);
+    const float o_scale = l == 0.0f ? 0.0f : std::exp(m - m_new);
+    l = l * o_scale + std::exp(sink - m_new);
+    m = m_new;
+    return o_scale;
+  }
+
   // Row r's output (query head h, query i) into dst, and its log-sum-exp.
   void FinishRow(const Item& it, int64_t r, int64_t h, int64_t i, float* dst, Scratch& sc) const {
     {
@@ -1558,16 +1727,7 @@ class ForwardKernel {
       if (l == 0.0f && p_.empty_row != nullptr) {
         __atomic_store_n(p_.empty_row, 1, __ATOMIC_RELAXED);
       }
-      // An attention sink joins the denominator only: O (relative to m) is rescaled to the new
-      // maximum and divided by the larger sum.
-      float o_scale = 1.0f;
-      if (p_.sinks != nullptr) {
-        const float sink = p_.sinks[h];
-        const float m_new = std::max(m, sink);
-        o_scale = l == 0.0f ? 0.0f : std::exp(m - m_new);
-        l = l * o_scale + std::exp(sink - m_new);
-        m = m_new;
-      }
+      const float o_scale = SinkScale(h, m, l);
       if (p_.lse != nullptr) {
         p_.lse[it.b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]] =
             l == 0.0f ? kNegInf : m + std::log(l);
@@ -1576,7 +1736,8 @@ class ForwardKernel {
         std::fill(dst, dst + dim_, 0.0f);
         return;
       }
-      const float inv = o_scale / l;
+      if (sc.out_done) return;  // written by ProcessShort
+      const float inv = sc.normalized ? 1.0f : o_scale / l;
       if (p_.shaw_rel_v != nullptr && !sc.wsum.empty()) {
         // O += sum_u w[u] rel_v[u], vectorized over head_dim (O rows are dpad wide).
         const int64_t kk = p_.shaw_k;
