@@ -1377,16 +1377,8 @@ class ForwardKernel {
       const float m = sc.m[static_cast<size_t>(r)];
       int32_t& end = sc.ends[static_cast<size_t>(r)];
       if (r >= it.rows || !Valid(it, r) || m == kNegInf) end = 0;
-      const auto vm = hn::Set(d, m);
-      auto vsum = hn::Zero(d);
-      for (int64_t c = 0; c < end; c += n) {
-        const auto e = hn::Exp(d, hn::Sub(hn::Load(d, row + c), vm));  // exp(-inf) = 0
-        hn::Store(e, d, row + c);
-        vsum = hn::Add(vsum, e);
-      }
-      std::fill(row + end, row + w, 0.0f);
+      const float l = ExpRow(row, end, w, m);
       if (end == 0) continue;
-      const float l = hn::GetLane(hn::SumOfLanes(d, vsum));
       sc.l[static_cast<size_t>(r)] = l;
       // P divided by the row's sum (with a sink's share), so that P . V is the output.
       float m2 = m, l2 = l;
@@ -1490,6 +1482,21 @@ class ForwardKernel {
       p2 = gather_p2c(hn::LoadU(di, p2c));
     }
     return hn::Add(c2, p2);
+  }
+
+  // s[c] = exp(s[c] - m) for c < end (a multiple of the lanes; exp(-inf) = 0), s[c] = 0 for
+  // end <= c < width; returns the sum of the exponentials.
+  HWY_INLINE float ExpRow(float* HWY_RESTRICT s, int64_t end, int64_t width, float m) const {
+    const DF d;
+    const auto vm = hn::Set(d, m);
+    auto vsum = hn::Zero(d);
+    for (int64_t c = 0; c < end; c += lanes_) {
+      const auto e = hn::Exp(d, hn::Sub(hn::Load(d, s + c), vm));
+      hn::Store(e, d, s + c);
+      vsum = hn::Add(vsum, e);
+    }
+    std::fill(s + end, s + width, 0.0f);
+    return hn::GetLane(hn::SumOfLanes(d, vsum));
   }
 
   // Adds the scheme's terms to row r of a score tile at s, masks it and checks it: afterwards
@@ -1639,15 +1646,7 @@ class ForwardKernel {
       return;
     }
     const float corr = m == m_new ? 1.0f : std::exp(m - m_new);  // 0 when m was -inf
-    const auto vm = hn::Set(d, m_new);
-    auto vsum = hn::Zero(d);
-    for (int64_t c = 0; c < cn; c += n) {
-      const auto e = hn::Exp(d, hn::Sub(hn::Load(d, s + c), vm));  // exp(-inf) = 0
-      hn::Store(e, d, s + c);
-      vsum = hn::Add(vsum, e);
-    }
-    std::fill(s + cn, s + kTileK, 0.0f);
-    const float tile_sum = hn::GetLane(hn::SumOfLanes(d, vsum));
+    const float tile_sum = ExpRow(s, cn, kTileK, m_new);
     if (corr != 1.0f) {
       float* o = sc.o.get() + r * dpad_;
       const auto vc = hn::Set(d, corr);
