@@ -1123,9 +1123,10 @@ class ForwardKernel {
   };
 
   // The item's query rows (packed, unless read in place), scratch for S of s_cols columns, the
-  // block's tile tests, and the spread of the fetch queue over the products' register blocks.
+  // block's tile tests, and the spread of the fetch queue over the products' register blocks
+  // (one_pass_tiles: ProcessShort's visible tiles, 0 for Process).
   void BeginItem(const Item& it, int64_t j_begin, int64_t j_end, const float* vt_all,
-                 int64_t s_cols, bool one_pass, Scratch& sc, ItemPass& ps) const {
+                 int64_t s_cols, int64_t one_pass_tiles, Scratch& sc, ItemPass& ps) const {
     // Query rows read in place (RunSegments): one product per query head, over rows that need no
     // padding.
     ps.q_in_place = q_in_place_ && it.nkv == 1 && it.nq % 4 == 0 && it.gstride == group_ * it.nq;
@@ -1154,12 +1155,13 @@ class ForwardKernel {
     ps.fetch = nullptr;
     ps.fetch_n = 0;
     if (sc.fetch.Pending() > 0) {
-      int64_t tiles = 0;
-      for (int64_t j0 = j_begin; j0 < ps.j_end; j0 += kTileK) {
+      // One P . V pass per tile, or one in all (ProcessShort, which knows its tiles).
+      int64_t tiles = one_pass_tiles;
+      for (int64_t j0 = j_begin; one_pass_tiles == 0 && j0 < ps.j_end; j0 += kTileK) {
         tiles += tiles_->Classify(ps.qinfo, it.b, j0 / kTileK, it.i0, it.nq) != TileKind::kHidden;
       }
-      // One P . V pass per tile, or one in all (ProcessShort).
-      const int64_t steps = ProductBlocks(it.rows_pad, dpad_, tiles, one_pass ? 1 : tiles);
+      const int64_t steps =
+          ProductBlocks(it.rows_pad, dpad_, tiles, one_pass_tiles > 0 ? 1 : tiles);
       ps.fetch = &sc.fetch;
       ps.fetch_n = (sc.fetch.Pending() + steps - 1) / std::max<int64_t>(1, steps);
     }
@@ -1203,10 +1205,9 @@ class ForwardKernel {
   void Process(const Item& it, int64_t j_begin, int64_t j_end, const float* kt_all,
                const float* vt_all, Scratch& sc, int64_t tile0 = 0) const {
     ItemPass ps;
-    BeginItem(it, j_begin, j_end, vt_all, kTileK, false, sc, ps);
+    BeginItem(it, j_begin, j_end, vt_all, kTileK, 0, sc, ps);
     const RowTables& rt = ps.rt;
     const QueryBlockInfo& qinfo = ps.qinfo;
-    FetchQueue* fetch = ps.fetch;
     j_end = ps.j_end;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileK) {
       const int64_t t = j0 / kTileK;
@@ -1313,10 +1314,10 @@ class ForwardKernel {
         }
         AccumulateTile(sc.s.get() + g2 * it.gstride * kTileK, nk, vt, dpad_, dpad_, it.gstride,
                        sc.o.get() + g2 * it.gstride * dpad_, kTileK, 0,
-                       cols == nullptr ? nullptr : cols + g2 * it.gstride, fetch, ps.fetch_n);
+                       cols == nullptr ? nullptr : cols + g2 * it.gstride, ps.fetch, ps.fetch_n);
       }
     }
-    if (fetch != nullptr) fetch->Issue(-1);  // what the estimate left
+    if (ps.fetch != nullptr) ps.fetch->Issue(-1);  // what the estimate left
   }
 
   // An item whose visible tiles are a run of at most kShortTiles consecutive tiles of kt_all /
@@ -1340,7 +1341,7 @@ class ForwardKernel {
     const int64_t w = (tl - tf + 1) * kTileK;  // S's columns
     if (tf < 0 || w > kShortTiles * kTileK || it.rows_pad * w > kShortCells) return false;
     ItemPass ps;
-    BeginItem(it, j_begin, j_end, vt_all, w, true, sc, ps);
+    BeginItem(it, j_begin, j_end, vt_all, w, tl - tf + 1, sc, ps);
     const DF d;
     const int64_t n = lanes_;
     float* s = sc.s.get();
