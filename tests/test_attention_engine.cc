@@ -34,12 +34,14 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "attention_cases.h"
 #include "attention_shapes.h"
 #include "hwy/targets.h"
+#include "kernels/parallel.h"
 #include "kernels/simd.h"
 #include "posenc/posenc.h"
 #include "test_util.h"
@@ -715,6 +717,37 @@ TEST(Varlen, LongDocumentsManyHeadsEveryThreadCount) {
         for (std::size_t i = 0; i < out.size(); ++i) {
           ASSERT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(first[i]))
               << "element " << i;
+        }
+      }
+    }
+  }
+}
+
+// The document segments' scheduler: every item runs exactly once, and the item a call names as
+// its thread's next is the one that thread runs next (-1 after its last), in increasing order.
+TEST(Varlen, ParallelForAheadNamesEachThreadsNextItem) {
+  for (const int64_t n : {0, 1, 2, 3, 7, 64, 257}) {
+    for (const int threads : {1, 2, 3, 4}) {
+      SCOPED_TRACE("n " + std::to_string(n) + " threads " + std::to_string(threads));
+      std::mutex mu;
+      std::vector<int> runs(static_cast<size_t>(n), 0);
+      // Per OpenMP thread: the (item, next) pairs it ran, in order.
+      std::vector<std::vector<std::pair<int64_t, int64_t>>> seen(kMaxThreads);
+      kernels::parallel_for_ahead(n, threads, [&](int64_t i, int64_t next) {
+        std::lock_guard<std::mutex> lock(mu);
+        ASSERT_GE(i, 0);
+        ASSERT_LT(i, n);
+        ++runs[static_cast<size_t>(i)];
+        seen[static_cast<size_t>(kernels::thread_index())].emplace_back(i, next);
+      });
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(runs[static_cast<size_t>(i)], 1) << "item " << i;
+      for (const auto& calls : seen) {
+        for (size_t c = 0; c < calls.size(); ++c) {
+          const int64_t expect = c + 1 < calls.size() ? calls[c + 1].first : -1;
+          EXPECT_EQ(calls[c].second, expect) << "call " << c << " of item " << calls[c].first;
+          if (c > 0) {
+            EXPECT_GT(calls[c].first, calls[c - 1].first);
+          }
         }
       }
     }

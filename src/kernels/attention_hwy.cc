@@ -302,11 +302,13 @@ class ForwardKernel {
   //
   // One work unit = (segment, a run of kv heads): a thread reads a document's rows of every head
   // (adjacent in memory) in turn, and no two threads write the same output cache lines. Each item
-  // packs the tiles no earlier block of its head saw. A task runs a few consecutive units, and
-  // while one item computes, the rows the next item reads (its queries, the tiles it will pack)
-  // and its own output rows are fetched toward L2 a few cache lines at a time (FetchQueue): rows
-  // heads x head_dim elements apart, a page apart for 8 heads of 128 floats, which the
-  // processor's own prefetchers (they stay within a page) do not follow.
+  // packs the tiles no earlier block of its head saw. Units are handed out one at a time and a
+  // thread claims its next unit when it starts one (parallel_for_ahead), so threads finish
+  // within about a unit of each other, and while one item computes, the rows the thread's next
+  // item reads (its queries, the tiles it will pack) and its own output rows are fetched toward
+  // L2 a few cache lines at a time (FetchQueue): rows heads x head_dim elements apart, a page
+  // apart for 8 heads of 128 floats, which the processor's own prefetchers (they stay within a
+  // page) do not follow.
   bool RunSegments(int threads) {
     const std::vector<Segment> segs = Segments();
     if (segs.empty()) return false;
@@ -322,8 +324,6 @@ class ForwardKernel {
       per_unit = (per_unit + 1) / 2;
     }
     const int64_t chunks = (heads + per_unit - 1) / per_unit, units = nseg * chunks;
-    // Units per task: as many as leaves 4 tasks per thread.
-    const int64_t grain = std::max<int64_t>(1, units / (4 * threads));
     // Per segment, per tile: the first of its blocks that sees the tile (none: the block count);
     // the same for every head.
     std::vector<std::vector<int64_t>> first(static_cast<size_t>(nseg));
@@ -359,46 +359,47 @@ class ForwardKernel {
       const Segment& seg = segs[static_cast<size_t>(st.g)];
       return MakeItem((seg.qb0 + st.k) * p_.batch * heads + seg.b * heads + st.hk);
     };
-    parallel_for((units + grain - 1) / grain, threads, [&](int64_t task) {
-      Scratch& sc = Local();
-      const int64_t u1 = std::min(units, (task + 1) * grain);
-      for (int64_t u = task * grain; u < u1; ++u) {
-        const Segment& seg = segs[static_cast<size_t>(u / chunks)];
-        const std::vector<int64_t>& f = first[static_cast<size_t>(u / chunks)];
-        const int64_t span = seg.t1 - seg.t0;
-        Scratch::Ensure(sc.kseg, sc.kseg_n,
-                        static_cast<size_t>(std::max<int64_t>(1, span) * dim_ * kTileK));
-        Scratch::Ensure(sc.vseg, sc.vseg_n,
-                        static_cast<size_t>(std::max<int64_t>(1, span) * kTileK * dpad_));
-        for (int64_t x = 0, nx = steps(u); x < nx; ++x) {
-          const Step st = step(u, x);
-          const Item it = item(st);
-          for (int64_t t = seg.t0; t < seg.t1; ++t) {
-            if (f[static_cast<size_t>(t - seg.t0)] != st.k) continue;
-            TransposeTile(seg.b, st.hk, t * kTileK, sc.kseg.get() + (t - seg.t0) * dim_ * kTileK);
-            PackValueTile(seg.b, st.hk, t * kTileK, sc.vseg.get() + (t - seg.t0) * kTileK * dpad_);
-          }
-          sc.fetch.Clear();
-          QueueOutputRows(it, sc.fetch);
-          if (x + 1 < nx || u + 1 < u1) {  // the task's next item
-            const Step nst = x + 1 < nx ? step(u, x + 1) : step(u + 1, 0);
-            const Segment& ns = segs[static_cast<size_t>(nst.g)];
-            QueueQueryRows(item(nst), sc.fetch);
-            for (int64_t t = ns.t0; t < ns.t1; ++t) {
-              if (first[static_cast<size_t>(nst.g)][static_cast<size_t>(t - ns.t0)] == nst.k) {
-                QueueKeyRows(ns.b, nst.hk, t * kTileK, sc.fetch);
-              }
+    // Unit u, then the first item of unit un (-1: none) fetched during its last item.
+    auto run_unit = [&](Scratch& sc, int64_t u, int64_t un) {
+      const Segment& seg = segs[static_cast<size_t>(u / chunks)];
+      const std::vector<int64_t>& f = first[static_cast<size_t>(u / chunks)];
+      const int64_t span = seg.t1 - seg.t0;
+      Scratch::Ensure(sc.kseg, sc.kseg_n,
+                      static_cast<size_t>(std::max<int64_t>(1, span) * dim_ * kTileK));
+      Scratch::Ensure(sc.vseg, sc.vseg_n,
+                      static_cast<size_t>(std::max<int64_t>(1, span) * kTileK * dpad_));
+      for (int64_t x = 0, nx = steps(u); x < nx; ++x) {
+        const Step st = step(u, x);
+        const Item it = item(st);
+        for (int64_t t = seg.t0; t < seg.t1; ++t) {
+          if (f[static_cast<size_t>(t - seg.t0)] != st.k) continue;
+          TransposeTile(seg.b, st.hk, t * kTileK, sc.kseg.get() + (t - seg.t0) * dim_ * kTileK);
+          PackValueTile(seg.b, st.hk, t * kTileK, sc.vseg.get() + (t - seg.t0) * kTileK * dpad_);
+        }
+        sc.fetch.Clear();
+        QueueOutputRows(it, sc.fetch);
+        if (x + 1 < nx || un >= 0) {  // the thread's next item
+          const Step nst = x + 1 < nx ? step(u, x + 1) : step(un, 0);
+          const Segment& ns = segs[static_cast<size_t>(nst.g)];
+          QueueQueryRows(item(nst), sc.fetch);
+          for (int64_t t = ns.t0; t < ns.t1; ++t) {
+            if (first[static_cast<size_t>(nst.g)][static_cast<size_t>(t - ns.t0)] == nst.k) {
+              QueueKeyRows(ns.b, nst.hk, t * kTileK, sc.fetch);
             }
           }
-          const int64_t j_begin = seg.t0 * kTileK, j_end = std::min(p_.seq_k, seg.t1 * kTileK);
-          if (!ProcessShort(it, j_begin, j_end, sc.kseg.get(), sc.vseg.get(), sc, seg.t0)) {
-            InitAccumulators(it, sc);
-            Process(it, j_begin, j_end, sc.kseg.get(), sc.vseg.get(), sc, seg.t0);
-          }
-          Finish(it, sc);
         }
+        const int64_t j_begin = seg.t0 * kTileK, j_end = std::min(p_.seq_k, seg.t1 * kTileK);
+        if (!ProcessShort(it, j_begin, j_end, sc.kseg.get(), sc.vseg.get(), sc, seg.t0)) {
+          InitAccumulators(it, sc);
+          Process(it, j_begin, j_end, sc.kseg.get(), sc.vseg.get(), sc, seg.t0);
+        }
+        Finish(it, sc);
       }
-      sc.fetch.Clear();
+    };
+    parallel_for_ahead(units, threads, [&](int64_t u, int64_t un) {
+      Scratch& sc = Local();
+      run_unit(sc, u, un);
+      if (un < 0) sc.fetch.Clear();
     });
     q_in_place_ = false;
     return true;

@@ -1,15 +1,18 @@
-// src/kernels/parallel.h - the one threading primitive of posenc's kernels.
+// src/kernels/parallel.h - the threading primitives of posenc's kernels.
 //
 // parallel_for(n, threads, f) calls f(i) for i in [0, n), spreading the items over `threads`
 // OpenMP threads, handed out `grain` at a time in index order (dynamic schedule; grain 1 by
 // default). Each item is computed by exactly one thread and never split, so results do not
 // depend on the thread count. Runs serially with one thread, one item, inside an enclosing
-// parallel region, or without OpenMP. for_each_thread(n, f) runs f(t) on thread t of n (static:
-// the benchmarks' bandwidth baselines, where the thread that first touched a chunk reads it).
+// parallel region, or without OpenMP. parallel_for_ahead(n, threads, f) is the same with one item
+// at a time and f told which item its thread runs next. for_each_thread(n, f) runs f(t) on thread
+// t of n (static: the benchmarks' bandwidth baselines, where the thread that first touched a
+// chunk reads it).
 // Also used by bench/ (the library defines POSENC_WITH_OPENMP; its users see _OPENMP).
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "posenc/size.h"
@@ -45,6 +48,32 @@ void parallel_for(int64_t n, int threads, F&& f, int64_t grain = 1) {
   }
 #endif
   for (int64_t i = 0; i < n; ++i) f(i);
+}
+
+// parallel_for_ahead(n, threads, f) calls f(i, next) for i in [0, n): items are handed out one
+// at a time in index order, and a thread claims its next item when it starts one, so that f can
+// fetch toward the cache what item `next` (-1: none) will read while it computes item i. A thread
+// that finishes early waits for at most its peer's current and claimed items.
+template <class F>
+void parallel_for_ahead(int64_t n, int threads, F&& f) {
+  if (n <= 0) return;
+  const int t = static_cast<int>(std::min<int64_t>(std::clamp(threads, 1, kMaxThreads), n));
+#ifdef POSENC_PARALLEL_OPENMP
+  if (t > 1 && !omp_in_parallel()) {
+    std::atomic<int64_t> counter{0};
+#pragma omp parallel num_threads(t)
+    {
+      int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
+      while (i < n) {
+        const int64_t next = counter.fetch_add(1, std::memory_order_relaxed);
+        f(i, next < n ? next : int64_t{-1});
+        i = next;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) f(i, i + 1 < n ? i + 1 : int64_t{-1});
 }
 
 template <class F>
