@@ -305,10 +305,10 @@ class ForwardKernel {
   // packs the tiles no earlier block of its head saw. Units are handed out one at a time and a
   // thread claims its next unit when it starts one (parallel_for_ahead), so threads finish
   // within about a unit of each other, and while one item computes, the rows the thread's next
-  // item reads (its queries, the tiles it will pack) and its own output rows are fetched toward
-  // L2 a few cache lines at a time (FetchQueue): rows heads x head_dim elements apart, a page
-  // apart for 8 heads of 128 floats, which the processor's own prefetchers (they stay within a
-  // page) do not follow.
+  // item reads (its queries, the tiles it will pack) are fetched toward L2 a few cache lines at a
+  // time (FetchQueue): rows heads x head_dim elements apart, a page apart for 8 heads of 128
+  // floats, which the processor's own prefetchers (they stay within a page) do not follow. The
+  // item's own output rows are not fetched: measured slower, they take L2 room from those rows.
   bool RunSegments(int threads) {
     const std::vector<Segment> segs = Segments();
     if (segs.empty()) return false;
@@ -377,7 +377,6 @@ class ForwardKernel {
           PackValueTile(seg.b, st.hk, t * kTileK, sc.vseg.get() + (t - seg.t0) * kTileK * dpad_);
         }
         sc.fetch.Clear();
-        QueueOutputRows(it, sc.fetch);
         if (x + 1 < nx || un >= 0) {  // the thread's next item
           const Step nst = x + 1 < nx ? step(u, x + 1) : step(un, 0);
           const Segment& ns = segs[static_cast<size_t>(nst.g)];
@@ -418,15 +417,6 @@ class ForwardKernel {
     for (int64_t c = 0; c < nk; ++c) {
       const int64_t va = KeyAt(b, j0 + c, p_.v_stride) + hk * p_.v_stride[2];
       q.Add(p_.v16 != nullptr ? static_cast<const void*>(p_.v16 + va) : p_.v + va, vbytes);
-    }
-  }
-  void QueueOutputRows(const Item& it, FetchQueue& q) const {
-    const int64_t bytes = dim_ * (p_.out16 != nullptr ? 2 : 4);
-    for (int64_t r = 0; r < it.rows; ++r) {
-      if (!Valid(it, r)) continue;
-      const int64_t at = it.b * p_.out_stride[0] + QueryOf(it, r) * p_.out_stride[1] +
-                         HeadOf(it, r) * p_.out_stride[2];
-      q.Add(p_.out16 != nullptr ? static_cast<const void*>(p_.out16 + at) : p_.out + at, bytes);
     }
   }
   void QueueQueryRows(const Item& it, FetchQueue& q) const {
