@@ -30,6 +30,20 @@ class FetchQueue {
     lines_ += n;
   }
   int64_t Pending() const { return lines_; }
+  // One load of a byte per 4 KiB page of the queued rows: a load walks the page tables where a
+  // prefetch that misses the TLB may be dropped or delayed (with 4 KiB pages, rows of several
+  // heads touch a new page every few rows).
+  void TouchPages() const {
+    uintptr_t last = ~uintptr_t{0};
+    for (const Run& r : rows_) {
+      const uintptr_t end = r.first + static_cast<uintptr_t>(r.lines) * 64;
+      for (uintptr_t a = r.first; a < end; a = (a | 4095) + 1) {
+        if ((a >> 12) == last) continue;
+        last = a >> 12;
+        asm volatile("" : : "r"(*reinterpret_cast<const volatile char*>(a)));
+      }
+    }
+  }
   // Fetches the next n lines (all of them when n < 0), a run of consecutive lines at a time.
   void Issue(int64_t n) {
     while (n != 0 && row_ < rows_.size()) {
