@@ -11,28 +11,28 @@ namespace posenc::bench {
 
 namespace {
 
-std::vector<float> uniform(std::size_t n, uint64_t seed) {
+Buffer uniform(int64_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> x(n);
-  for (auto& v : x) v = u(rng);
+  Buffer x(n);
+  for (int64_t i = 0; i < n; ++i) x.data()[i] = u(rng);
   return x;
 }
 
 // q, k, v, out of [1, tokens, heads, 128].
 struct Packed {
   int64_t tokens, heads;
-  std::vector<float> q, k, v, out;
+  Buffer q, k, v, out;
   Packed(int64_t t, int64_t h)
       : tokens(t),
         heads(h),
-        q(uniform(static_cast<std::size_t>(t * h * 128), 1)),
+        q(uniform(t * h * 128, 1)),
         k(uniform(q.size(), 2)),
         v(uniform(q.size(), 3)),
-        out(q.size()) {}
+        out(uniform(q.size(), 4)) {}
   std::array<int64_t, 4> shape(int64_t n) const { return {1, n, heads, 128}; }
   // Rows [at, at + n) of the packed row as their own batch row.
-  View<const float, 4> in(const std::vector<float>& x, int64_t at, int64_t n) const {
+  View<const float, 4> in(const Buffer& x, int64_t at, int64_t n) const {
     return View<const float, 4>::contiguous(x.data() + at * heads * 128, shape(n));
   }
   View<float, 4> o(int64_t at, int64_t n) {

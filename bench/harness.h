@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -21,9 +22,40 @@
 #include <vector>
 
 #include "posenc/attention.h"
+#include "posenc/error.h"
 #include "posenc/tensor.h"
 
 namespace posenc::bench {
+
+// 64-byte aligned, uninitialized float storage (first touch happens where it is filled), as
+// the entries' inputs and outputs are allocated (PyTorch's CPU tensors are 64-byte aligned too).
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(int64_t count) : count_(count) {
+    const std::size_t bytes =
+        (static_cast<std::size_t>(std::max<int64_t>(count, 1)) * 4 + 63) / 64 * 64;
+    data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+    if (data_ == nullptr) {
+      throw ValueError("bench: cannot allocate " + std::to_string(bytes) + " B");
+    }
+  }
+  ~Buffer() { std::free(data_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), count_(o.count_) {}
+  Buffer& operator=(Buffer&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(count_, o.count_);
+    return *this;
+  }
+  float* data() const { return data_; }
+  int64_t size() const { return count_; }
+
+ private:
+  float* data_ = nullptr;
+  int64_t count_ = 0;
+};
 
 // ---------------------------------------------------------------------------------------------
 // Timing.
