@@ -40,7 +40,7 @@ class FetchQueue {
       for (uintptr_t a = r.first; a < end; a = (a | 4095) + 1) {
         if ((a >> 12) == last) continue;
         last = a >> 12;
-        asm volatile("" : : "r"(*reinterpret_cast<const volatile char*>(a)));
+        static_cast<void>(*reinterpret_cast<const volatile char*>(a));
       }
     }
   }
