@@ -13,6 +13,7 @@
 // Not thread-safe: the measurements set OpenBLAS's global thread count.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
