@@ -58,6 +58,21 @@ void harden_process() {
 #endif
 }
 
+// Every option that takes a value refuses an empty one: CLI11 would read `--softcap ''` as
+// "not given" (an optional stays unset) and `--window ''` as 0.
+void refuse_empty_values(CLI::App& app) {
+  for (CLI::Option* o : app.get_options()) {
+    if (o->get_type_size_min() <= 0) continue;  // a flag
+    // No description: the help text stays as it is.
+    o->check(CLI::Validator(
+        [](std::string& s) { return s.empty() ? std::string("an empty value") : std::string(); },
+        ""));
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    refuse_empty_values(*sub);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,6 +86,7 @@ int main(int argc, char** argv) {
         ".safetensors (docs/cli.md, File conventions).",
         "posenc"};
     const std::vector<pc::Command> commands = pc::add_all_commands(app);
+    refuse_empty_values(app);
     command = command_name(argc, argv, commands);
     if (argc > 1 && argv[1][0] != '-' && command.empty()) {
       std::string names;

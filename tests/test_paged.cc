@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -613,5 +615,169 @@ TEST(PagedAttention, GatheredAndRowByRowRoutes) {
           std::vector<float>(got.begin() + b * row, got.begin() + (b + 1) * row), want))
           << "row " << b;
     }
+  }
+}
+
+namespace {
+
+// f() throws E whose message holds every one of `parts`.
+template <class E, class F>
+void expect_error(F f, std::initializer_list<const char*> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "no error";
+  } catch (const E& e) {
+    for (const char* p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+  }
+}
+
+// An environment variable set for a scope.
+struct ScopedEnv {
+  std::string name, old;
+  bool had;
+  ScopedEnv(const char* n, const char* value) : name(n), had(std::getenv(n) != nullptr) {
+    if (had) old = std::getenv(n);
+    ::setenv(n, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had) {
+      ::setenv(name.c_str(), old.c_str(), 1);
+    } else {
+      ::unsetenv(name.c_str());
+    }
+  }
+};
+
+}  // namespace
+
+// A block table exactly as wide as the longest row's pages (no spare column), half caches, rows
+// whose last key tile is partial: the decode kernel's look-ahead at the next key tile must not
+// read a table entry past the row's pages (AddressSanitizer reads the table's heap buffer here).
+TEST(PagedAttention, TableWithoutSpareColumnHalfDecode) {
+  std::mt19937_64 rng(41);
+  for (const PageLayout layout : kLayouts) {
+    for (const int64_t page_size : {16, 5}) {
+      SCOPED_TRACE(std::string(page_layout_name(layout)) + " page_size " +
+                   std::to_string(page_size));
+      const std::vector<int32_t> lens = {20, 7, 150};
+      Filled<bf16> f{
+          empty_cache<bf16>(lens, 2, 32, page_size, layout, rng, /*spare_table=*/0), {}, {}};
+      for (auto& x : f.cache.k) x = cast<bf16>(0.25f);
+      for (auto& x : f.cache.v) x = cast<bf16>(1.0f);
+      // The table on the heap at its exact size, so an entry past it is outside the buffer.
+      const auto table = std::make_unique<int32_t[]>(f.cache.table.size());
+      std::copy(f.cache.table.begin(), f.cache.table.end(), table.get());
+      const auto tv = View<const int32_t, 2>::contiguous(
+          table.get(), {static_cast<int64_t>(lens.size()), f.cache.max_pages});
+      const std::array<int64_t, 4> qs{3, 1, 8, 32};
+      const auto q = random_vec<bf16>(3 * 8 * 32, rng);
+      std::vector<bf16> out(q.size());
+      attention_paged(View<const bf16, 4>::contiguous(q.data(), qs), f.cache.kview(),
+                      f.cache.vview(), layout, tv, f.cache.lview(), NoPositions{}, {.causal = true},
+                      View<bf16, 4>::contiguous(out.data(), qs));
+      // Every value is 1: so is every output.
+      for (const bf16 x : out) EXPECT_EQ(to_float(x), 1.0f);
+    }
+  }
+}
+
+// k_pages and v_pages laid out differently (v a slice of a wider pool, k contiguous, and the
+// reverse): each pool is read through its own strides, equal to contiguous copies bit for bit.
+TEST(PagedAttention, KeyAndValuePoolsWithTheirOwnStrides) {
+  std::mt19937_64 rng(43);
+  const std::vector<int32_t> lens = {20, 7};
+  const int64_t heads_kv = 2, dim = 32, page_size = 16;
+  for (const PageLayout layout : kLayouts) {
+    SCOPED_TRACE(page_layout_name(layout));
+    auto f = random_cache<float>(lens, heads_kv, dim, page_size, layout, rng);
+    // The same pools inside ones twice as wide in head_dim.
+    const auto shape = f.cache.pool_shape();
+    std::vector<float> wide_k(f.cache.k.size() * 2, std::nanf("")),
+        wide_v(f.cache.v.size() * 2, std::nanf(""));
+    for (size_t i = 0; i < f.cache.k.size(); ++i) {
+      wide_k[(i / dim) * 2 * dim + i % dim] = f.cache.k[i];
+      wide_v[(i / dim) * 2 * dim + i % dim] = f.cache.v[i];
+    }
+    const std::array<int64_t, 4> wstride{shape[1] * shape[2] * 2 * dim, shape[2] * 2 * dim, 2 * dim,
+                                         1};
+    const View<const float, 4> wk{wide_k.data(), shape, wstride}, wv{wide_v.data(), shape, wstride};
+    const std::array<int64_t, 4> qs{2, 1, 4, dim};
+    const auto q = random_vec<float>(2 * 4 * dim, rng);
+    const auto qv = View<const float, 4>::contiguous(q.data(), qs);
+    std::vector<float> want(q.size()), got(q.size());
+    attention_paged(qv, f.cache.kview(), f.cache.vview(), layout, f.cache.tview(), f.cache.lview(),
+                    NoPositions{}, {.causal = true}, View<float, 4>::contiguous(want.data(), qs));
+    for (int which = 0; which < 2; ++which) {
+      attention_paged(qv, which == 0 ? f.cache.kview() : wk, which == 0 ? wv : f.cache.vview(),
+                      layout, f.cache.tview(), f.cache.lview(), NoPositions{}, {.causal = true},
+                      View<float, 4>::contiguous(got.data(), qs));
+      EXPECT_TRUE(same_bits_vec(got, want)) << (which == 0 ? "strided v" : "strided k");
+    }
+  }
+}
+
+// An empty row under the default query positions: 0 where allowed (allow_fully_masked or sinks),
+// an error naming the row otherwise; seq_lens far beyond what the pool holds is refused by size
+// before anything is allocated.
+TEST(PagedAttention, EmptyRowDefaultPositionsAndSizeLimit) {
+  std::mt19937_64 rng(47);
+  auto f = random_cache<float>({0, 5}, 2, 8, 4, PageLayout::kTokenMajor, rng);
+  const std::array<int64_t, 4> qs{2, 1, 2, 8};
+  const auto q = random_vec<float>(2 * 2 * 8, rng);
+  const auto qv = View<const float, 4>::contiguous(q.data(), qs);
+  std::vector<float> out(q.size(), 7.0f);
+  const auto ov = View<float, 4>::contiguous(out.data(), qs);
+  expect_error<ValueError>(
+      [&] {
+        attention_paged(qv, f.cache.kview(), f.cache.vview(), PageLayout::kTokenMajor,
+                        f.cache.tview(), f.cache.lview(), NoPositions{}, {}, ov);
+      },
+      {"batch 0", "sees no key"});
+  attention_paged(qv, f.cache.kview(), f.cache.vview(), PageLayout::kTokenMajor, f.cache.tview(),
+                  f.cache.lview(), NoPositions{}, {.allow_fully_masked = true}, ov);
+  for (int64_t x = 0; x < 16; ++x) EXPECT_EQ(out[x], 0.0f);
+  for (int64_t x = 16; x < 32; ++x) EXPECT_TRUE(std::isfinite(out[x]) && out[x] != 7.0f);
+
+  // One page listed 2^26 times: seq_lens 2^28 keys of a pool of 5 pages of 4 keys.
+  const int64_t max_pages = int64_t{1} << 26;
+  std::vector<int32_t> table(static_cast<size_t>(max_pages), 0);
+  std::vector<int32_t> lens = {1 << 28};
+  const std::array<int64_t, 4> q1{1, 1, 2, 8};
+  std::vector<float> o1(16);
+  ScopedEnv limit("POSENC_MAX_BYTES", "64M");
+  expect_error<SizeError>(
+      [&] {
+        attention_paged(View<const float, 4>::contiguous(q.data(), q1), f.cache.kview(),
+                        f.cache.vview(), PageLayout::kTokenMajor,
+                        View<const int32_t, 2>::contiguous(table.data(), {1, max_pages}),
+                        View<const int32_t, 1>::contiguous(lens.data(), {1}), NoPositions{}, {},
+                        View<float, 4>::contiguous(o1.data(), q1));
+      },
+      {"max(seq_lens)", "268435456", "POSENC_MAX_BYTES"});
+}
+
+// A soft-cap that rounds to 0 (or to a subnormal) in float32 still caps: equal to the float64
+// reference within float32's tolerance, forward and through the backward.
+TEST(PagedAttention, SoftcapBelowFloat32Range) {
+  std::mt19937_64 rng(53);
+  const std::array<int64_t, 4> s{1, 6, 2, 8};
+  const auto q = random_vec<float>(96, rng), k = random_vec<float>(96, rng),
+             v = random_vec<float>(96, rng);
+  std::vector<double> qd(q.begin(), q.end()), kd(k.begin(), k.end()), vd(v.begin(), v.end());
+  for (const double cap : {1e-300, 1e-50, 1e-40, 1e-30, 1e300}) {
+    SCOPED_TRACE(cap);
+    const AttentionOptions opt{.causal = true, .softcap = cap};
+    std::vector<float> out(96);
+    std::vector<double> want(96);
+    attention(View<const float, 4>::contiguous(q.data(), s),
+              View<const float, 4>::contiguous(k.data(), s),
+              View<const float, 4>::contiguous(v.data(), s), NoPositions{}, opt,
+              View<float, 4>::contiguous(out.data(), s));
+    ref::attention(View<const double, 4>::contiguous(qd.data(), s),
+                   View<const double, 4>::contiguous(kd.data(), s),
+                   View<const double, 4>::contiguous(vd.data(), s), NoPositions{}, opt,
+                   View<double, 4>::contiguous(want.data(), s));
+    EXPECT_LE(max_abs_diff(out, want), 1e-6);
   }
 }

@@ -127,9 +127,14 @@ def _resolve(value):
 
 @functools.lru_cache(maxsize=4096)
 def _decode_cached(options):
-    d = ast.literal_eval(options)
-    if not isinstance(d, dict):
-        raise ValueError("posenc: options must be a dict literal")
+    if not isinstance(options, str):
+        raise TypeError(f"options: expected a str (a dict literal), got {type(options).__name__}")
+    try:
+        d = ast.literal_eval(options)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as e:
+        raise ValueError(f"options: not a Python dict literal ({e})") from None
+    if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
+        raise ValueError("options: must be a dict literal with string keys")
     return d
 
 
@@ -176,6 +181,17 @@ def _from_bits(a, dtype):
 _HALF = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def _half_dtypes(fn, q, k, v, names=("q", "k", "v")):
+    """TypeError unless k and v share one half dtype and q is of it or float32: each tensor's
+    bits are read as that dtype, so a mix would be read wrongly."""
+    if k.dtype not in _HALF or v.dtype != k.dtype:
+        raise TypeError(f"{fn}: {names[1]} and {names[2]} must share one dtype, bfloat16 or "
+                        f"float16 (got {k.dtype} and {v.dtype})")
+    if q.dtype not in (k.dtype, torch.float32):
+        raise TypeError(f"{fn}: {names[0]} must be {k.dtype} or torch.float32 with {k.dtype} "
+                        f"{names[1]} and {names[2]} (got {q.dtype})")
+
+
 def _positions(t, what):
     return None if t is None else _np(t, what)
 
@@ -184,11 +200,19 @@ def _params(names, tables):
     return {n: _np(t, n) for n, t in zip(names, tables)} or None
 
 
-def _attention_kwargs(options, query_positions, key_positions, masks=()):
+def _attention_kwargs(options, query_positions, key_positions, masks=(), tables=()):
     kw = decode(options)
     names = kw.pop("\x00names", [])
+    mask_names = kw.pop("\x00masks", [])
+    # Every tensor is named by the options: one without a name would be ignored.
+    if len(names) != len(tables):
+        raise ValueError(f"tables: {len(tables)} tensors, but options name {len(names)} "
+                         f"({names})")
+    if len(mask_names) != len(masks):
+        raise ValueError(f"masks: {len(masks)} tensors, but options name {len(mask_names)} "
+                         f"({mask_names})")
     # Mask tensors (cu_seqlens, documents, prefix, dense mask): named by options' "\x00masks".
-    for name, t in zip(kw.pop("\x00masks", []), masks):
+    for name, t in zip(mask_names, masks):
         kw[name] = _np(t, name)
     if query_positions is not None:
         kw["query_positions"] = _positions(query_positions, "query_positions")
@@ -218,7 +242,7 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
     [total_q, heads_q, v_dim] and [heads_q, total_q]): posenc.attention with return_lse
     (float32: the fused kernel; float64: the float64 reference). masks: the integer / boolean
     mask arguments named by the options."""
-    kw, names = _attention_kwargs(options, query_positions, key_positions, masks)
+    kw, names = _attention_kwargs(options, query_positions, key_positions, masks, tables)
     out, lse = _posenc.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"),
                                  params=_params(names, tables), return_lse=True, **kw)
     return torch.from_numpy(out), torch.from_numpy(lse)
@@ -238,7 +262,7 @@ def attention_backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                        options: str) -> list[Tensor]:
     """[dq, dk, dv, d<table> for each table]: the fused backward (FlashAttention-2 recomputation
     from out and lse; float64: the reference)."""
-    kw, names = _attention_kwargs(options, query_positions, key_positions, masks)
+    kw, names = _attention_kwargs(options, query_positions, key_positions, masks, tables)
     g = _posenc.attention_grad(_np(q, "q"), _np(k, "k"), _np(v, "v"), _np(dout, "dout"),
                                params=_params(names, tables), out=_np(out, "out"),
                                lse=_np(lse, "lse"), **kw)
@@ -280,7 +304,8 @@ def attention_half_impl(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
                    masks: list[Tensor], options: str) -> Tensor:
     """The native half-precision forward: k, v bf16 or f16, q of their dtype (out of that dtype)
     or float32 (the mixed kernel, float32 out). No gradient."""
-    kw, names = _attention_kwargs(options, query_positions, key_positions, masks)
+    kw, names = _attention_kwargs(options, query_positions, key_positions, masks, tables)
+    _half_dtypes("attention_half", q, k, v)
     half_q = q.dtype in _HALF
     out = _posenc._attention_half(_bits(q, "q") if half_q else _np(q, "q"), _bits(k, "k"),
                                   _bits(v, "v"), params=_params(names, tables),
@@ -304,9 +329,10 @@ def attention_paged_impl(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tabl
                          query_positions: Optional[Tensor], options: str) -> Tensor:
     """posenc.attention_paged on the pages' memory: float32 pages (float32 q and out), or bf16 /
     f16 pages with q of their dtype (out of that dtype) or float32 (float32 out). No gradient."""
-    kw, names = _attention_kwargs(options, query_positions, None)
+    kw, names = _attention_kwargs(options, query_positions, None, (), tables)
     table, lens = _np(block_table, "block_table"), _np(seq_lens, "seq_lens")
-    if k_pages.dtype in _HALF:
+    if k_pages.dtype in _HALF or v_pages.dtype in _HALF:
+        _half_dtypes("attention_paged", q, k_pages, v_pages, ("q", "k_pages", "v_pages"))
         half_q = q.dtype in _HALF
         out = _posenc._attention_paged(_bits(q, "q") if half_q else _np(q, "q"),
                                        _bits(k_pages, "k_pages"), _bits(v_pages, "v_pages"),
@@ -343,6 +369,13 @@ def rope_append_impl(k_new: Tensor, v_new: Optional[Tensor], k_pages: Tensor,
     place."""
     kw = decode(options)
     half = k_pages.dtype in _HALF
+    if v_pages is not None and v_pages.dtype != k_pages.dtype:
+        raise TypeError(f"rope_append: k_pages and v_pages must share one dtype (got "
+                        f"{k_pages.dtype} and {v_pages.dtype})")
+    for t, what in ((k_new, "k_new"), (v_new, "v_new")):
+        if t is not None and t.dtype not in (torch.float32, k_pages.dtype):
+            raise TypeError(f"rope_append: {what} must be torch.float32 or the pages' dtype "
+                            f"{k_pages.dtype} (got {t.dtype})")
 
     def new(t, what):
         if t is None:

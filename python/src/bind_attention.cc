@@ -7,12 +7,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <set>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "args.h"
 #include "calls.h"
 #include "posenc/schemes.h"
 
@@ -102,11 +104,34 @@ void parse_params(Call& c, const pb::handle& obj) {
   throw pb::type_error("params: a dict {name: array} or a .safetensors path");
 }
 
+// A dense mask as uint8 0 / 1: booleans as they are; integers and floats by "nonzero attends"
+// (256 and 0.5 attend, NaN too), never by a cast that would wrap or truncate them.
+pb::array dense_mask(const pb::handle& value) {
+  static const pb::object& asarray = py_attr("numpy", "asarray");
+  pb::array a;
+  try {
+    a = asarray(value);
+  } catch (pb::error_already_set& e) {
+    throw pb::type_error(
+        std::string("mask: expected a boolean array [batch or 1, seq_q, seq_k] (") + e.what() +
+        ")");
+  }
+  const char kind = a.dtype().kind();
+  if (kind != 'b' && kind != 'i' && kind != 'u' && kind != 'f') {
+    throw pb::type_error(
+        "mask: expected a boolean (or integer / float, nonzero attends) array, "
+        "got dtype " +
+        pb::str(a.dtype()).cast<std::string>());
+  }
+  if (kind != 'b') a = a.attr("__ne__")(0);
+  return pb::array_t<uint8_t, pb::array::c_style | pb::array::forcecast>::ensure(a);
+}
+
 }  // namespace
 
 Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, const pb::handle& v,
            const pb::object& scheme, const pb::kwargs& kw, Inputs inputs,
-           const std::set<std::string>& extra) {
+           const std::set<std::string>& extra, const QkvNames& names) {
   Call c;
   c.f64 = inputs == Inputs::kFloat64 ||
           (inputs == Inputs::kAuto && pb::isinstance<pb::array>(q) &&
@@ -114,17 +139,18 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
   const bool varlen = (kw.contains("cu_seqlens_q") && !kw["cu_seqlens_q"].is_none()) ||
                       (kw.contains("cu_seqlens_k") && !kw["cu_seqlens_k"].is_none());
   if (inputs == Inputs::kBf16 || inputs == Inputs::kF16) {
-    half_inputs(c, inputs, q, k, v);
+    half_inputs(c, inputs, q, k, v, names);
   } else if (c.f64) {
-    c.q = as_array<double>(q, "q");
-    c.k = as_array<double>(k, "k");
-    c.v = as_array<double>(v, "v");
+    c.q = as_array<double>(q, names[0]);
+    c.k = as_array<double>(k, names[1]);
+    c.v = as_array<double>(v, names[2]);
   } else {
-    c.q = as_array<float>(q, "q");
-    c.k = as_array<float>(k, "k");
-    c.v = as_array<float>(v, "v");
+    c.q = as_array<float>(q, names[0]);
+    c.k = as_array<float>(k, names[1]);
+    c.v = as_array<float>(v, names[2]);
   }
-  for (const auto& [a, what] : {std::pair{&c.q, "q"}, std::pair{&c.k, "k"}, std::pair{&c.v, "v"}}) {
+  for (const auto& [a, what] :
+       {std::pair{&c.q, names[0]}, std::pair{&c.k, names[1]}, std::pair{&c.v, names[2]}}) {
     if (varlen) {
       if (a->ndim() != 3) {
         throw ShapeError(
@@ -148,7 +174,7 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
     c.kshape[d] = c.k.shape(d);
     c.vshape[d] = c.v.shape(d);
   }
-  if (!scheme.is_none()) c.settings.scheme = scheme.cast<std::string>();
+  if (!scheme.is_none()) c.settings.scheme = arg_str(scheme, "scheme");
   pb::object params = pb::none();
   pb::object cu_q = pb::none(), cu_k = pb::none();
   for (auto [key, value] : kw) {
@@ -156,20 +182,20 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
     if (extra.count(name)) {
       if (name == "out") c.out = pb::reinterpret_borrow<pb::object>(value);
       if (name == "lse") c.lse = pb::reinterpret_borrow<pb::object>(value);
-      if (name == "return_lse") c.return_lse = value.cast<bool>();
+      if (name == "return_lse") c.return_lse = arg_bool(value, name);
       continue;
     }
     if (value.is_none()) continue;  // None = not given
     if (name == "causal") {
-      c.opt.causal = value.cast<bool>();
+      c.opt.causal = arg_bool(value, name);
     } else if (name == "scale") {
-      c.opt.scale = value.cast<double>();
+      c.opt.scale = arg_float(value, name);
     } else if (name == "window") {
-      c.opt.window = value.cast<int64_t>();
+      c.opt.window = arg_int(value, name, 1, kMaxPositionArg);
     } else if (name == "chunk") {
-      c.opt.chunk = value.cast<int64_t>();
+      c.opt.chunk = arg_int(value, name, 1, kMaxPositionArg);
     } else if (name == "softcap") {
-      c.opt.softcap = value.cast<double>();
+      c.opt.softcap = arg_float(value, name, /*finite=*/true, /*positive=*/true);
     } else if (name == "cu_seqlens_q") {
       cu_q = pb::reinterpret_borrow<pb::object>(value);
     } else if (name == "cu_seqlens_k") {
@@ -192,20 +218,15 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
       const int64_t* p = static_cast<const int64_t*>(a.data());
       c.opt.block_mask.global_positions.assign(p, p + a.shape(0));
     } else if (name == "mask") {
-      pb::array a;
-      try {
-        a = pb::array_t<uint8_t, pb::array::c_style | pb::array::forcecast>::ensure(value);
-      } catch (pb::error_already_set&) {
-      }
-      if (!a) throw pb::type_error("mask: a boolean array [batch or 1, seq_q, seq_k]");
+      const pb::array a = dense_mask(value);
       c.mask_arrays.push_back(a);
       c.opt.block_mask.dense = view_of<const uint8_t, 3>(a, "mask", "[batch or 1, seq_q, seq_k]");
     } else if (name == "layer") {
-      c.settings.layer = value.cast<int64_t>();
+      c.settings.layer = arg_int(value, name, 0, std::numeric_limits<int32_t>::max());
     } else if (name == "allow_fully_masked") {
-      c.opt.allow_fully_masked = value.cast<bool>();
+      c.opt.allow_fully_masked = arg_bool(value, name);
     } else if (name == "num_threads") {
-      c.opt.num_threads = value.cast<int>();
+      c.opt.num_threads = static_cast<int>(arg_int(value, name, 0, kMaxThreads));
     } else if (name == "query_positions") {
       c.qp = positions_arg(value, "query_positions");
     } else if (name == "key_positions") {
@@ -217,35 +238,38 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
       c.settings.config_name =
           pb::isinstance<pb::str>(value) ? value.cast<std::string>() : std::string("config");
     } else if (name == "base") {
-      c.settings.base = value.cast<double>();
+      c.settings.base = arg_float(value, name, /*finite=*/true, /*positive=*/true);
     } else if (name == "rotary_dim") {
-      c.settings.rotary_dim = value.cast<int64_t>();
+      c.settings.rotary_dim = arg_int(value, name, 0, int64_t{1} << 32);
     } else if (name == "style") {
-      c.settings.style = parse_style(value.cast<std::string>());
+      c.settings.style = parse_style(arg_str(value, name));
     } else if (name == "angles") {
-      c.settings.angles = parse_angles(value.cast<std::string>());
+      c.settings.angles = parse_angles(arg_str(value, name));
     } else if (name == "seq_len") {
-      value.cast<int64_t>();  // read below, once positions are known
+      arg_int(value, name, 0, kMaxPositionArg);  // read below, once positions are known
     } else if (name == "freqs") {
+      if (!pb::isinstance<RopeFrequencies>(value)) {
+        throw pb::type_error("freqs: expected a posenc.RopeFrequencies, got " + type_name(value));
+      }
       c.settings.freqs = value.cast<RopeFrequencies>();
     } else if (name == "scaling") {
       c.settings.scaling = scaling_arg(value);
     } else if (name == "max_bias") {
-      c.settings.max_bias = value.cast<double>();
+      c.settings.max_bias = arg_float(value, name);
     } else if (name == "num_buckets") {
-      c.settings.num_buckets = value.cast<int64_t>();
+      c.settings.num_buckets = arg_int(value, name, 1, kMaxPositionArg);
     } else if (name == "max_distance") {
-      c.settings.max_distance = value.cast<int64_t>();
+      c.settings.max_distance = arg_int(value, name, 1, kMaxPositionArg);
     } else if (name == "bidirectional") {
-      c.settings.bidirectional = value.cast<bool>();
+      c.settings.bidirectional = arg_bool(value, name);
     } else if (name == "position_buckets") {
-      c.settings.position_buckets = value.cast<int64_t>();
+      c.settings.position_buckets = arg_int(value, name, 0, kMaxPositionArg);
     } else if (name == "max_relative_positions") {
-      c.settings.max_relative_positions = value.cast<int64_t>();
+      c.settings.max_relative_positions = arg_int(value, name, 0, kMaxPositionArg);
     } else if (name == "deberta_p2c") {
-      c.settings.deberta_p2c = parse_deberta_p2c(value.cast<std::string>(), "deberta_p2c");
+      c.settings.deberta_p2c = parse_deberta_p2c(arg_str(value, name), "deberta_p2c");
     } else if (name == "deberta_float64_log") {
-      c.settings.deberta_float64_log = value.cast<bool>();
+      c.settings.deberta_float64_log = arg_bool(value, name);
     } else {
       unexpected_keyword(fn, name);
     }
@@ -287,7 +311,7 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
   // Length for length-dependent RoPE scaling: seq_len=, else the largest position + 1.
   int64_t seq_len = 0;
   if (kw.contains("seq_len") && !kw["seq_len"].is_none()) {
-    seq_len = kw["seq_len"].cast<int64_t>();
+    seq_len = arg_int(kw["seq_len"], "seq_len", 0, kMaxPositionArg);
   } else {
     if (c.qp) c.qp->validate(c.qshape[0], c.qshape[1], "attention: query positions");
     if (c.kp) c.kp->validate(c.kshape[0], c.kshape[1], "attention: key positions");

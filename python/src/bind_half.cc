@@ -50,6 +50,13 @@ std::string type_of(const pb::handle& obj) {
 // the message mentions float32 (q of the mixed path).
 pb::array half_array(const pb::handle& obj, const char* what, Inputs inputs,
                      bool float32_ok = false) {
+  if (inputs == Inputs::kBf16 && pb::isinstance<pb::array>(obj) &&
+      pb::reinterpret_borrow<pb::array>(obj).dtype().kind() == 'f' &&
+      pb::reinterpret_borrow<pb::array>(obj).dtype().itemsize() == 2) {
+    throw pb::type_error(std::string(what) +
+                         ": a float16 array for dtype='bfloat16' (its bits are f16, not bf16: "
+                         "bf16 travels as uint16 bits)");
+  }
   if (!is_half_array(obj)) {
     throw pb::type_error(std::string(what) + ": dtype='" + dtype_name(inputs) +
                          "' needs a 2-byte array (float16, or the bits as uint16 / int16)" +
@@ -132,13 +139,13 @@ the exactly widened x, rounded once. out= is refused (TypeError).)doc";
 }  // namespace
 
 void half_inputs(Call& c, Inputs inputs, const pb::handle& q, const pb::handle& k,
-                 const pb::handle& v) {
+                 const pb::handle& v, const QkvNames& names) {
   const bool q_f32 = pb::isinstance<pb::array>(q) &&
                      pb::reinterpret_borrow<pb::array>(q).dtype().is(pb::dtype::of<float>());
   c.q_half = !q_f32;
-  c.q = q_f32 ? as_array<float>(q, "q") : half_array(q, "q", inputs, true);
-  c.k = half_array(k, "k", inputs);
-  c.v = half_array(v, "v", inputs);
+  c.q = q_f32 ? as_array<float>(q, names[0]) : half_array(q, names[0], inputs, true);
+  c.k = half_array(k, names[1], inputs);
+  c.v = half_array(v, names[2], inputs);
 }
 
 void bind_half(pb::module_& m) {

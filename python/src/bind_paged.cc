@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "args.h"
 #include "calls.h"
 #include "posenc/paged.h"
 
@@ -24,34 +25,80 @@ using pb::arg;
 
 Inputs paged_inputs(const pb::object& dtype) {
   if (dtype.is_none()) return Inputs::kAuto;
-  const std::string s = dtype.cast<std::string>();
+  const std::string s = arg_str(dtype, "dtype");
   if (s == "bfloat16") return Inputs::kBf16;
   if (s == "float16") return Inputs::kF16;
   throw ValueError("dtype: '" + s + "' (None for float32 pages, 'bfloat16' or 'float16')");
 }
 
-// An int32 copy of an integer array (block_table, seq_lens) of `ndim` dimensions.
+// An int32 copy of an integer array (block_table, seq_lens) of `ndim` dimensions: integers only
+// (TypeError for floats and booleans), each value inside int32 (ValueError naming it), so an
+// invalid page index never wraps into a valid one.
 pb::array_t<int32_t> int32_array(const pb::handle& obj, const char* what, int ndim) {
-  static const pb::object& asarray = py_attr("numpy", "asarray");
-  pb::array a = asarray(obj);
-  const char kind = a.dtype().kind();
-  if (kind != 'i' && kind != 'u' && !(a.size() == 0 && kind == 'f')) {
-    throw pb::type_error(std::string(what) + ": an integer array, got dtype " +
-                         pb::str(a.dtype()).cast<std::string>());
+  if (obj.is_none()) {
+    throw pb::type_error(std::string(what) + ": expected an integer array, got None");
   }
+  const pb::array a = int_array<int32_t>(obj, what);
   if (a.ndim() != ndim) {
     throw ShapeError(std::string(what) + ": expected " + std::to_string(ndim) +
-                     " dimensions, got " + std::to_string(a.ndim()));
+                     (ndim == 2 ? " dimensions [batch, max_pages]" : " dimension [batch]") +
+                     ", got " + std::to_string(a.ndim()));
   }
-  auto wide = pb::array_t<int64_t, pb::array::c_style | pb::array::forcecast>::ensure(a);
-  const int64_t* p = wide.data();
-  for (pb::ssize_t i = 0; i < wide.size(); ++i) {
-    if (p[i] < std::numeric_limits<int32_t>::min() || p[i] > std::numeric_limits<int32_t>::max()) {
-      throw ValueError(std::string(what) + ": value " + std::to_string(p[i]) +
-                       " does not fit int32");
+  return pb::array_t<int32_t, pb::array::c_style | pb::array::forcecast>::ensure(a);
+}
+
+// A page pool as given (before the layout's view): an array of 4 dimensions whose dtype the call
+// reads exactly: float32 for float32 pages, 2-byte elements (the bits) for half pages. Checked
+// here, under the pool's own name and layout, before the attention parser sees it.
+void check_pool(const pb::handle& obj, const char* what, PageLayout layout, Inputs inputs) {
+  const char* want = layout == PageLayout::kTokenMajor
+                         ? "[num_pages, page_size, heads_kv, head_dim] (layout='token_major')"
+                         : "[num_pages, heads_kv, page_size, head_dim] (layout='head_major')";
+  if (!pb::isinstance<pb::array>(obj)) {
+    throw pb::type_error(std::string(what) + ": expected an array " + want + ", got " +
+                         type_name(obj));
+  }
+  const pb::array a = pb::reinterpret_borrow<pb::array>(obj);
+  if (a.ndim() != 4) {
+    throw ShapeError(std::string(what) + ": expected 4 dimensions " + want + ", got " +
+                     std::to_string(a.ndim()));
+  }
+  const pb::dtype dt = a.dtype();
+  const std::string got = pb::str(dt).cast<std::string>();
+  if (inputs == Inputs::kAuto && !dt.is(pb::dtype::of<float>())) {
+    throw pb::type_error(std::string(what) + ": pages of dtype " + got +
+                         "; float32 pages (dtype=None), or the bits of bf16 / f16 pages with "
+                         "dtype='bfloat16' / 'float16'");
+  }
+  if (inputs != Inputs::kAuto) {
+    const char kind = dt.kind();
+    const bool bits = dt.itemsize() == 2 && (kind == 'u' || kind == 'i');
+    const bool f16 = dt.itemsize() == 2 && kind == 'f' && inputs == Inputs::kF16;
+    if (!bits && !f16) {
+      throw pb::type_error(std::string(what) + ": dtype='" +
+                           (inputs == Inputs::kBf16 ? "bfloat16" : "float16") +
+                           "' pages must hold the half bits (uint16 / int16" +
+                           (inputs == Inputs::kF16 ? ", or float16" : "") + "), got dtype " + got);
     }
   }
-  return pb::array_t<int32_t, pb::array::c_style | pb::array::forcecast>::ensure(wide);
+}
+
+// q of a paged call: float32, or the pages' half type (2-byte bits) with half pages. A float64
+// q is refused: the pages are float32 or half, and narrowing q would change the result.
+void check_paged_q(const pb::handle& obj, Inputs inputs) {
+  if (!pb::isinstance<pb::array>(obj)) return;  // sequences: converted to float32 by the parser
+  const pb::dtype dt = pb::reinterpret_borrow<pb::array>(obj).dtype();
+  const char kind = dt.kind();
+  if (dt.is(pb::dtype::of<float>())) return;
+  if (inputs != Inputs::kAuto && dt.itemsize() == 2 &&
+      (kind == 'u' || kind == 'i' || (kind == 'f' && inputs == Inputs::kF16))) {
+    return;
+  }
+  throw pb::type_error("q: expected float32" +
+                       std::string(inputs == Inputs::kAuto ? "" : " or the pages' half bits") +
+                       " (attention_paged computes in float32 from float32 or half pages), got "
+                       "dtype " +
+                       pb::str(dt).cast<std::string>());
 }
 
 // The pool as a [num_pages, page_size, heads_kv, head_dim] array: itself, or the head-major pool
@@ -154,9 +201,9 @@ void bind_paged(pb::module_& m) {
       "_attention_paged",
       [](const pb::object& q, const pb::object& k_pages, const pb::object& v_pages,
          const pb::object& block_table, const pb::object& seq_lens, const pb::object& scheme,
-         const std::string& layout, const pb::object& dtype, const pb::kwargs& kw) {
+         const pb::object& layout, const pb::object& dtype, const pb::kwargs& kw) {
         const Inputs inputs = paged_inputs(dtype);
-        const PageLayout lay = parse_page_layout(layout);
+        const PageLayout lay = parse_page_layout(arg_str(layout, "layout"));
         for (const char* no : {"key_positions", "out", "lse", "return_lse"}) {
           if (kw.contains(no)) {
             throw pb::type_error(std::string("attention_paged(): '") + no +
@@ -164,9 +211,13 @@ void bind_paged(pb::module_& m) {
                                  "is a new array)");
           }
         }
+        check_paged_q(q, inputs);
+        check_pool(k_pages, "k_pages", lay, inputs);
+        check_pool(v_pages, "v_pages", lay, inputs);
         const auto table = int32_array(block_table, "block_table", 2);
         const auto lens = int32_array(seq_lens, "seq_lens", 1);
-        // Default query positions: the last seq_q cached tokens of each row.
+        // Default query positions: the last seq_q cached tokens of each row (0 .. seq_q - 1 in an
+        // empty row), as the library sets them.
         pb::dict args;
         for (auto [key, value] : kw) args[key] = value;
         static const pb::object& asarray = py_attr("numpy", "asarray");
@@ -178,14 +229,16 @@ void bind_paged(pb::module_& m) {
           bool ok = true;
           for (int64_t b = 0; b < batch; ++b)
             for (int64_t i = 0; i < seq_q; ++i) {
-              ids.mutable_at(b, i) = lens.at(b) - seq_q + i;
-              ok = ok && lens.at(b) >= seq_q;
+              const int64_t len = lens.at(b);
+              ids.mutable_at(b, i) = len == 0 ? i : len - seq_q + i;
+              ok = ok && (len == 0 || len >= seq_q);
             }
           if (ok) args["query_positions"] = ids;
         }
         Call c = parse("attention_paged", q, token_major(k_pages, lay, "k_pages"),
                        token_major(v_pages, lay, "v_pages"), scheme,
-                       pb::reinterpret_borrow<pb::kwargs>(args), inputs, {});
+                       pb::reinterpret_borrow<pb::kwargs>(args), inputs, {},
+                       {"q", "k_pages", "v_pages"});
         if (inputs == Inputs::kAuto) {
           return run_paged<float, float, float>(c, table, lens);
         }
@@ -203,16 +256,28 @@ void bind_paged(pb::module_& m) {
       "_rope_append",
       [](const pb::object& k_new, const pb::object& k_pages, const pb::object& block_table,
          const pb::object& seq_lens, const pb::object& v_new, const pb::object& v_pages,
-         const std::string& layout, const pb::object& dtype, const pb::object& positions,
-         const pb::object& freqs, const pb::object& style, int64_t rotary_dim, double base,
-         const pb::object& scaling, std::optional<int64_t> seq_len, const std::string& angles,
-         const pb::object& config, int64_t offset, int num_threads) {
+         const pb::object& layout_arg, const pb::object& dtype, const pb::object& positions,
+         const pb::object& freqs, const pb::object& style, const pb::object& rotary_dim_arg,
+         const pb::object& base_arg, const pb::object& scaling, const pb::object& seq_len_arg,
+         const pb::object& angles_arg, const pb::object& config, const pb::object& offset_arg,
+         const pb::object& num_threads_arg) {
+        // Every scalar keyword through args.h, before any page is touched.
         const Inputs inputs = paged_inputs(dtype);
         const bool half = inputs != Inputs::kAuto;
-        const PageLayout lay = parse_page_layout(layout);
+        const PageLayout lay = parse_page_layout(arg_str(layout_arg, "layout"));
+        const int64_t rotary_dim = arg_int(rotary_dim_arg, "rotary_dim", 0, int64_t{1} << 32);
+        const double base = arg_float(base_arg, "base", /*finite=*/true, /*positive=*/true);
+        std::optional<int64_t> seq_len;
+        if (!seq_len_arg.is_none()) seq_len = arg_int(seq_len_arg, "seq_len", 0, kMaxPositionArg);
+        const std::string angles = arg_str(angles_arg, "angles");
+        const int64_t offset = arg_int(offset_arg, "offset", 0, int64_t{1} << 32);
+        const int num_threads =
+            static_cast<int>(arg_int(num_threads_arg, "num_threads", 0, kMaxThreads));
         if (v_new.is_none() != v_pages.is_none()) {
           throw pb::type_error("rope_append(): give both v_new and v_pages, or neither");
         }
+        check_pool(k_pages, "k_pages", lay, inputs);
+        if (!v_pages.is_none()) check_pool(v_pages, "v_pages", lay, inputs);
         const pb::array kp = writable_pool(token_major(k_pages, lay, "k_pages"), "k_pages", half);
         pb::object vp = pb::none();
         if (!v_pages.is_none()) {

@@ -69,15 +69,17 @@ View<const T, 4> view4(const pb::array& a, const char* what, const char* layout)
 
 // Parses (q, k, v, scheme, **kwargs) of the function `fn` and builds its scheme. `extra` lists
 // the function's own keywords (out, lse, return_lse), left in c for the caller.
+// `names`: what errors call q, k and v (attention_paged: q, k_pages, v_pages).
+using QkvNames = std::array<const char*, 3>;
 Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, const pb::handle& v,
            const pb::object& scheme, const pb::kwargs& kw, Inputs inputs,
-           const std::set<std::string>& extra);
+           const std::set<std::string>& extra, const QkvNames& names = {"q", "k", "v"});
 
 // bind_half.cc: q, k, v of a half-precision call (c.q, c.k, c.v, c.q_half): 2-byte
 // arrays viewed in place when their strides allow (else one contiguous copy), q float32 for the
 // mixed path; TypeError naming the argument and the dtype found otherwise.
 void half_inputs(Call& c, Inputs inputs, const pb::handle& q, const pb::handle& k,
-                 const pb::handle& v);
+                 const pb::handle& v, const QkvNames& names);
 
 // ---- RoPE ------------------------------------------------------------------------------------
 

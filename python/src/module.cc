@@ -8,32 +8,21 @@
 
 #include <filesystem>
 
+#include "args.h"
 #include "calls.h"
 
 namespace posenc::py {
 
 std::optional<Positions> positions_arg(const pb::handle& obj, const char* what) {
   if (obj.is_none()) return std::nullopt;
-  if (pb::isinstance<pb::int_>(obj) && !pb::isinstance<pb::bool_>(obj)) {
-    return Positions::offset(obj.cast<int64_t>());
+  // An int offset (numpy integer scalars too); arrays and sequences are ids.
+  if (!pb::isinstance<pb::array>(obj) && !pb::isinstance<pb::sequence>(obj) &&
+      !pb::hasattr(obj, "__array__") && PyIndex_Check(obj.ptr())) {
+    return Positions::offset(arg_int(obj, what));
   }
-  pb::array_t<int64_t, pb::array::c_style | pb::array::forcecast> ids;
-  try {
-    if (pb::isinstance<pb::array>(obj)) {
-      const auto kind = pb::reinterpret_borrow<pb::array>(obj).dtype().kind();
-      if (kind != 'i' && kind != 'u') {
-        throw pb::type_error(
-            std::string(what) + ": positions must be integers (got dtype " +
-            pb::str(pb::reinterpret_borrow<pb::array>(obj).dtype()).cast<std::string>() + ")");
-      }
-    }
-    ids = pb::array_t<int64_t, pb::array::c_style | pb::array::forcecast>::ensure(obj);
-  } catch (pb::error_already_set&) {
-    throw pb::type_error(std::string(what) + ": positions must be None, an int or an int array");
-  }
-  if (!ids)
-    throw pb::type_error(std::string(what) + ": positions must be None, an int or an int array");
-  const int64_t* p = ids.data();
+  // Integer ids only (no float truncated, no unsigned value wrapped): int_array refuses them.
+  const pb::array ids = int_array<int64_t>(obj, what);
+  const int64_t* p = static_cast<const int64_t*>(ids.data());
   if (ids.ndim() == 1) {
     return Positions::shared(std::vector<int64_t>(p, p + ids.shape(0)));
   }

@@ -65,34 +65,59 @@ pb::array int_array(const pb::handle& obj, const std::string& what) {
   if (a.size() > 0) {
     const auto lo = a.attr("min")().cast<long double>(), hi = a.attr("max")().cast<long double>();
     const pb::object info = iinfo(pb::dtype::of<T>());
-    if (lo < info.attr("min").cast<long double>() || hi > info.attr("max").cast<long double>()) {
-      throw ValueError(what + ": values out of range for " +
-                       pb::str(pb::dtype::of<T>()).cast<std::string>());
+    const bool low = lo < info.attr("min").cast<long double>();
+    if (low || hi > info.attr("max").cast<long double>()) {
+      throw ValueError(what + ": value " +
+                       pb::str(a.attr(low ? "min" : "max")()).cast<std::string>() +
+                       " is out of range for " + pb::str(pb::dtype::of<T>()).cast<std::string>() +
+                       " [" + pb::str(info.attr("min")).cast<std::string>() + ", " +
+                       pb::str(info.attr("max")).cast<std::string>() + "]");
     }
   }
   return pb::array_t<T, pb::array::c_style | pb::array::forcecast>::ensure(a);
 }
 
 // `obj` as an array of T that can be viewed in place: itself when possible, else one converted
-// C-contiguous copy. TypeError (naming `what`) for objects NumPy cannot convert.
+// C-contiguous copy. Real numbers only: floating arrays (converted to T), integer arrays whose
+// values T holds exactly; TypeError (naming `what`) for complex, boolean, object or text data
+// and for objects NumPy cannot convert, ValueError for integers T would round.
 template <class T>
 pb::array as_array(const pb::handle& obj, const char* what) {
   if (pb::isinstance<pb::array>(obj)) {
     pb::array a = pb::reinterpret_borrow<pb::array>(obj);
     if (viewable<T>(a)) return a;
   }
+  const char* tname = sizeof(T) == 4 ? "float32" : "float64";
+  pb::array src;
   try {
-    static const pb::object& ascontig = py_attr("numpy", "ascontiguousarray");
-    pb::array a = ascontig(obj, pb::dtype::of<T>());
-    if (viewable<T>(a)) return a;
-    // Contiguous but unaligned data comes back from ascontiguousarray as itself: one aligned
-    // copy (numpy.array(copy=True) allocates a fresh buffer).
-    static const pb::object& array = py_attr("numpy", "array");
-    return array(a, pb::arg("copy") = true, pb::arg("order") = "C");
+    static const pb::object& asarray = py_attr("numpy", "asarray");
+    src = asarray(obj);
   } catch (pb::error_already_set& e) {
-    throw pb::type_error(std::string(what) + ": cannot be converted to a " +
-                         (sizeof(T) == 4 ? "float32" : "float64") + " array (" + e.what() + ")");
+    throw pb::type_error(std::string(what) + ": cannot be converted to a " + tname + " array (" +
+                         e.what() + ")");
   }
+  const char kind = src.dtype().kind();
+  if (kind != 'f' && kind != 'i' && kind != 'u') {
+    throw pb::type_error(std::string(what) + ": expected a real floating-point array, got dtype " +
+                         pb::str(src.dtype()).cast<std::string>() +
+                         (kind == 'c' ? " (the imaginary part would be dropped)" : ""));
+  }
+  static const pb::object& ascontig = py_attr("numpy", "ascontiguousarray");
+  pb::array a = ascontig(src, pb::dtype::of<T>());
+  if (kind != 'f' && src.size() > 0) {
+    // Integers: exact in T, or refused (no silent rounding of large values).
+    static const pb::object& array_equal = py_attr("numpy", "array_equal");
+    if (!array_equal(a.attr("astype")(src.dtype()), src).cast<bool>() ||
+        !array_equal(a.attr("astype")("float64"), src.attr("astype")("float64")).cast<bool>()) {
+      throw ValueError(std::string(what) + ": integer values that " + tname +
+                       " cannot hold exactly (pass a floating-point array)");
+    }
+  }
+  if (viewable<T>(a)) return a;
+  // Contiguous but unaligned data comes back from ascontiguousarray as itself: one aligned
+  // copy (numpy.array(copy=True) allocates a fresh buffer).
+  static const pb::object& array = py_attr("numpy", "array");
+  return array(a, pb::arg("copy") = true, pb::arg("order") = "C");
 }
 
 // A rank-R view of an array (viewable<T>), or ShapeError naming `what` and `layout`.

@@ -47,7 +47,7 @@ bool all_finite(const View<float, 4>& x) {
 // Rejects (or, when allowed, leaves to the kernel's zero output) query rows that see no key:
 // O((seq_q + seq_k) log seq_k) per batch row with the key positions sorted.
 // With block masks the kernel reports such rows (FusedAttentionParams::empty_row) and
-// report_fully_masked names the first.
+// fail_if_fully_masked names the first.
 void check_fully_masked(const Problem<float>& pr) {
   const Dims& d = pr.d;
   // With sinks a row without visible keys is well defined (all weight on the sink).
@@ -71,8 +71,10 @@ void check_fully_masked(const Problem<float>& pr) {
   }
 }
 
-// The first query row that sees no key under the block masks (the kernel found one).
-[[noreturn]] void report_fully_masked(const Problem<float>& pr, const TokenMask& mask) {
+// The kernel found a row whose running maximum never left -inf: the first query row that sees no
+// key under the block masks is an error. Returns when every row sees a key: the row's scores were
+// all NaN instead (a NaN or an infinity in q, k or v), which the caller reports as such.
+void fail_if_fully_masked(const Problem<float>& pr, const TokenMask& mask) {
   const Dims& d = pr.d;
   for (int64_t b = 0; b < d.batch; ++b) {
     for (int64_t i = 0; i < d.seq_q; ++i) {
@@ -86,7 +88,6 @@ void check_fully_masked(const Problem<float>& pr) {
       }
     }
   }
-  fail("attention: a query sees no key under the mask; allow_fully_masked gives 0 for such rows");
 }
 
 // Whether the kernel must report rows without a visible key (block masks: check_fully_masked
@@ -160,7 +161,14 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   fp.heads_kv = d.heads_kv;
   fp.head_dim = d.head_dim;
   fp.scale = static_cast<float>(p.scale);
-  fp.softcap = static_cast<float>(pr.opt.softcap.value_or(0.0));
+  // A cap outside float32's normal range still caps: below FLT_MIN every capped score lies within
+  // FLT_MIN of 0 (and the softmax of such scores is uniform in float32, as it is of the exact
+  // ones); a cap above FLT_MAX is FLT_MAX, which differs from it only on scores near float32's
+  // limit. 0 would mean "no cap", and a subnormal cap would make the kernel's 1 / cap infinite.
+  if (pr.opt.softcap) {
+    fp.softcap = static_cast<float>(std::clamp<double>(
+        *pr.opt.softcap, std::numeric_limits<float>::min(), std::numeric_limits<float>::max()));
+  }
   fp.mask = mask_rule(pr.opt);
   tab.mask = make_token_mask(pr);
   const TokenMask& tm = tab.mask;
@@ -230,7 +238,10 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
   int empty = 0;
   if (reports_empty_rows(pr)) fp.empty_row = &empty;
   kernels::fused_attention(fp);
-  if (empty != 0) report_fully_masked(pr, tables.mask);
+  if (empty != 0) {
+    fail_if_fully_masked(pr, tables.mask);
+    *nan_score = 1;  // every row sees a key: its scores were NaN (reported with the input)
+  }
   return true;
 }
 
@@ -371,7 +382,11 @@ bool detail::attention_fused_storage(const StorageViews& s, const PositionScheme
   int empty = 0;
   if (attn::reports_empty_rows(pr)) fp.empty_row = &empty;
   kernels::fused_attention(fp);
-  if (empty != 0) attn::report_fully_masked(pr, tables.mask);
+  if (empty != 0) {
+    // Every row sees a key: the row's scores were NaN, which the widened path reports by input.
+    attn::fail_if_fully_masked(pr, tables.mask);
+    return false;
+  }
   if (nan_score != 0) return false;
   if (fp.out_type == DType::kF32) return all_finite(s.out);
   // Half output: an infinity or NaN may come from the float32 result (the widened path reports

@@ -17,6 +17,7 @@
 #include "attention/problem.h"
 #include "common.h"
 #include "kernels/parallel.h"
+#include "posenc/size.h"
 
 namespace posenc {
 namespace paged_detail {
@@ -109,13 +110,16 @@ void read_table(const View<const int32_t, 2>& block_table, const View<const int3
 }
 
 // The pool as a [batch, max_len, heads_kv, head_dim] view whose batch stride is the page stride:
-// what the kernel reads through the block table.
+// what the kernel reads through the block table. The strides are the pool's own (k_pages and
+// v_pages may be laid out differently: each is read through its own strides).
 template <class T>
-View<const float, 4> key_view(const View<T, 4>& pool, const Pages& pg) {
+View<const float, 4> key_view(const View<T, 4>& pool, PageLayout layout, const Pages& pg) {
+  const bool tok = layout == PageLayout::kTokenMajor;
   View<const float, 4> v;
   v.data = reinterpret_cast<const float*>(pool.data);  // storage bits; never read as float here
   v.shape = {pg.batch, pg.max_len, pg.heads_kv, pg.head_dim};
-  v.stride = {pg.page_stride, pg.slot_stride, pg.head_stride, pool.stride[3]};
+  v.stride = {pool.stride[0], tok ? pool.stride[1] : pool.stride[2],
+              tok ? pool.stride[2] : pool.stride[1], pool.stride[3]};
   return v;
 }
 
@@ -169,13 +173,26 @@ void attention_paged_impl(View<const Q, 4> q, View<const KV, 4> k_pages, View<co
                      shape_str(q.shape));
   }
   read_table(block_table, seq_lens, batch, 0, fn, pg);
+  // seq_lens may name far more keys than the pool holds (a page can be listed many times): what
+  // the call allocates per key is checked against the allocation limit before anything is made.
+  checked_elements(fn + ": the key positions [batch, max(seq_lens)]",
+                   {{"batch", batch}, {"max(seq_lens)", pg.max_len}}, 2 * sizeof(int64_t));
+  checked_elements(
+      fn + ": a row's keys and values gathered [max(seq_lens), heads_kv, head_dim]",
+      {{"max(seq_lens)", pg.max_len}, {"heads_kv", pg.heads_kv}, {"head_dim", pg.head_dim}},
+      2 * static_cast<int64_t>(sizeof(KV)));
 
-  // Query positions: seq_lens[b] - seq_q + i by default.
+  // Query positions: seq_lens[b] - seq_q + i by default; 0 .. seq_q - 1 in an empty row, whose
+  // queries see no key (out 0 where allowed, else the error below).
   Positions qdefault;
   if (query_positions == nullptr) {
     std::vector<int64_t> ids(static_cast<std::size_t>(batch * seq_q));
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = pg.lens[static_cast<std::size_t>(b)];
+      if (len == 0) {
+        for (int64_t i = 0; i < seq_q; ++i) ids[static_cast<std::size_t>(b * seq_q + i)] = i;
+        continue;
+      }
       if (len < seq_q) {
         fail(fn + ": seq_lens" + at_str(b) + " = " + std::to_string(len) + " is less than seq_q (" +
              std::to_string(seq_q) +
@@ -225,8 +242,8 @@ void attention_paged_impl(View<const Q, 4> q, View<const KV, 4> k_pages, View<co
     s.q = View<const float, 4>{reinterpret_cast<const float*>(q.data + b0 * q.stride[0]),
                                {nb, seq_q, heads_q, pg.head_dim},
                                q.stride};
-    s.k = key_view(k_pages, part);
-    s.v = key_view(v_pages, part);
+    s.k = key_view(k_pages, layout, part);
+    s.v = key_view(v_pages, layout, part);
     s.out = View<float, 4>{reinterpret_cast<float*>(out.data + b0 * out.stride[0]),
                            {nb, seq_q, heads_q, pg.head_dim},
                            out.stride};

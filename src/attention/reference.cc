@@ -17,6 +17,7 @@
 #include "attention/block_mask.h"
 #include "attention/model_inputs.h"
 #include "attention/prepared.h"
+#include "posenc/size.h"
 
 namespace posenc {
 namespace attn {
@@ -488,6 +489,8 @@ std::vector<double> attention_scores(View<const double, 4> q, View<const double,
     attn::fail("attention_scores: batch_index/head out of range");
   }
   const auto p = prepare<double>(scheme, options, pr.d, q, k, pr.qp, pr.kp, true, &tables);
+  checked_elements("attention_scores: the scores [seq_q, seq_k]",
+                   {{"seq_q", pr.d.seq_q}, {"seq_k", pr.d.seq_k}}, sizeof(double));
   std::vector<double> s(static_cast<std::size_t>(pr.d.seq_q * pr.d.seq_k));
   attn::score_rows(pr, p, batch_index, head, s.data());
   return s;

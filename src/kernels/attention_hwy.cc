@@ -809,9 +809,12 @@ class ForwardKernel {
   }
   // Prefetch rows [j, j + n) of K or V (x: elements of `bytes` bytes, strides st) of the item,
   // all its kv heads.
+  // No rows (the next tile past the item's last key): nothing to fetch, and no block-table entry
+  // is looked up (the one past a row's last page may lie outside the table).
   template <class T>
   PrefetchRows CacheRows(const Item& it, const T* x, int64_t j, int64_t n,
                          const std::array<int64_t, 3>& st) const {
+    if (n <= 0) return PrefetchRows{};
     constexpr int64_t kBytes = sizeof(T);
     PrefetchRows r{reinterpret_cast<const char*>(x + KeyAt(it.b, j, st) + it.hk * st[2]),
                    n,

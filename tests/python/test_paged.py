@@ -153,7 +153,7 @@ def test_errors():
         posenc.attention_paged(q, kp, vp, table.astype(np.float32), seq_lens)
     with pytest.raises(posenc.Error, match="layout"):
         posenc.attention_paged(q, kp, vp, table, seq_lens, layout="rows")
-    with pytest.raises(TypeError, match="in place"):
+    with pytest.raises(TypeError, match="k_pages: pages of dtype float64"):
         posenc.rope_append(np.zeros((2, 1, 2, 8), np.float32), kp.astype(np.float64), table,
                            seq_lens)
     with pytest.raises(posenc.Error, match="less than the number of new tokens"):

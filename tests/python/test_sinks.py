@@ -94,7 +94,7 @@ def test_fully_masked_rows_with_sinks():
                          key_positions=[5, 6, 7, 8])
     with pytest.raises(posenc.ShapeError, match="sinks"):
         posenc.attention(q, k, v, params={"sinks": np.zeros(3, np.float32)})
-    with pytest.raises(posenc.InvalidValueError, match="chunk must be >= 1"):
+    with pytest.raises(posenc.InvalidValueError, match=r"chunk: 0 is outside \[1, "):
         posenc.attention(q, k, v, chunk=0)
 
 

@@ -77,6 +77,32 @@ def _tensor_arg(value, what):
     return torch.as_tensor(np.asarray(value))
 
 
+def _int_tensor(value, what):
+    """An integer argument (block_table, seq_lens) as an integer CPU tensor, values unchanged: the
+    bindings check that each fits (a cast here would truncate floats and wrap large values)."""
+    if isinstance(value, torch.Tensor):
+        _require_cpu(value, what)
+        t = value
+    else:
+        try:
+            t = torch.as_tensor(np.asarray(value))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{what}: expected an integer tensor ({e})") from None
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{what}: expected an integer tensor, got {t.dtype}")
+    return t
+
+
+def _real_tensors(*named):
+    """TypeError unless each tensor is a real floating-point tensor (a complex q would lose its
+    imaginary part in a cast, an integer one be rounded)."""
+    for t, what in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{what}: expected a floating-point tensor, got {t.dtype}")
+
+
 def _split_positions(kwargs, *names):
     """Moves tensor-valued positions out of kwargs: (kwargs without them, [tensor or None])."""
     kw = dict(kwargs)
@@ -155,6 +181,7 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_opti
             raise TypeError(f"attention() got an unexpected keyword argument '{bad}'")
     if not isinstance(q, torch.Tensor):
         raise TypeError("q: a torch.Tensor (use posenc.attention for NumPy arrays)")
+    _real_tensors((q, "q"), (k, "k"), (v, "v"))
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
         _require_cpu(t, what)
     kw, (qpos, kpos) = _split_positions(kwargs, "query_positions", "key_positions")
@@ -206,7 +233,7 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, scheme=None, *, 
     kw["\x00names"] = list(names)
     options = _ops.encode(kw)
     tables = [t.float() if t.dtype != torch.float32 else t for t in tables]
-    table, lens = (torch.as_tensor(x, dtype=torch.int32) for x in (block_table, seq_lens))
+    table, lens = _int_tensor(block_table, "block_table"), _int_tensor(seq_lens, "seq_lens")
     return _ops.call_attention_paged(q, k_pages, v_pages, table, lens, tables, qpos, options)
 
 
@@ -223,7 +250,7 @@ def rope_append(k_new, k_pages, block_table, seq_lens, *, v_new=None, v_pages=No
     pos = _tensor_arg(positions, "positions")
     if pos is None and positions is not None:
         kw["positions"] = positions
-    table, lens = (torch.as_tensor(x, dtype=torch.int32) for x in (block_table, seq_lens))
+    table, lens = _int_tensor(block_table, "block_table"), _int_tensor(seq_lens, "seq_lens")
     _ops.call_rope_append(k_new, v_new, k_pages, v_pages, table, lens, pos, _ops.encode(kw))
 
 

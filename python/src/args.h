@@ -1,0 +1,42 @@
+// python/src/args.h - the one place that decides the Python type and range of a scalar argument
+// (a keyword of attention, attention_paged, rope_append, ...; the torch ops hand their options to
+// the same functions). Nothing is cast silently: a value of the wrong kind is a TypeError, a value
+// out of range a ValueError, both naming the argument and what was expected.
+//
+//   bool   True / False (numpy.bool_ too); not 0 / 1, not a string
+//   int    a Python int or anything with __index__ (numpy integers, integer 0-d tensors); not a
+//          bool, not a float (2.0 included), not a string
+//   float  an int or a float (numpy floating and integer scalars, anything with __float__ that is
+//          not a string, bytes or bool)
+//   str    a str
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "posenc/size.h"
+#include "py_common.h"
+
+namespace posenc::py {
+
+// The largest position and window posenc takes (2^48, docs/attention.md).
+inline constexpr int64_t kMaxPositionArg = int64_t{1} << 48;
+
+bool arg_bool(const pb::handle& v, const std::string& name);
+
+// An integer in [lo, hi].
+int64_t arg_int(const pb::handle& v, const std::string& name,
+                int64_t lo = std::numeric_limits<int64_t>::min(),
+                int64_t hi = std::numeric_limits<int64_t>::max());
+
+// A real number; `finite` refuses inf and NaN, `positive` values <= 0 (and NaN).
+double arg_float(const pb::handle& v, const std::string& name, bool finite = true,
+                 bool positive = false);
+
+std::string arg_str(const pb::handle& v, const std::string& name);
+
+// A Python type name for messages ("float", "str", "numpy.float64").
+std::string type_name(const pb::handle& v);
+
+}  // namespace posenc::py

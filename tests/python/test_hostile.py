@@ -1,0 +1,310 @@
+"""Hostile inputs on the newest surfaces (paged caches, keyword types, masks, soft-caps, the torch
+ops): each call gives the float64 reference's answer within float32's tolerance or raises
+TypeError / ValueError naming the argument, and never reads or writes outside its buffers (the
+sanitized run of this file checks that part)."""
+
+import numpy as np
+import pytest
+
+import posenc
+
+torch = pytest.importorskip("torch")
+import posenc.torch as pt  # noqa: E402
+
+RNG = np.random.default_rng(41)
+
+
+def f32(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def gathered_ref(q, kp, vp, table, lens, **kw):
+    """attention_paged's answer from first principles: each row's keys gathered, float64."""
+    page = kp.shape[1]
+    out = np.zeros(q.shape, np.float64)
+    for b in range(q.shape[0]):
+        idx = [(table[b, j // page], j % page) for j in range(lens[b])]
+        k = np.stack([kp[p, s] for p, s in idx])[None].astype(np.float64)
+        v = np.stack([vp[p, s] for p, s in idx])[None].astype(np.float64)
+        pos = np.arange(lens[b] - q.shape[1], lens[b])
+        out[b:b + 1] = posenc.ref.attention(q[b:b + 1].astype(np.float64), k, v,
+                                            query_positions=pos, **kw)
+    return out
+
+
+# ---- paged caches ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_half_decode_with_a_table_exactly_as_wide_as_the_pages(dtype, layout):
+    # The decode look-ahead once read block_table[b, 2] here (a heap overflow under ASan).
+    shape = (8, 16, 2, 32) if layout == "token_major" else (8, 2, 16, 32)
+    kp = np.zeros(shape, np.uint16)
+    table = np.array([[3, 5], [0, 1]])
+    out = posenc.attention_paged(np.ones((2, 1, 8, 32), np.float32), kp, kp, table,
+                                 np.array([20, 7]), dtype=dtype, layout=layout, causal=True)
+    assert out.shape == (2, 1, 8, 32) and np.all(out == 0)
+
+
+@pytest.mark.parametrize("which", ["k", "v", "both"])
+def test_key_and_value_pools_each_read_through_their_own_strides(which):
+    q = f32(2, 1, 4, 32)
+    kp, vp = f32(8, 16, 2, 32), f32(8, 16, 2, 32)
+    table, lens = np.array([[3, 5], [0, 1]]), np.array([20, 7])
+    want = posenc.attention_paged(q, kp, vp, table, lens)
+    wide_k, wide_v = f32(8, 16, 2, 64), f32(8, 16, 2, 64)
+    wide_k[..., :32], wide_v[..., :32] = kp, vp
+    ks = wide_k[..., :32] if which in ("k", "both") else kp
+    vs = wide_v[..., :32] if which in ("v", "both") else vp
+    got = posenc.attention_paged(q, ks, vs, table, lens)
+    np.testing.assert_array_equal(got, want)
+    ref = gathered_ref(q, kp, vp, table, lens)
+    assert np.max(np.abs(got - ref)) < 1e-5
+    # The torch op on strided tensors too.
+    tout = pt.attention_paged(torch.from_numpy(q), torch.from_numpy(ks), torch.from_numpy(vs),
+                              torch.from_numpy(table), torch.from_numpy(lens))
+    np.testing.assert_array_equal(tout.numpy(), want)
+
+
+def test_paged_q_float64_is_refused_not_misread():
+    q, kp = f32(1, 1, 2, 8), f32(2, 4, 2, 8)
+    table, lens = np.array([[0]]), np.array([3])
+    with pytest.raises(TypeError, match="q: expected float32.*float64"):
+        posenc.attention_paged(q.astype(np.float64), kp, kp, table, lens)
+    with pytest.raises(TypeError, match="q"):
+        pt.attention_paged(torch.from_numpy(q).double(), torch.from_numpy(kp),
+                           torch.from_numpy(kp), torch.tensor(table), torch.tensor(lens))
+
+
+def test_page_tables_are_never_cast():
+    k_new, pool = torch.ones(1, 1, 2, 32), torch.zeros(4, 16, 2, 32)
+    before = pool.clone()
+    # 2**32 + 1 would wrap to page 1 in int32: refused, and nothing written.
+    with pytest.raises(ValueError, match="block_table: value 4294967297"):
+        pt.rope_append(k_new, pool, torch.tensor([[0, 2**32 + 1]]), torch.tensor([17]))
+    assert torch.equal(pool, before)
+    with pytest.raises(TypeError, match="block_table: expected an integer"):
+        pt.rope_append(k_new, pool, torch.tensor([[0.0, 1.0]]), torch.tensor([17]))
+    with pytest.raises(TypeError, match="seq_lens: expected an integer"):
+        pt.attention_paged(torch.ones(1, 1, 2, 32), pool, pool, torch.tensor([[0, 1]]),
+                           torch.tensor([17.5]))
+    assert torch.equal(pool, before)
+    # NumPy: uint64 2**64 - 1 is named as itself, not as -1.
+    with pytest.raises(ValueError, match="block_table: value 18446744073709551615"):
+        posenc.attention_paged(np.ones((1, 1, 2, 32), np.float32), pool.numpy(), pool.numpy(),
+                               np.array([[2**64 - 1]], np.uint64), np.array([3]))
+
+
+def test_paged_errors_name_the_pool_and_its_layout():
+    q, kp = np.ones((1, 1, 2, 8), np.float32), np.ones((2, 4, 2, 8), np.float32)
+    t, n = np.array([[0]]), np.array([3])
+    with pytest.raises(TypeError, match="k_pages: expected an array.*NoneType"):
+        posenc.attention_paged(q, None, kp, t, n)
+    with pytest.raises(posenc.ShapeError, match=r"v_pages: expected 4 dimensions \[num_pages, "
+                                                 r"heads_kv, page_size"):
+        posenc.attention_paged(q, kp, kp[0], t, n, layout="head_major")
+    with pytest.raises(TypeError, match="k_pages: dtype='bfloat16' pages must hold the half bits"):
+        posenc.attention_paged(q, kp, kp, t, n, dtype="bfloat16")
+    with pytest.raises(TypeError, match="layout: expected a string"):
+        posenc.attention_paged(q, kp, kp, t, n, layout=1)
+
+
+def test_paged_memory_is_bounded_before_allocation(monkeypatch):
+    # A page listed 2**27 times: 2**31 - 1 keys of a 256-byte pool.
+    monkeypatch.setenv("POSENC_MAX_BYTES", "256M")
+    kp = np.zeros((1, 16, 1, 4), np.float32)
+    table = np.zeros((1, 2**27), np.int32)
+    with pytest.raises(posenc.Error, match=r"max\(seq_lens\).*POSENC_MAX_BYTES"):
+        posenc.attention_paged(np.ones((1, 1, 1, 4), np.float32), kp, kp, table,
+                               np.array([2**31 - 1]))
+
+
+@pytest.mark.parametrize("api", ["numpy", "torch"])
+def test_empty_paged_row_under_default_positions(api):
+    q, kp = f32(2, 1, 2, 8), f32(4, 4, 2, 8)
+    table, lens = np.array([[0, 1], [2, 3]]), np.array([0, 7])
+    if api == "numpy":
+        call = lambda **kw: posenc.attention_paged(q, kp, kp, table, lens, **kw)  # noqa: E731
+    else:
+        call = lambda **kw: pt.attention_paged(  # noqa: E731
+            torch.from_numpy(q), torch.from_numpy(kp), torch.from_numpy(kp),
+            torch.from_numpy(table), torch.from_numpy(lens), **kw).numpy()
+    with pytest.raises(ValueError, match=r"batch 0.*sees no key"):
+        call()
+    out = call(allow_fully_masked=True)
+    assert np.all(out[0] == 0)
+    ref = gathered_ref(q[1:], kp, kp, table[1:], lens[1:])
+    assert np.max(np.abs(out[1:] - ref)) < 1e-5
+
+
+# ---- soft-caps, masks, dtypes ------------------------------------------------------------------
+
+@pytest.mark.parametrize("cap", [1e-300, 1e-50, 1e-40, 1e-30, 1e300])
+def test_softcap_outside_float32_range_still_caps(cap):
+    q, k, v = f32(1, 6, 2, 8), f32(1, 6, 2, 8), f32(1, 6, 2, 8)
+    want = posenc.ref.attention(q, k, v, softcap=cap, causal=True)
+    assert np.max(np.abs(posenc.attention(q, k, v, softcap=cap, causal=True) - want)) < 1e-6
+    bits = lambda x: posenc.bf16_from_float32(x)  # noqa: E731
+    half = posenc.bf16_to_float32(posenc.attention_half(bits(q), bits(k), bits(v),
+                                                        dtype="bfloat16", softcap=cap,
+                                                        causal=True))
+    wide = [posenc.bf16_to_float32(bits(x)).astype(np.float64) for x in (q, k, v)]
+    assert np.max(np.abs(half - posenc.ref.attention(*wide, softcap=cap, causal=True))) < 1e-2
+    # The gradient too.
+    dout = f32(1, 6, 2, 8)
+    g = posenc.attention_grad(q, k, v, dout, softcap=cap, causal=True)
+    g64 = posenc.ref.attention_grad(q, k, v, dout, softcap=cap, causal=True)
+    for n in ("dq", "dk", "dv"):
+        assert np.max(np.abs(g[n] - g64[n])) < 1e-5, n
+
+
+@pytest.mark.parametrize("cap", [0, -1, float("inf"), float("nan")])
+def test_softcap_out_of_range_is_refused(cap):
+    q = f32(1, 3, 1, 4)
+    with pytest.raises(ValueError, match="softcap"):
+        posenc.attention(q, q, q, softcap=cap)
+
+
+@pytest.mark.parametrize("value", [256, 0.5, -3, float("nan"), True])
+def test_dense_mask_nonzero_attends(value):
+    q = f32(1, 5, 2, 8)
+    m = np.zeros((1, 5, 5), type(value) if not isinstance(value, bool) else bool)
+    m[...] = value
+    np.testing.assert_array_equal(posenc.attention(q, q, q, mask=m), posenc.attention(q, q, q))
+    # And a zero hides the key, whatever the dtype.
+    m[0, :, 0] = 0
+    want = posenc.attention(q, q[:, 1:], q[:, 1:], query_positions=np.arange(5),
+                            key_positions=np.arange(1, 5), allow_fully_masked=True)
+    np.testing.assert_allclose(posenc.attention(q, q, q, mask=m), want, atol=1e-6)
+
+
+def test_dense_mask_of_text_or_complex_is_refused():
+    q = f32(1, 2, 1, 4)
+    with pytest.raises(TypeError, match="mask"):
+        posenc.attention(q, q, q, mask=np.full((1, 2, 2), "a"))
+    with pytest.raises(TypeError, match="mask"):
+        posenc.attention(q, q, q, mask=np.ones((1, 2, 2), np.complex64))
+
+
+def test_complex_and_mixed_half_inputs_are_refused():
+    q = f32(1, 5, 2, 8)
+    with pytest.raises(TypeError, match="q: .*complex64.*imaginary"):
+        posenc.attention(q.astype(np.complex64) + 1j, q, q)
+    t = torch.from_numpy(q)
+    with pytest.raises(TypeError, match="q: expected a floating-point tensor"):
+        pt.attention(t.to(torch.complex64), t, t)
+    with pytest.raises(TypeError, match="k and v must share one dtype"):
+        torch.ops.posenc.attention_half(t.bfloat16(), t.bfloat16(), t.half(), [], None, None, [],
+                                        "{}")
+    with pytest.raises(TypeError, match="q must be"):
+        torch.ops.posenc.attention_half(t.half(), t.bfloat16(), t.bfloat16(), [], None, None, [],
+                                        "{}")
+    # A float16 array read as bf16 bits.
+    with pytest.raises(TypeError, match="float16 array for dtype='bfloat16'"):
+        posenc._posenc._attention_half(q.astype(np.float16), q.astype(np.float16),
+                                       q.astype(np.float16), dtype="bfloat16")
+
+
+def test_integer_inputs_exact_or_refused():
+    q = np.arange(40, dtype=np.int64).reshape(1, 5, 1, 8)
+    np.testing.assert_array_equal(posenc.attention(q, q, q), posenc.attention(q.astype(np.float32),
+                                                                              q.astype(np.float32),
+                                                                              q.astype(np.float32)))
+    big = q + 2**24 + 1
+    with pytest.raises(ValueError, match="q: integer values that float32 cannot hold"):
+        posenc.attention(big, big, big)
+
+
+# ---- keywords: the wrong type names the keyword --------------------------------------------------
+
+@pytest.mark.parametrize("kw, error, pattern", [
+    ({"window": 2.5}, TypeError, "window: expected an integer"),
+    ({"window": 2**64}, ValueError, "window: 18446744073709551616 is outside"),
+    ({"window": 0}, ValueError, "window"),
+    ({"chunk": 2.5}, TypeError, "chunk: expected an integer"),
+    ({"causal": "yes"}, TypeError, "causal: expected True or False"),
+    ({"causal": 1}, TypeError, "causal: expected True or False"),
+    ({"softcap": "50"}, TypeError, "softcap: expected a number"),
+    ({"softcap": 1 + 2j}, TypeError, "softcap"),
+    ({"scale": "1"}, TypeError, "scale: expected a number"),
+    ({"scale": True}, TypeError, "scale: expected a number"),
+    ({"num_threads": 1.5}, TypeError, "num_threads: expected an integer"),
+    ({"num_threads": -1}, ValueError, "num_threads"),
+    ({"allow_fully_masked": "no"}, TypeError, "allow_fully_masked"),
+    ({"query_positions": 2**70}, ValueError, "query_positions"),
+    ({"query_positions": [0.5, 1.5, 2.5]}, TypeError, "query_positions"),
+    ({"key_positions": np.array([2**64 - 1] * 3, np.uint64)}, ValueError, "key_positions"),
+])
+@pytest.mark.parametrize("api", ["numpy", "torch"])
+def test_keyword_types(kw, error, pattern, api):
+    q = f32(1, 3, 2, 4)
+    if api == "torch":
+        if "query_positions" in kw or "key_positions" in kw:
+            pytest.skip("positions tensors are checked by torch's own conversion")
+        t = torch.from_numpy(q)
+        with pytest.raises(error, match=pattern):
+            pt.attention(t, t, t, **kw)
+    else:
+        with pytest.raises(error, match=pattern):
+            posenc.attention(q, q, q, **kw)
+
+
+def test_scheme_keywords_typed_too():
+    q = f32(1, 3, 2, 4)
+    for kw, pattern in [({"num_buckets": 3.0}, "num_buckets: expected an integer"),
+                        ({"bidirectional": "true"}, "bidirectional"),
+                        ({"max_distance": 2**80}, "max_distance")]:
+        with pytest.raises((TypeError, ValueError), match=pattern):
+            posenc.attention(q, q, q, "t5", **kw)
+    for kw, pattern in [({"base": "1e4"}, "base: expected a number"),
+                        ({"rotary_dim": 2.0}, "rotary_dim: expected an integer"),
+                        ({"style": 3}, "style: expected a string"),
+                        ({"freqs": [1.0]}, "freqs: expected a posenc.RopeFrequencies")]:
+        with pytest.raises((TypeError, ValueError), match=pattern):
+            posenc.attention(q, q, q, "rope", **kw)
+    with pytest.raises(TypeError, match="scheme: expected a string"):
+        posenc.attention(q, q, q, 5)
+
+
+def test_rope_append_keywords_typed():
+    k_new, pool = np.ones((1, 1, 2, 8), np.float32), np.zeros((2, 4, 2, 8), np.float32)
+    t, n = np.array([[0]]), np.array([1])
+    for kw, error, pattern in [({"offset": 1.5}, TypeError, "offset: expected an integer"),
+                               ({"num_threads": "2"}, TypeError, "num_threads"),
+                               ({"base": float("nan")}, ValueError, "base: must be finite"),
+                               ({"rotary_dim": -2}, ValueError, "rotary_dim")]:
+        before = pool.copy()
+        with pytest.raises(error, match=pattern):
+            posenc.rope_append(k_new, pool, t, n, **kw)
+        np.testing.assert_array_equal(pool, before)
+
+
+# ---- NaN under block masks: reported as the input it is ----------------------------------------
+
+@pytest.mark.parametrize("masks", ["documents", "cu_seqlens", "prefix", "dense"])
+def test_nan_with_block_masks_names_the_input(masks):
+    q = f32(1, 5, 2, 8)
+    qn = q.copy()
+    qn[0, 1, 0, 0] = np.nan
+    kw = {"documents": dict(query_documents=np.zeros((1, 5), np.int32),
+                            key_documents=np.zeros((1, 5), np.int32)),
+          "prefix": dict(prefix=np.array([2]), causal=True),
+          "dense": dict(mask=np.ones((1, 5, 5), bool))}.get(masks)
+    with pytest.raises(ValueError, match=r"q: non-finite value nan at \[0, 1, 0, 0\]"):
+        if masks == "cu_seqlens":
+            posenc.attention(qn[0], q[0], q[0], cu_seqlens_q=[0, 5], cu_seqlens_k=[0, 5])
+        else:
+            posenc.attention(qn, q, q, **kw)
+
+
+# ---- the torch ops' options ---------------------------------------------------------------------
+
+def test_op_options_errors_name_options_and_unnamed_tensors():
+    t = torch.randn(1, 3, 2, 4)
+    with pytest.raises(ValueError, match="options: not a Python dict literal"):
+        torch.ops.posenc.attention(t, t, t, [], None, None, [], "{bad")
+    with pytest.raises(ValueError, match="masks: 1 tensors, but options name 0"):
+        torch.ops.posenc.attention(t, t, t, [], None, None, [torch.ones(1, 3, 3, dtype=torch.bool)],
+                                   "{}")
+    with pytest.raises(ValueError, match="tables: 1 tensors, but options name 0"):
+        torch.ops.posenc.attention(t, t, t, [torch.zeros(2)], None, None, [], "{}")
