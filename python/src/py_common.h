@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "posenc/posenc.h"
+#include "posenc/size.h"
 
 namespace posenc::py {
 
@@ -156,9 +157,21 @@ View<T, R> out_view(const pb::handle& obj, const std::array<int64_t, R>& shape, 
   return View<T, R>{static_cast<T*>(a.mutable_data()), v.shape, v.stride};
 }
 
-// A new C-contiguous array of `shape`.
+// A new C-contiguous array of `shape`, checked against the allocation limit first (inputs
+// broadcast with stride 0 can describe results far larger than themselves).
 template <class T, std::size_t R>
-pb::array_t<T> new_array(const std::array<int64_t, R>& shape) {
+pb::array_t<T> new_array(const std::array<int64_t, R>& shape, const char* what = "the result") {
+  int64_t n = 1;
+  for (const int64_t d : shape) {
+    const std::optional<int64_t> m = checked_mul(n, d);
+    if (!m)
+      throw SizeError(std::string(what) + " " + shape_str(shape) + " overflows a 64-bit size");
+    n = *m;
+  }
+  const std::optional<int64_t> bytes = checked_mul(n, static_cast<int64_t>(sizeof(T)));
+  if (!bytes)
+    throw SizeError(std::string(what) + " " + shape_str(shape) + " overflows a 64-bit size");
+  require_allocation(std::string(what) + " " + shape_str(shape), *bytes);
   std::vector<pb::ssize_t> s(shape.begin(), shape.end());
   return pb::array_t<T>(s);
 }

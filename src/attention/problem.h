@@ -17,6 +17,7 @@
 #include "attention/mask.h"
 #include "common.h"
 #include "posenc/attention.h"
+#include "posenc/size.h"
 
 namespace posenc::attn {
 
@@ -167,6 +168,10 @@ Problem<T> make_problem(View<const T, 4> q, View<const T, 4> k, View<const T, 4>
                         bool check_finite = true) {
   Problem<T> pr{q, k, v, validate_shapes(q, k, v, out_shape), {}, {}, opt};
   const Dims& d = pr.d;
+  // The per-token buffers every path makes (positions, document ids, the kernels' offsets),
+  // checked before any is made: views with stride 0 can describe far more tokens than memory.
+  checked_elements("attention: the per-token positions and masks [batch, seq_q + seq_k]",
+                   {{"batch", d.batch}, {"seq_q + seq_k", d.seq_q + d.seq_k}}, 32);
   if (opt.scale) detail::require_finite(*opt.scale, "attention: scale");
   if (opt.window && *opt.window < 1) {
     fail("attention: window must be >= 1 (got " + std::to_string(*opt.window) + ")");

@@ -308,3 +308,13 @@ def test_op_options_errors_name_options_and_unnamed_tensors():
                                    "{}")
     with pytest.raises(ValueError, match="tables: 1 tensors, but options name 0"):
         torch.ops.posenc.attention(t, t, t, [torch.zeros(2)], None, None, [], "{}")
+
+
+def test_results_of_broadcast_inputs_are_bounded_before_allocation(monkeypatch):
+    # A stride-0 view describes a million tokens in 32 bytes; its result would need 32 MB.
+    monkeypatch.setenv("POSENC_MAX_BYTES", "1M")
+    q = np.broadcast_to(np.ones((1, 1, 1, 8), np.float32), (1, 10**6, 1, 8))
+    with pytest.raises(posenc.Error, match=r"\[1, 1000000, 1, 8\].*POSENC_MAX_BYTES"):
+        posenc.attention(q, q, q)
+    with pytest.raises(posenc.Error, match=r"seq_q \+ seq_k.*POSENC_MAX_BYTES"):
+        posenc.attention(q[:, :10], q, q, causal=True)
