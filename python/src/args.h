@@ -11,9 +11,11 @@
 //   str    a str
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "posenc/size.h"
 #include "py_common.h"
@@ -38,5 +40,29 @@ std::string arg_str(const pb::handle& v, const std::string& name);
 
 // A Python type name for messages ("float", "str", "numpy.float64").
 std::string type_name(const pb::handle& v);
+
+// `v` as T by the rules above (bool, integers in T's range, finite floating point, strings);
+// another T through pybind11, its failure a TypeError naming the argument.
+template <class T>
+T arg_as(const pb::handle& v, const std::string& name) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return arg_bool(v, name);
+  } else if constexpr (std::is_integral_v<T>) {
+    return static_cast<T>(
+        arg_int(v, name, std::numeric_limits<T>::min(),
+                static_cast<int64_t>(std::min<uint64_t>(std::numeric_limits<T>::max(),
+                                                        std::numeric_limits<int64_t>::max()))));
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return static_cast<T>(arg_float(v, name));
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return arg_str(v, name);
+  } else {
+    try {
+      return v.cast<T>();
+    } catch (const pb::cast_error&) {
+      throw pb::type_error(name + ": unsupported value of type " + type_name(v));
+    }
+  }
+}
 
 }  // namespace posenc::py

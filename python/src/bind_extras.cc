@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "args.h"
 #include "figure.h"
 #include "harness.h"
 #include "plots.h"
@@ -25,23 +26,31 @@ using namespace pybind11::literals;
 template <class O>
 using Setters = std::map<std::string, std::function<void(O&, const pb::handle&)>>;
 
-#define POSENC_FIELD(O, name, type)                                    \
-  {                                                                    \
-#name, [](O & o, const pb::handle& v) { o.name = v.cast<type>(); } \
+#define POSENC_FIELD(O, name, type)                                            \
+  {                                                                            \
+#name, [](O & o, const pb::handle& v) { o.name = arg_as<type>(v, #name); } \
   }
-#define POSENC_T5_FIELDS(O)                                                                    \
-  {"t5_num_buckets", [](O& o, const pb::handle& v) { o.t5.num_buckets = v.cast<int64_t>(); }}, \
-      {"t5_max_distance",                                                                      \
-       [](O& o, const pb::handle& v) { o.t5.max_distance = v.cast<int64_t>(); }},              \
-  {                                                                                            \
-    "t5_bidirectional", [](O& o, const pb::handle& v) { o.t5.bidirectional = v.cast<bool>(); } \
+#define POSENC_T5_FIELDS(O)                                                                     \
+  {"t5_num_buckets",                                                                            \
+   [](O& o, const pb::handle& v) { o.t5.num_buckets = arg_as<int64_t>(v, "t5_num_buckets"); }}, \
+      {"t5_max_distance",                                                                       \
+       [](O& o, const pb::handle& v) {                                                          \
+         o.t5.max_distance = arg_as<int64_t>(v, "t5_max_distance");                             \
+       }},                                                                                      \
+  {                                                                                             \
+    "t5_bidirectional", [](O& o, const pb::handle& v) {                                         \
+      o.t5.bidirectional = arg_as<bool>(v, "t5_bidirectional");                                 \
+    }                                                                                           \
   }
-#define POSENC_DEBERTA_FIELDS(O)                                                             \
-  {"deberta_max_relative_positions",                                                         \
-   [](O& o, const pb::handle& v) { o.deberta.max_relative_positions = v.cast<int64_t>(); }}, \
-  {                                                                                          \
-    "deberta_position_buckets",                                                              \
-        [](O& o, const pb::handle& v) { o.deberta.position_buckets = v.cast<int64_t>(); }    \
+#define POSENC_DEBERTA_FIELDS(O)                                                              \
+  {"deberta_max_relative_positions",                                                          \
+   [](O& o, const pb::handle& v) {                                                            \
+     o.deberta.max_relative_positions = arg_as<int64_t>(v, "deberta_max_relative_positions"); \
+   }},                                                                                        \
+  {                                                                                           \
+    "deberta_position_buckets", [](O& o, const pb::handle& v) {                               \
+      o.deberta.position_buckets = arg_as<int64_t>(v, "deberta_position_buckets");            \
+    }                                                                                         \
   }
 #define POSENC_MODEL_FIELD(O)                                                 \
   {                                                                           \
@@ -83,7 +92,7 @@ pb::object finish(const plot::Figure& fig, const pb::object& out, double scale) 
   return pb::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
 }
 
-SinLayout layout_of(const pb::handle& v) { return parse_layout(v.cast<std::string>()); }
+SinLayout layout_of(const pb::handle& v) { return parse_layout(arg_str(v, "layout")); }
 
 const char* kPlotDoc =
     "(out=None, *, scale=1.0, **options): draws the figure of `posenc plot %s` "
@@ -174,11 +183,11 @@ void bind_extras(pb::module_& m) {
        POSENC_FIELD(HO, base, double),
        {"layout", [](HO& o, const pb::handle& v) { o.layout = layout_of(v); }},
        {"preset",
-        [](HO& o, const pb::handle& v) { o = plot::heatmap_preset(v.cast<std::string>()); }},
+        [](HO& o, const pb::handle& v) { o = plot::heatmap_preset(arg_str(v, "preset")); }},
        POSENC_FIELD(HO, table_name, std::string),
        {"colormap",
         [](HO& o, const pb::handle& v) {
-          const std::string c = v.cast<std::string>();
+          const std::string c = arg_str(v, "colormap");
           if (c != "viridis" && c != "diverging") {
             throw ValueError("colormap: '" + c + "' (viridis or diverging)");
           }

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "args.h"
 #include "calls.h"
 
 namespace posenc::py {
@@ -153,8 +154,8 @@ void bind_half(pb::module_& m) {
   m.def(
       "_attention_half",
       [extra](const pb::object& q, const pb::object& k, const pb::object& v,
-              const pb::object& scheme, const std::string& dtype, const pb::kwargs& kw) {
-        const Inputs inputs = parse_half_dtype(dtype);
+              const pb::object& scheme, const pb::object& dtype, const pb::kwargs& kw) {
+        const Inputs inputs = parse_half_dtype(arg_str(dtype, "dtype"));
         Call c = parse("attention_half", q, k, v, scheme, kw, inputs, extra);
         if (c.return_lse) {
           throw pb::type_error(
@@ -172,12 +173,21 @@ void bind_half(pb::module_& m) {
       kAttentionHalfDoc);
   m.def(
       "_apply_rope_half",
-      [](const pb::object& x, const pb::object& freqs, const std::string& dtype,
-         const pb::object& style, const pb::object& positions, std::optional<bool> inverse,
-         bool inplace, const pb::object& out, int num_threads, int64_t rotary_dim, double base,
-         const pb::object& scaling, std::optional<int64_t> seq_len, const std::string& angles,
-         const pb::object& config) {
-        const Inputs inputs = parse_half_dtype(dtype);
+      [](const pb::object& x, const pb::object& freqs, const pb::object& dtype,
+         const pb::object& style, const pb::object& positions, const pb::object& inverse_arg,
+         const pb::object& inplace_arg, const pb::object& out, const pb::object& num_threads_arg,
+         const pb::object& rotary_dim_arg, const pb::object& base_arg, const pb::object& scaling,
+         const pb::object& seq_len_arg, const pb::object& angles_arg, const pb::object& config) {
+        const RopeScalars a = rope_scalars(inverse_arg, inplace_arg, num_threads_arg,
+                                           rotary_dim_arg, base_arg, seq_len_arg, angles_arg);
+        const bool inplace = a.inplace;
+        const std::optional<bool> inverse = a.inverse;
+        const int num_threads = a.num_threads;
+        const int64_t rotary_dim = a.rotary_dim;
+        const double base = a.base;
+        const std::optional<int64_t> seq_len = a.seq_len;
+        const std::string& angles = a.angles;
+        const Inputs inputs = parse_half_dtype(arg_str(dtype, "dtype"));
         if (!out.is_none()) {
           throw pb::type_error(
               "apply_rope_half(): out= is not available (the result is a new "

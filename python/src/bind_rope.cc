@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "args.h"
 #include "calls.h"
 
 namespace posenc::py {
@@ -137,6 +138,21 @@ pb::object rope_frequencies_call(const pb::object& first, int64_t rotary_dim, do
 
 }  // namespace
 
+RopeScalars rope_scalars(const pb::object& inverse, const pb::object& inplace,
+                         const pb::object& num_threads, const pb::object& rotary_dim,
+                         const pb::object& base, const pb::object& seq_len,
+                         const pb::object& angles) {
+  RopeScalars r;
+  if (!inverse.is_none()) r.inverse = arg_bool(inverse, "inverse");
+  r.inplace = arg_bool(inplace, "inplace");
+  r.num_threads = static_cast<int>(arg_int(num_threads, "num_threads", 0, kMaxThreads));
+  r.rotary_dim = arg_int(rotary_dim, "rotary_dim", 0, int64_t{1} << 32);
+  r.base = arg_float(base, "base", /*finite=*/true, /*positive=*/true);
+  if (!seq_len.is_none()) r.seq_len = arg_int(seq_len, "seq_len", 0, kMaxPositionArg);
+  r.angles = arg_str(angles, "angles");
+  return r;
+}
+
 RopeSetup rope_setup(const pb::array& xa, const pb::object& freqs, const pb::object& style,
                      const pb::object& positions, bool inverse, int64_t rotary_dim, double base,
                      const pb::object& scaling, std::optional<int64_t> seq_len,
@@ -151,6 +167,9 @@ RopeSetup rope_setup(const pb::array& xa, const pb::object& freqs, const pb::obj
   if (!config.is_none()) model = model_config_arg(config);
   RopeFrequencies f;
   if (!freqs.is_none()) {
+    if (!pb::isinstance<RopeFrequencies>(freqs)) {
+      throw pb::type_error("freqs: expected a posenc.RopeFrequencies, got " + type_name(freqs));
+    }
     f = freqs.cast<RopeFrequencies>();
   } else {
     // Length-dependent scaling: by default the largest position + 1.
@@ -165,7 +184,7 @@ RopeSetup rope_setup(const pb::array& xa, const pb::object& freqs, const pb::obj
     f = model ? model_rope_frequencies(*model, len, parse_angles(angles))
               : make_freqs(pb::none(), head_dim, rotary_dim, base, scaling, len, angles);
   }
-  const RopeStyle st = !style.is_none() ? parse_style(style.cast<std::string>())
+  const RopeStyle st = !style.is_none() ? parse_style(arg_str(style, "style"))
                        : model          ? model->rope.style
                                         : RopeStyle::kHalf;
   return RopeSetup{f, st, pos, inverse ? Direction::kInverse : Direction::kForward};
@@ -267,12 +286,15 @@ void bind_rope(pb::module_& m, pb::module_& ref) {
   auto rope_fn = [](bool inverse_default, bool force_f64) {
     return [inverse_default, force_f64](
                const pb::object& x, const pb::object& freqs, const pb::object& style,
-               const pb::object& positions, std::optional<bool> inverse, bool inplace,
-               const pb::object& out, int num_threads, int64_t rotary_dim, double base,
-               const pb::object& scaling, std::optional<int64_t> seq_len, const std::string& angles,
-               const pb::object& config) {
-      return rope_call(x, freqs, style, positions, inverse.value_or(inverse_default), inplace, out,
-                       num_threads, rotary_dim, base, scaling, seq_len, angles, config, force_f64);
+               const pb::object& positions, const pb::object& inverse, const pb::object& inplace,
+               const pb::object& out, const pb::object& num_threads, const pb::object& rotary_dim,
+               const pb::object& base, const pb::object& scaling, const pb::object& seq_len,
+               const pb::object& angles, const pb::object& config) {
+      const RopeScalars a =
+          rope_scalars(inverse, inplace, num_threads, rotary_dim, base, seq_len, angles);
+      return rope_call(x, freqs, style, positions, a.inverse.value_or(inverse_default), a.inplace,
+                       out, a.num_threads, a.rotary_dim, a.base, scaling, a.seq_len, a.angles,
+                       config, force_f64);
     };
   };
 #define POSENC_ROPE_ARGS arg("x"), arg("freqs") = pb::none(), pb::kw_only(), POSENC_ROPE_KEYWORDS

@@ -94,6 +94,21 @@ struct RopeSetup {
 
   const Positions* pos() const { return positions ? &*positions : nullptr; }
 };
+// apply_rope's scalar keywords, typed by args.h (the bindings take them as Python objects).
+struct RopeScalars {
+  std::optional<bool> inverse;
+  bool inplace = false;
+  int num_threads = 0;
+  int64_t rotary_dim = 0;
+  double base = 1e4;
+  std::optional<int64_t> seq_len;
+  std::string angles;
+};
+RopeScalars rope_scalars(const pb::object& inverse, const pb::object& inplace,
+                         const pb::object& num_threads, const pb::object& rotary_dim,
+                         const pb::object& base, const pb::object& seq_len,
+                         const pb::object& angles);
+
 RopeSetup rope_setup(const pb::array& x, const pb::object& freqs, const pb::object& style,
                      const pb::object& positions, bool inverse, int64_t rotary_dim, double base,
                      const pb::object& scaling, std::optional<int64_t> seq_len,

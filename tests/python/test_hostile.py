@@ -318,3 +318,22 @@ def test_results_of_broadcast_inputs_are_bounded_before_allocation(monkeypatch):
         posenc.attention(q, q, q)
     with pytest.raises(posenc.Error, match=r"seq_q \+ seq_k.*POSENC_MAX_BYTES"):
         posenc.attention(q[:, :10], q, q, causal=True)
+
+
+def test_rope_and_plot_keywords_typed():
+    x = np.ones((1, 4, 2, 8), np.float32)
+    for kw, error, pattern in [({"base": "1e4"}, TypeError, "base: expected a number"),
+                               ({"rotary_dim": 2.0}, TypeError, "rotary_dim: expected an integer"),
+                               ({"inverse": 1}, TypeError, "inverse: expected True or False"),
+                               ({"num_threads": 2**70}, ValueError, "num_threads"),
+                               ({"seq_len": -1}, ValueError, "seq_len"),
+                               ({"angles": 3}, TypeError, "angles: expected a string"),
+                               ({"freqs": [1.0]}, TypeError, "freqs: expected a posenc.Rope")]:
+        with pytest.raises(error, match=pattern):
+            posenc.apply_rope(x, **kw)
+        with pytest.raises(error, match=pattern):
+            posenc.ref.apply_rope(x, **kw)
+    with pytest.raises(TypeError, match="length: expected an integer"):
+        posenc.plot.heatmap(length=2.5)
+    with pytest.raises(TypeError, match="colormap: expected a string"):
+        posenc.plot.heatmap(colormap=1)
