@@ -541,3 +541,34 @@ def test_mpt_alibi_bias_max_follows_transformers():
     with torch.no_grad():
         assert _rel(pat(input_ids=ids).logits, ref(input_ids=ids).logits,
                     mask.to(torch.bool)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["t5", "bloom", "mpt", "falcon"])
+def test_patch_changes_nothing_outside_the_model(name):
+    # Two models built from one config object share it (from_config does not copy it): patching
+    # one leaves its twin, the config and models built from it later exactly as they were.
+    cfg, ids, mask, dec_ids, dec_mask = _case(name)
+    impl = "sdpa" if cfg.model_type == "falcon" else "eager"
+    torch.manual_seed(0)
+    a = _auto(cfg).from_config(cfg, attn_implementation=impl).eval()
+    b = _auto(cfg).from_config(cfg, attn_implementation=impl).eval()
+    b.load_state_dict(a.state_dict())
+    shared = a.config
+    held = [(m, m.__dict__.get("config")) for m in b.modules()]
+    before = (shared.to_dict(), shared._attn_implementation)
+    patch(b)
+    assert a.config is shared and (shared.to_dict(), shared._attn_implementation) == before
+    rows = real_rows(cfg, mask, dec_mask)
+    with torch.no_grad():
+        want = run(a, cfg, ids, mask, dec_ids=dec_ids, dec_mask=dec_mask)
+        assert _rel(run(b, cfg, ids, mask, dec_ids=dec_ids, dec_mask=dec_mask), want, rows) <= 1e-5
+        fresh = _auto(cfg).from_config(shared, attn_implementation=impl).eval()
+        fresh.load_state_dict(a.state_dict())
+        assert torch.equal(run(fresh, cfg, ids, mask, dec_ids=dec_ids, dec_mask=dec_mask), want)
+        # The twin after the patched model ran: still eager's logits.
+        assert torch.equal(run(a, cfg, ids, mask, dec_ids=dec_ids, dec_mask=dec_mask), want)
+    # unpatch restores the model exactly: every module holds the config object it held before.
+    unpatch(b)
+    assert all(m.__dict__.get("config") is c for m, c in held)
+    with torch.no_grad():
+        assert torch.equal(run(b, cfg, ids, mask, dec_ids=dec_ids, dec_mask=dec_mask), want)

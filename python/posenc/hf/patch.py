@@ -8,6 +8,7 @@ the ``[batch, 1, L, L]`` mask) is never built. Forward and backward; gradients r
 own tables. See docs/hf.md.
 """
 
+import copy
 import warnings
 
 from . import _bias_alibi, _bias_deberta, _bias_mask, _bias_t5
@@ -77,6 +78,25 @@ def _configs(model):
     return list(seen.values())
 
 
+def _own_configs(model):
+    """Gives the model's modules their own copies of the config objects they hold, so that the
+    attention implementation patch sets changes nothing outside the model: models built from one
+    config object share it (from_config does not copy), and a model built from it later would
+    inherit the setting. unpatch puts the original objects back."""
+    if "_posenc_configs" in model.__dict__:
+        return
+    copies, held = {}, []
+    for m in model.modules():
+        cfg = m.__dict__.get("config")
+        if cfg is None or not hasattr(cfg, "_attn_implementation"):
+            continue
+        if id(cfg) not in copies:
+            copies[id(cfg)] = copy.deepcopy(cfg)
+        held.append((m, cfg))
+        m.__dict__["config"] = copies[id(cfg)]
+    model.__dict__["_posenc_configs"] = held
+
+
 def patch(model, *, attention_dropout="warn"):
     """Runs the attention of a transformers T5 / mT5, BLOOM, MPT, Falcon-RW (ALiBi) or
     DeBERTa-v2/v3 model on posenc's fused kernels, in place; returns the model.
@@ -135,6 +155,7 @@ def patch(model, *, attention_dropout="warn"):
         _patch_deberta(model, attention_dropout, name)
     if families & {"t5", "bloom", "mpt", "falcon"}:
         _bias_mask.register_mask_function()
+        _own_configs(model)
         previous = model.__dict__.setdefault("_posenc_previous_attn", {})
         for c in _configs(model):
             previous.setdefault(id(c), (c, c._attn_implementation))
@@ -226,5 +247,7 @@ def unpatch(model):
             m.__dict__.pop("get_rel_pos", None)
     for c, prev in model.__dict__.pop("_posenc_previous_attn", {}).values():
         c._attn_implementation = prev
+    for m, cfg in model.__dict__.pop("_posenc_configs", []):
+        m.__dict__["config"] = cfg  # the very objects the model held before patch
     model.__dict__.pop("_posenc_patched", None)
     return model
