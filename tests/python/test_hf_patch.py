@@ -572,3 +572,20 @@ def test_patch_changes_nothing_outside_the_model(name):
     assert all(m.__dict__.get("config") is c for m, c in held)
     with torch.no_grad():
         assert torch.equal(run(b, cfg, ids, mask, dec_ids=dec_ids, dec_mask=dec_mask), want)
+
+
+@pytest.mark.parametrize("pad", [None, "right", "left"])
+def test_generate_t5_with_a_static_cache(pad):
+    # generate() with a static cache builds each step's mask before the model's forward and hands
+    # it in as attention_mask: the patched T5 keeps that mask as transformers keeps a 4-D one.
+    cfg = t5_config()
+    ref, pat = pair(cfg, seed=2)
+    ids, mask = inputs(cfg, 2, 9, seed=9, pad=pad)
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+              suppress_tokens=[0, 1], no_repeat_ngram_size=1)  # a random model repeats a token
+    with torch.no_grad():
+        want = ref.generate(ids, cache_implementation="static", **kw)
+        assert torch.equal(want, ref.generate(ids, **kw))
+        got = pat.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(got, want)
+    assert len(set(want[:, 1:].flatten().tolist())) > 1  # a sequence, not one repeated token

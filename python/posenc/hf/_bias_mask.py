@@ -48,6 +48,10 @@ def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
                   attention_mask=None, **kwargs):
     """transformers' AttentionMaskInterface entry for patched models: a BiasMask."""
     from transformers import masking_utils as mu
+    if isinstance(attention_mask, BiasMask):
+        # Built already (generation with a static cache makes each step's mask before the
+        # model's forward): kept as it is, as transformers keeps a 4-D mask it is handed.
+        return attention_mask
     if isinstance(q_offset, torch.Tensor):
         q_offset = int(q_offset)
     if isinstance(kv_offset, torch.Tensor):
