@@ -437,3 +437,36 @@ def test_a_known_looking_pattern_with_another_meaning_goes_dense():
     assert torch.equal(m.dense, want)
     m = hfb.posenc_mask(1, 9, 9, mask_function=mu.sliding_window_causal_mask_function(3))
     assert m.dense is None and m.window == 3
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b.json", "qwen2.5-7b-yarn.json",
+                                  "gemma-2-2b.json"])
+def test_left_padded_training_step_equals_eager(name, calls):
+    # Left padding with the usual labels (pads -100): the shifted loss scores the last pad
+    # position (it predicts the first real token). Eager attention gives that fully masked query
+    # row the mean of the values over all keys (and autograd the scores' gradient); so does
+    # posenc, so the loss and every gradient agree.
+    model = make_model(name, 2)
+    model.train()
+    ids = _ids(2, 13, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[1, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    out = {}
+    for impl in ("eager", "posenc"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        res = model(ids, attention_mask=mask, labels=labels)
+        res.loss.backward()
+        out[impl] = (float(res.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()
+                                       if p.grad is not None})
+    assert calls["calls"] == 2
+    (la, ga), (lb, gb) = out["eager"], out["posenc"]
+    assert abs(la - lb) <= 1e-5 * abs(la), (la, lb)
+    big = max(float(g.abs().max()) for g in ga.values())
+    assert set(ga) == set(gb)
+    for n in ga:
+        err = float((ga[n] - gb[n]).abs().max())
+        assert err <= 2e-5 * float(ga[n].abs().max()) + 1e-7 * big, (n, err)

@@ -20,6 +20,7 @@ Masks that cannot be expressed exactly (an additive float mask with values other
 the model, the layer and the mask; nothing is silently mis-masked.
 """
 
+import math
 import torch
 
 __all__ = ["register", "attention_forward", "posenc_mask", "PosencMask", "NAME"]
@@ -408,11 +409,43 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         opts["allow_fully_masked"] = True
     if "window" in opts and opts["window"] < 1:
         _refuse(module, f"a sliding window of {opts['window']}")
+    # Query rows that see no key (the padding positions of a left-padded batch): eager attention
+    # adds the dtype's minimum to every score of such a row, so its softmax is uniform over all
+    # the keys, and autograd still carries the scores' gradient through it. posenc gives the same
+    # rows the same output and gradients (_uniform_rows), so that a left-padded training step
+    # whose labels score the last pad position has eager's loss and gradients.
+    fix_empty = opts.get("allow_fully_masked", False) and sinks is None and lk > 0
     try:
-        out = pt.attention(q, k, v, None, params=params, **opts)
+        if fix_empty:
+            out, lse = pt.attention(q, k, v, None, params=params, return_lse=True, **opts)
+        else:
+            out = pt.attention(q, k, v, None, params=params, **opts)
     except (ValueError, TypeError) as err:
         raise type(err)(f"posenc: {_model_name(module)}: {err}") from err
+    if fix_empty:
+        empty = torch.isneginf(lse)  # [batch, heads, q_len]
+        if bool(empty.any()):
+            scale = opts.get("scale", 1.0 / math.sqrt(d))
+            out = _uniform_rows(out, q, k, v, empty, scale, opts.get("softcap"))
     return out, None
+
+
+def _uniform_rows(out, q, k, v, empty, scale, softcap):
+    """out with the rows `empty` [batch, heads, q_len] replaced by eager's value for a row whose
+    every score is masked: the mean of v over all keys, with the gradient of a softmax at uniform
+    weights (through the scores, as eager's autograd has it: the weights are softmax(s - s), whose
+    value is uniform and whose gradient is the softmax's). O(rows x keys) extra memory."""
+    bi, hi, ii = empty.nonzero(as_tuple=True)
+    group = q.shape[2] // k.shape[2]
+    qr = q[bi, ii, hi].float()                 # [n, d]
+    kr = k[bi, :, hi // group].float()         # [n, keys, d]
+    vr = v[bi, :, hi // group].float()         # [n, keys, v_dim]
+    s = torch.einsum("nd,nkd->nk", qr, kr) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    p = torch.softmax(s - s.detach(), dim=-1)
+    rows = torch.einsum("nk,nkd->nd", p, vr).to(out.dtype)
+    return out.index_put((bi, ii, hi), rows)
 
 
 def register():
