@@ -601,6 +601,11 @@ def _rope_diagnosis(st, results, angles):
          "split at head_dim/2 rather than rotary_dim/2)."),
         ("noscale", f"The frequency scaling ({st.scaling_type}) is not applied: the function uses "
          "the unscaled base frequencies."),
+        ("posdtype", "The positions are rounded to the input's dtype before the angles are formed "
+         "(a position index built in x's dtype, e.g. torch.arange(L, dtype=x.dtype) or "
+         "positions.to(x.dtype)): bfloat16 holds integers exactly only up to 256, float16 up to "
+         "2048, float32 up to 2^24, so larger positions move (257 -> 256 in bfloat16). Build the "
+         "positions in int64 and form the angles in float32 or float64."),
     ]
     hyps += [(("base", b), f"The frequencies are those of base θ = {b:g}, but the settings say "
               f"θ = {st.theta():g} (rope_theta"
@@ -626,11 +631,11 @@ def _rope_diagnosis(st, results, angles):
             if e32 <= 2 * tol + allow and e32 < 0.5 * c.max_error:
                 f32_match.append(c)
         for key, _ in hyps:
-            same = _rope_alt(st, key, x, pos, c.info["seq_len"], "accurate")
+            same = _rope_alt(st, key, x, pos, c.info["seq_len"], "accurate", c.dtype)
             if same is None or _maxerr(same, c.info["ref"]) <= 2 * tol:
                 continue  # the mistake would not show in this case
             for ang in (("accurate", "float32") if angles == "accurate" else ("float32",)):
-                alt = _rope_alt(st, key, x, pos, c.info["seq_len"], ang)
+                alt = _rope_alt(st, key, x, pos, c.info["seq_len"], ang, c.dtype)
                 if alt is None:
                     continue
                 alt = _round(alt, c.dtype) if ang == "float32" else alt
@@ -640,6 +645,13 @@ def _rope_diagnosis(st, results, angles):
                 if ea <= lim and ea < 0.5 * c.max_error:
                     hit.setdefault(key, []).append((c, ang))
                     break
+    # A mistake that explains only some of the cases another explains as well is that other one
+    # seen where the two coincide (a bfloat16 position index turns 1001 into 1000, which looks
+    # like an off-by-one in that case alone): only the wider explanation is reported.
+    cases_of = {key: {id(c) for c, _ in v} for key, v in hit.items()}
+    for key in list(hit):
+        if any(other != key and cases_of[key] < cases_of[other] for other in cases_of):
+            del hit[key]
     for key, sentence in hyps:
         if key in hit:
             c, _ = hit[key][0]
@@ -650,7 +662,11 @@ def _rope_diagnosis(st, results, angles):
                          f"'{f32[-1].name}').")
             out.append(sentence + f" Seen in '{c.name}' (error {c.max_error:.3g}, tolerance "
                        f"{c.tolerance:.3g})." + extra)
-    if f32_match and not hit:
+    # The float32-angle recipe explains cases that no other mistake does: its own sentence, next
+    # to the others' (one sentence for each matching mistake).
+    covered = {id(c) for v in hit.values() for c, _ in v}
+    f32_match = [c for c in f32_match if id(c) not in covered]
+    if f32_match:
         worst = max(f32_match, key=lambda c: c.max_error)
         ok_small = [c for c in results if c.status == "pass" and c.dtype == worst.dtype]
         rel = worst.max_error / max(worst.info["max_x"], 1e-300)
@@ -690,8 +706,13 @@ def _rope_diagnosis(st, results, angles):
     return out
 
 
-def _rope_alt(st, key, x, pos, seq_len, ang):
+def _rope_alt(st, key, x, pos, seq_len, ang, dtype="float64"):
     x = x.astype(np.float32) if ang == "float32" else x
+    if key == "posdtype":
+        p = _round(pos, dtype).astype(np.int64)
+        if np.array_equal(p, pos):
+            return None
+        return _rope_apply(x, np.ascontiguousarray(p), st.freqs(seq_len, ang), st.style)
     if key == "style":
         other = "interleaved" if st.style == "half" else "half"
         return _rope_apply(x, pos, st.freqs(seq_len, ang), other)

@@ -527,3 +527,39 @@ def test_hf_deberta_attention():
 def test_explicit_bf16_on_a_numpy_function_fails():
     r = T.check_rope(lambda x, p: rope_np(x, p), head_dim=8, dtype="bfloat16")
     assert not r.ok and all(c.status in ("error", "unsupported") for c in r.cases), str(r)
+
+
+def rope_positions_in_dtype(x, positions, base=1e4, f32_angles=False):
+    """A RoPE whose position index is built in x's dtype (bf16 rounds 257 -> 256, 1001 -> 1000),
+    with float64 angles or (f32_angles) Hugging Face's float32 angles as well."""
+    D = x.shape[-1]
+    if f32_angles:
+        inv = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+        a = positions.to(x.dtype).float()[..., None] * inv
+    else:
+        inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+        a = positions.to(x.dtype).to(torch.float64)[..., None] * inv
+    a = a[None] if a.dim() == 2 else a
+    c, s = (f(a)[:, :, None, :].to(x.dtype) for f in (torch.cos, torch.sin))
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+def test_positions_in_the_inputs_dtype_are_diagnosed_as_such():
+    # Only one of its failing cases looks like a shift (1001 -> 1000): not an off-by-one.
+    r = T.check_rope(rope_positions_in_dtype, head_dim=16)
+    assert not r.ok
+    text = diag(r)
+    assert "rounded to the input's dtype" in text, text
+    assert "off by one" not in text, text
+
+
+def test_each_matching_mistake_gets_its_sentence():
+    # Positions in x's dtype and float32 angles: both sentences, neither hiding the other.
+    r = T.check_rope(lambda x, p: rope_positions_in_dtype(x, p, f32_angles=True), head_dim=16)
+    text = diag(r)
+    assert "rounded to the input's dtype" in text and "Float32 angles at long context" in text, text
+    assert "off by one" not in text, text
+    # A real off-by-one is still named.
+    r = T.check_rope(lambda x, p: rope_np(x, p, shift=1), head_dim=16, dtype="float32")
+    assert "off by one" in diag(r) and "rounded to the input's dtype" not in diag(r)
