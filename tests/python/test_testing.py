@@ -563,3 +563,51 @@ def test_each_matching_mistake_gets_its_sentence():
     # A real off-by-one is still named.
     r = T.check_rope(lambda x, p: rope_np(x, p, shift=1), head_dim=16, dtype="float32")
     assert "off by one" in diag(r) and "rounded to the input's dtype" not in diag(r)
+
+
+# ---- attention mistakes real code makes ---------------------------------------------------------
+
+def _attn_gqa_tiled(q, k, v, scheme=None, **kw):
+    idx = torch.arange(q.shape[2]) % k.shape[2]  # .repeat() instead of .repeat_interleave()
+    return pt.attention(q, k[:, :, idx], v[:, :, idx], scheme, **kw)
+
+
+def _attn_top_left(q, k, v, scheme=None, causal=False, **kw):
+    lq, lk = q.shape[1], k.shape[1]
+    if causal and lq < lk:  # SDPA's is_causal rule
+        m = torch.ones(lq, lk, dtype=torch.bool).tril()[None]
+        extra = {"bidirectional": False} if scheme == "t5" else {}
+        return pt.attention(q, k, v, scheme, mask=m, allow_fully_masked=True, **extra, **kw)
+    return pt.attention(q, k, v, scheme, causal=causal, **kw)
+
+
+@pytest.mark.parametrize("case", ["gqa tiled", "top-left rope", "top-left t5", "partial rotary",
+                                  "full rotary", "scaling added", "scaling dropped"])
+def test_attention_mistakes_of_real_code_are_diagnosed(case):
+    t5 = {"params": {"relative_attention_bias":
+                     np.random.default_rng(0).standard_normal((32, 6))}}
+    fn, scheme, settings, expect = {
+        "gqa tiled": (_attn_gqa_tiled, "rope", {}, "GQA heads are grouped in tiled order"),
+        "top-left rope": (_attn_top_left, "rope", {}, "causal mask is aligned top-left"),
+        "top-left t5": (_attn_top_left, "t5", t5, "causal mask is aligned top-left"),
+        "partial rotary": (lambda q, k, v, s=None, **kw: pt.attention(q, k, v, s, rotary_dim=8,
+                                                                      **kw),
+                           "rope", {}, "Only part of the head dims is rotated (rotary_dim 8 of 16)"),
+        "full rotary": (lambda q, k, v, s=None, rotary_dim=None, **kw: pt.attention(q, k, v, s,
+                                                                                    **kw),
+                        "rope", {"rotary_dim": 8}, "partial rotary (the dims past rotary_dim"),
+        "scaling added": (lambda q, k, v, s=None, **kw: pt.attention(
+            q, k, v, s, scaling={"rope_type": "linear", "factor": 4.0}, **kw), "rope", {},
+            "A RoPE frequency scaling is applied where the settings give none"),
+        "scaling dropped": (lambda q, k, v, s=None, scaling=None, **kw: pt.attention(q, k, v, s,
+                                                                                    **kw),
+                            "rope", {"scaling": {"rope_type": "linear", "factor": 2.0}},
+                            "The RoPE frequency scaling (linear) is not applied"),
+    }[case]
+    r = T.check_attention(fn, scheme, dtype="float32", **settings)
+    assert not r.ok
+    text = diag(r)
+    assert expect in text, text
+    assert "No known mistake" not in text and "KV-cache position offset" not in text, text
+    # The correct implementation with the same settings passes.
+    assert T.check_attention(pt.attention, scheme, dtype="float32", **settings).ok
