@@ -387,7 +387,8 @@ def rope_append_impl(k_new: Tensor, v_new: Optional[Tensor], k_pages: Tensor,
                          v_new=new(v_new, "v_new"),
                          v_pages=None if v_pages is None else _pool(v_pages, "v_pages"),
                          dtype=_HALF[k_pages.dtype] if half else None,
-                         positions=_positions(positions, "positions"), **kw)
+                         positions=(_positions(positions, "positions") if positions is not None
+                                    else kw.pop("positions", None)), **kw)
 
 
 rope_append = torch.library.custom_op("posenc::rope_append", rope_append_impl,

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "args.h"
 #include "calls.h"
 
 namespace posenc::py {
@@ -75,31 +76,37 @@ namespace {
 
 // ---- integer index functions, vectorized over arrays -----------------------------------------
 
+// f over an int or an integer array `x` (named `what`): integers only, never truncated or wrapped
+// (int_array refuses floats, booleans and values past int64).
 template <class F>
-pb::object map_int(const pb::handle& x, F f) {
-  if (pb::isinstance<pb::int_>(x)) return pb::int_(f(x.cast<int64_t>()));
-  auto a = pb::array_t<int64_t, pb::array::c_style | pb::array::forcecast>::ensure(x);
-  if (!a) throw pb::type_error("expected an int or an integer array");
+pb::object map_int(const pb::handle& x, const char* what, F f) {
+  if (!pb::isinstance<pb::array>(x) && !pb::isinstance<pb::sequence>(x) && PyIndex_Check(x.ptr())) {
+    return pb::int_(f(arg_int(x, what)));
+  }
+  const pb::array a = int_array<int64_t>(x, what);
   std::vector<pb::ssize_t> shape(a.shape(), a.shape() + a.ndim());
-  pb::array_t<int64_t> out(shape);
-  const int64_t* in = a.data();
+  pb::array_t<int64_t> out = checked_array<int64_t>(shape, "the result");
+  const int64_t* in = static_cast<const int64_t*>(a.data());
   int64_t* o = out.mutable_data();
   for (pb::ssize_t i = 0; i < a.size(); ++i) o[i] = f(in[i]);
   return std::move(out);
 }
 
+// f over two ints or integer arrays (broadcast together), each as map_int reads it.
 template <class F>
-pb::object map_int2(const pb::handle& x, const pb::handle& y, F f) {
-  if (pb::isinstance<pb::int_>(x) && pb::isinstance<pb::int_>(y)) {
-    return pb::int_(f(x.cast<int64_t>(), y.cast<int64_t>()));
-  }
+pb::object map_int2(const pb::handle& x, const pb::handle& y, const char* xwhat, const char* ywhat,
+                    F f) {
+  const auto scalar = [](const pb::handle& h) {
+    return !pb::isinstance<pb::array>(h) && !pb::isinstance<pb::sequence>(h) &&
+           PyIndex_Check(h.ptr());
+  };
+  if (scalar(x) && scalar(y)) return pb::int_(f(arg_int(x, xwhat), arg_int(y, ywhat)));
   static const pb::object& broadcast = py_attr("numpy", "broadcast_arrays");
-  pb::tuple ab = broadcast(pb::array_t<int64_t, pb::array::forcecast>::ensure(x),
-                           pb::array_t<int64_t, pb::array::forcecast>::ensure(y));
+  pb::tuple ab = broadcast(int_array<int64_t>(x, xwhat), int_array<int64_t>(y, ywhat));
   auto a = pb::array_t<int64_t, pb::array::c_style | pb::array::forcecast>::ensure(ab[0]);
   auto b = pb::array_t<int64_t, pb::array::c_style | pb::array::forcecast>::ensure(ab[1]);
   std::vector<pb::ssize_t> shape(a.shape(), a.shape() + a.ndim());
-  pb::array_t<int64_t> out(shape);
+  pb::array_t<int64_t> out = checked_array<int64_t>(shape, "the result");
   for (pb::ssize_t i = 0; i < a.size(); ++i) out.mutable_data()[i] = f(a.data()[i], b.data()[i]);
   return std::move(out);
 }
@@ -316,8 +323,10 @@ void bind_sinusoidal(pb::module_& m, pb::module_& ref) {
         std::vector<int64_t> p(ids.data(), ids.data() + ids.size());
         pb::array_t<float> a({static_cast<int64_t>(p.size()), dim});
         auto v = view_of<float, 2>(a, "out", "");
-        pb::gil_scoped_release release;
-        sinusoidal_encode(c, p, v);
+        {
+          pb::gil_scoped_release release;
+          sinusoidal_encode(c, p, v);
+        }
         return a;
       },
       arg("positions"), arg("dim"), pb::kw_only(), arg("base") = 1e4, arg("layout") = "interleaved",
@@ -332,8 +341,10 @@ void bind_sinusoidal(pb::module_& m, pb::module_& ref) {
         const SinusoidalConfig c =
             sin_config(r.view.shape[2], base, layout, denominator, origin, odd_dim);
         const auto pos = positions_arg(positions, "positions");
-        pb::gil_scoped_release release;
-        add_sinusoidal(c, r.view, pos ? &*pos : nullptr);
+        {
+          pb::gil_scoped_release release;  // not across the return: it copies r.arr
+          add_sinusoidal(c, r.view, pos ? &*pos : nullptr);
+        }
         return r.arr;
       },
       arg("x"), pb::kw_only(), arg("base") = 1e4, arg("layout") = "interleaved",
@@ -350,8 +361,10 @@ void bind_sinusoidal(pb::module_& m, pb::module_& ref) {
         pb::array t = as_array<float>(table, "table");
         const auto tv = view_of<const float, 2>(t, "table", "[max_positions, dim]");
         const auto pos = positions_arg(positions, "positions");
-        pb::gil_scoped_release release;
-        add_learned(tv, r.view, pos ? &*pos : nullptr);
+        {
+          pb::gil_scoped_release release;  // not across the return: it copies r.arr
+          add_learned(tv, r.view, pos ? &*pos : nullptr);
+        }
         return r.arr;
       },
       arg("x"), arg("table"), pb::kw_only(), arg("positions") = pb::none(), arg("inplace") = false,
@@ -371,12 +384,14 @@ void bind_sinusoidal(pb::module_& m, pb::module_& ref) {
           v = view_of<const float, 3>(a, "dy", "[batch, seq, dim] or [seq, dim]");
         }
         if (max_positions < 0) throw ValueError("max_positions must be >= 0");
-        pb::array_t<float> g({max_positions, v.shape[2]});
+        pb::array_t<float> g = checked_array<float>({max_positions, v.shape[2]}, "dtable");
         std::fill(g.mutable_data(), g.mutable_data() + g.size(), 0.0f);
         auto gv = view_of<float, 2>(g, "dtable", "");
         const auto pos = positions_arg(positions, "positions");
-        pb::gil_scoped_release release;
-        learned_backward(v, gv, pos ? &*pos : nullptr);
+        {
+          pb::gil_scoped_release release;
+          learned_backward(v, gv, pos ? &*pos : nullptr);
+        }
         return g;
       },
       arg("dy"), arg("max_positions"), pb::kw_only(), arg("positions") = pb::none(),
@@ -405,7 +420,7 @@ void bind_relative(pb::module_& m, pb::module_& ref) {
       "t5_bucket",
       [t5_cfg](const pb::object& rel, int64_t nb, int64_t md, bool bidir) {
         const T5BucketConfig c = t5_cfg(nb, md, bidir);
-        return map_int(rel, [&](int64_t r) { return t5_bucket(r, c); });
+        return map_int(rel, "relative_position", [&](int64_t r) { return t5_bucket(r, c); });
       },
       arg("rel"), pb::kw_only(), arg("num_buckets") = 32, arg("max_distance") = 128,
       arg("bidirectional") = true,
@@ -415,7 +430,8 @@ void bind_relative(pb::module_& m, pb::module_& ref) {
       "t5_bucket",
       [t5_cfg](const pb::object& rel, int64_t nb, int64_t md, bool bidir) {
         const T5BucketConfig c = t5_cfg(nb, md, bidir);
-        return map_int(rel, [&](int64_t r) { return ref::t5_bucket_f64(r, c); });
+        return map_int(rel, "relative_position",
+                       [&](int64_t r) { return ref::t5_bucket_f64(r, c); });
       },
       arg("rel"), pb::kw_only(), arg("num_buckets") = 32, arg("max_distance") = 128,
       arg("bidirectional") = true, "t5_bucket with the log in float64.");
@@ -440,7 +456,7 @@ void bind_relative(pb::module_& m, pb::module_& ref) {
       "shaw_index",
       [](const pb::object& rel, int64_t k) {
         if (k < 0) throw ValueError("max_relative_position must be >= 0");
-        return map_int(rel, [&](int64_t r) { return shaw_index(r, k); });
+        return map_int(rel, "relative_position", [&](int64_t r) { return shaw_index(r, k); });
       },
       arg("rel"), arg("max_relative_position"),
       "shaw_index(rel, max_relative_position) -> clamp(rel, -K, K) + K (docs/shaw.md).");
@@ -448,7 +464,7 @@ void bind_relative(pb::module_& m, pb::module_& ref) {
       "deberta_bucket",
       [](const pb::object& rho, int64_t mrp, int64_t pb_, bool f64log) {
         const DebertaBuckets c = deberta_cfg(mrp, pb_, f64log, "model");
-        return map_int(rho, [&](int64_t r) { return deberta_bucket(r, c); });
+        return map_int(rho, "rho", [&](int64_t r) { return deberta_bucket(r, c); });
       },
       arg("rho"), pb::kw_only(), arg("max_relative_positions") = 512, arg("position_buckets") = 0,
       arg("float64_log") = false,
@@ -460,7 +476,7 @@ void bind_relative(pb::module_& m, pb::module_& ref) {
         [c2p](const pb::object& pq, const pb::object& pk, int64_t mrp, int64_t pb_, bool f64log,
               const std::string& p2c) {
           const DebertaBuckets c = deberta_cfg(mrp, pb_, f64log, p2c);
-          return map_int2(pq, pk, [&](int64_t a, int64_t b) {
+          return map_int2(pq, pk, "pos_q", "pos_k", [&](int64_t a, int64_t b) {
             return c2p ? deberta_c2p_index(a, b, c) : deberta_p2c_index(a, b, c);
           });
         },

@@ -78,7 +78,7 @@ pb::array half_array(const pb::handle& obj, const char* what, Inputs inputs,
 
 // A new C-contiguous uint16 array holding a half result.
 pb::array_t<uint16_t> new_bits(const std::vector<pb::ssize_t>& shape) {
-  return pb::array_t<uint16_t>(shape);
+  return checked_array<uint16_t>(shape, "the result");
 }
 
 template <class H>

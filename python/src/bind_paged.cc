@@ -125,7 +125,7 @@ pb::object run_paged(Call& c, const pb::array_t<int32_t>& table, const pb::array
     ov = mutable_view<float, 4>(o);
     out = std::move(o);
   } else {
-    pb::array_t<uint16_t> o(shape);
+    pb::array_t<uint16_t> o = checked_array<uint16_t>(shape, "the result");
     ov = view_of<O, 4>(o, "out", "");
     out = std::move(o);
   }

@@ -220,7 +220,7 @@ pb::array rope_call(const pb::handle& x, const pb::object& freqs, const pb::obje
       result = pb::reinterpret_borrow<pb::array>(out);
     } else {
       std::vector<pb::ssize_t> shape(xa.shape(), xa.shape() + xa.ndim());
-      result = pb::array_t<double>(shape);
+      result = checked_array<double>(shape, "the result");
     }
     View<double, 4> ov = as4<double>(result, "out");
     if (!out.is_none()) {
@@ -246,7 +246,7 @@ pb::array rope_call(const pb::handle& x, const pb::object& freqs, const pb::obje
       }
     } else {
       std::vector<pb::ssize_t> shape(xa.shape(), xa.shape() + xa.ndim());
-      result = pb::array_t<float>(shape);
+      result = checked_array<float>(shape, "the result");
     }
     View<float, 4> ov = as4<float>(result, "out");
     if (ov.shape != xv.shape) throw ShapeError("out: must have x's shape");
@@ -399,7 +399,7 @@ void bind_rope(pb::module_& m, pb::module_& ref) {
         if (f64) {
           pb::array a = as_array<double>(x, "x");
           std::vector<pb::ssize_t> shape(a.shape(), a.shape() + a.ndim());
-          pb::array out = pb::array_t<double>(shape);
+          pb::array out = checked_array<double>(shape, "the result");
           auto xv = as4<double>(a, "x");
           auto ov = as4<double>(out, "out");
           pb::gil_scoped_release release;
@@ -408,7 +408,7 @@ void bind_rope(pb::module_& m, pb::module_& ref) {
         }
         pb::array a = as_array<float>(x, "x");
         std::vector<pb::ssize_t> shape(a.shape(), a.shape() + a.ndim());
-        pb::array out = pb::array_t<float>(shape);
+        pb::array out = checked_array<float>(shape, "the result");
         auto xv = as4<float>(a, "x");
         auto ov = as4<float>(out, "out");
         pb::gil_scoped_release release;

@@ -157,6 +157,24 @@ View<T, R> out_view(const pb::handle& obj, const std::array<int64_t, R>& shape, 
   return View<T, R>{static_cast<T*>(a.mutable_data()), v.shape, v.stride};
 }
 
+// A new C-contiguous array of `shape` (sizes from the caller's arguments), checked against the
+// allocation limit before it is made: SizeError naming `what` and the bytes.
+template <class T>
+pb::array_t<T> checked_array(const std::vector<pb::ssize_t>& shape, const std::string& what) {
+  int64_t n = 1;
+  bool overflow = false;
+  for (const pb::ssize_t d : shape) {
+    if (d < 0) throw ValueError(what + ": negative size " + std::to_string(d));
+    const std::optional<int64_t> m = checked_mul(n, d);
+    overflow = overflow || !m;
+    n = m.value_or(n);
+  }
+  const std::optional<int64_t> bytes = checked_mul(n, static_cast<int64_t>(sizeof(T)));
+  if (overflow || !bytes) throw SizeError(what + ": the size overflows a 64-bit integer");
+  require_allocation(what, *bytes);
+  return pb::array_t<T>(shape);
+}
+
 // A new C-contiguous array of `shape`, checked against the allocation limit first (inputs
 // broadcast with stride 0 can describe results far larger than themselves).
 template <class T, std::size_t R>

@@ -723,10 +723,12 @@ class BackwardKernel {
   // Rows [lo, hi] of a bucket table indexed at dmax - delta, for delta in [dlo, dhi] (narrowed
   // by the caller to the distances a mask can leave visible: masked cells still read their table
   // rows, which then hold finite values from earlier blocks or zeros, and add their dS = 0).
-  static std::pair<int64_t, int64_t> UsedRows(const int32_t* table, int64_t dmax, int64_t dlo,
-                                              int64_t dhi) {
+  // Only the table's own entries [0, len) are read: distances outside it belong to no key pair.
+  static std::pair<int64_t, int64_t> UsedRows(const int32_t* table, int64_t len, int64_t dmax,
+                                              int64_t dlo, int64_t dhi) {
     int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
-    for (int64_t at = dmax - dhi; at <= dmax - dlo; ++at) {
+    for (int64_t at = std::max<int64_t>(dmax - dhi, 0);
+         at <= std::min<int64_t>(dmax - dlo, len - 1); ++at) {
       lo = std::min<int64_t>(lo, table[at]);
       hi = std::max<int64_t>(hi, table[at]);
     }
@@ -915,7 +917,7 @@ class BackwardKernel {
       p_.mask.clip_distances(dlo, dhi);
       p2c_rows[static_cast<size_t>(t)] =
           dlo > dhi ? std::pair<int64_t, int64_t>{0, -1}
-                    : UsedRows(p_.deberta_p2c, p_.deberta_dmax[bb], dlo, dhi);
+                    : UsedRows(p_.deberta_p2c, p_.deberta_len, p_.deberta_dmax[bb], dlo, dhi);
     }
     n_all = ntiles_ * kt * dp;
     n_p2c = deberta_ ? group_ * ntiles_ * span2s_ * kt : 0;
@@ -1071,8 +1073,9 @@ class BackwardKernel {
         br.c0 = std::clamp<int64_t>(p_.xl_dmax - dhi, 0, p_.xl_len - 1) / kt;
         br.c1 = std::clamp<int64_t>(p_.xl_dmax - dlo, 0, p_.xl_len - 1) / kt + 1;
       } else {
-        const auto [ulo, uhi] = UsedRows(p_.deberta_c2p, p_.deberta_dmax[bb], dlo, dhi);
-        br.c0 = ulo / kt, br.c1 = uhi / kt + 1;
+        const auto [ulo, uhi] =
+            UsedRows(p_.deberta_c2p, p_.deberta_len, p_.deberta_dmax[bb], dlo, dhi);
+        br.c0 = uhi < ulo ? 0 : ulo / kt, br.c1 = uhi < ulo ? 0 : uhi / kt + 1;  // none: empty
       }
       std::fill(w1 + br.c0 * cs, w1 + br.c1 * cs, 0.0f);
       if (w2 != nullptr) std::fill(w2 + br.c0 * cs, w2 + br.c1 * cs, 0.0f);

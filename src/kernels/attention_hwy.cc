@@ -640,7 +640,10 @@ class ForwardKernel {
       all.nq = p_.seq_q;
       const auto [dlo, dhi] = VisibleDeltas(all, 0, p_.seq_k);
       const int64_t dmax = p_.deberta_dmax[b];
-      for (int64_t t = dmax - dhi; t <= dmax - dlo; ++t) {
+      // Entries outside the table are distances no key pair has (a row whose queries see no
+      // key clips to an empty or shifted range): only the table's own entries are read.
+      for (int64_t t = std::max<int64_t>(dmax - dhi, 0);
+           t <= std::min<int64_t>(dmax - dlo, p_.deberta_len - 1); ++t) {
         ulo = std::min<int64_t>(ulo, p_.deberta_p2c[t]);
         uhi = std::max<int64_t>(uhi, p_.deberta_p2c[t]);
       }
@@ -907,7 +910,9 @@ class ForwardKernel {
                                        const int32_t* index, int64_t dmax) const {
     const auto [dlo, dhi] = VisibleDeltas(it, j_begin, j_end);
     int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
-    for (int64_t t = dmax - dhi; t <= dmax - dlo; ++t) {
+    // Only the table's own entries (distances no key pair has lie outside it).
+    for (int64_t t = std::max<int64_t>(dmax - dhi, 0);
+         t <= std::min<int64_t>(dmax - dlo, p_.deberta_len - 1); ++t) {
       lo = std::min<int64_t>(lo, index[t]);
       hi = std::max<int64_t>(hi, index[t]);
     }

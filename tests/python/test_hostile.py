@@ -337,3 +337,46 @@ def test_rope_and_plot_keywords_typed():
         posenc.plot.heatmap(length=2.5)
     with pytest.raises(TypeError, match="colormap: expected a string"):
         posenc.plot.heatmap(colormap=1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_deberta_rows_that_see_no_key_read_only_the_table(dtype):
+    # Queries placed before every key under a causal mask (with sinks: allowed): the DeBERTa
+    # kernels' distance range of such a row lies outside the index table and was read anyway.
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal(s).astype(np.float32)
+               for s in ((2, 2, 6, 15), (2, 14, 3, 15), (2, 14, 3, 15)))
+    params = {"pos_key": rng.standard_normal((8, 6, 15)).astype(np.float32),
+              "pos_query": rng.standard_normal((8, 6, 15)).astype(np.float32),
+              "sinks": rng.standard_normal(6).astype(np.float32)}
+    kw = dict(causal=True, window=2**40, chunk=2, softcap=3.0, scale=0.25, params=params,
+              max_relative_positions=16, position_buckets=4,
+              query_positions=np.array([[2**32 + 1, 2**32 + 2], [2**32 + 20, 2**32 + 21]]),
+              key_positions=2**32 + 4 + np.stack([np.arange(14), 2 * np.arange(14)]))
+    want = posenc.ref.attention(q, k, v, "deberta", **kw)
+    if dtype == "float32":
+        got = posenc.attention(q, k, v, "deberta", **kw)
+        dout = rng.standard_normal(got.shape).astype(np.float32)
+        g = posenc.attention_grad(q, k, v, dout, "deberta", **kw)
+        g64 = posenc.ref.attention_grad(q, k, v, dout, "deberta", **kw)
+        for n in ("dq", "dk", "dv", "dpos_key", "dpos_query", "dsinks"):
+            assert np.max(np.abs(g[n] - g64[n])) < 1e-4, n
+        tol = 1e-5
+    else:
+        h = [x.astype(np.float16) for x in (q, k, v)]
+        got = posenc.attention_half(*h, "deberta", dtype="float16", **kw).astype(np.float32)
+        want = posenc.ref.attention(*[x.astype(np.float64) for x in h], "deberta", **kw)
+        tol = 1e-2
+    assert np.max(np.abs(got - want)) < tol
+
+
+def test_torch_rope_append_with_an_int_offset():
+    # positions=<int> travels in the options: handed on once, not twice.
+    pool = torch.zeros(2, 4, 1, 8)
+    pt.rope_append(torch.ones(1, 1, 1, 8), pool, torch.tensor([[0]]), torch.tensor([1]),
+                   positions=5)
+    want = np.zeros((2, 4, 1, 8), np.float32)
+    posenc.rope_append(np.ones((1, 1, 1, 8), np.float32), want, np.array([[0]]), np.array([1]),
+                       positions=5)
+    np.testing.assert_array_equal(pool.numpy(), want)
+    assert np.any(want != 0)
