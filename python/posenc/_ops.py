@@ -331,6 +331,12 @@ def attention_paged_impl(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tabl
     f16 pages with q of their dtype (out of that dtype) or float32 (float32 out). No gradient."""
     kw, names = _attention_kwargs(options, query_positions, None, (), tables)
     table, lens = _np(block_table, "block_table"), _np(seq_lens, "seq_lens")
+    if k_pages.dtype not in _HALF and v_pages.dtype not in _HALF:
+        for t, what in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
+            if t.dtype != torch.float32:
+                raise TypeError(f"attention_paged: {what} must be torch.float32 with float32 "
+                                f"pages (or all of one half dtype; q may stay float32), got "
+                                f"{t.dtype}")
     if k_pages.dtype in _HALF or v_pages.dtype in _HALF:
         _half_dtypes("attention_paged", q, k_pages, v_pages, ("q", "k_pages", "v_pages"))
         half_q = q.dtype in _HALF

@@ -18,7 +18,7 @@ std::optional<Positions> positions_arg(const pb::handle& obj, const char* what) 
   // An int offset (numpy integer scalars too); arrays and sequences are ids.
   if (!pb::isinstance<pb::array>(obj) && !pb::isinstance<pb::sequence>(obj) &&
       !pb::hasattr(obj, "__array__") && PyIndex_Check(obj.ptr())) {
-    return Positions::offset(arg_int(obj, what));
+    return Positions::offset(arg_int(obj, what, 0, kMaxPositionArg));
   }
   // Integer ids only (no float truncated, no unsigned value wrapped): int_array refuses them.
   const pb::array ids = int_array<int64_t>(obj, what);

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -65,6 +66,29 @@ struct Rows {
 };
 
 // Scores of query i against every key (row of length seq_k), before masking.
+// The cap in T: a double cap outside float's normal range is clamped to it in the float path
+// (0 would divide by zero, infinity make cap * tanh(0) NaN; docs/attention.md, Soft-capping).
+template <class T>
+T capped_value(double cap) {
+  if constexpr (std::is_same_v<T, float>) {
+    return static_cast<float>(std::clamp<double>(cap, std::numeric_limits<float>::min(),
+                                                 std::numeric_limits<float>::max()));
+  } else {
+    return static_cast<T>(cap);
+  }
+}
+
+// cap * tanh(x / cap); in float, x itself where |x / cap| < 2^-12 (tanh(y) = y to float's
+// precision there, and a subnormal quotient would lose it).
+template <class T>
+T soft_cap(T x, T cap) {
+  const T y = x / cap;
+  if constexpr (std::is_same_v<T, float>) {
+    if (std::abs(y) < 1.0f / 4096.0f) return x;
+  }
+  return cap * std::tanh(y);
+}
+
 template <class T, class Term>
 void score_row(const Problem<T>& pr, const Prepared<T>& p, const Term& term, const Rows<T>& rows,
                int64_t b, int64_t h, int64_t i, T* s) {
@@ -78,8 +102,8 @@ void score_row(const Problem<T>& pr, const Prepared<T>& p, const Term& term, con
     s[j] = scale * content + bias;
   }
   if (pr.opt.softcap) {
-    const T cap = static_cast<T>(*pr.opt.softcap);
-    for (int64_t j = 0; j < pr.d.seq_k; ++j) s[j] = cap * std::tanh(s[j] / cap);
+    const T cap = capped_value<T>(*pr.opt.softcap);
+    for (int64_t j = 0; j < pr.d.seq_k; ++j) s[j] = soft_cap(s[j], cap);
   }
 }
 
@@ -163,7 +187,7 @@ void backward_rows(const Problem<T>& pr, const Prepared<T>& p, const Term& term,
   const auto ud = [](int64_t x) { return static_cast<std::size_t>(x); };
   const T scale = static_cast<T>(p.scale);
   const bool capped = pr.opt.softcap.has_value();
-  const T cap = static_cast<T>(pr.opt.softcap.value_or(1.0));
+  const T cap = capped_value<T>(pr.opt.softcap.value_or(1.0));
   // Rotated q and k (RoPE): their gradients first, rotated back by the term at the end.
   const bool rotated = !p.q_rot.empty();
   std::vector<T> dq_rot, dk_rot;

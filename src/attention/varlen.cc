@@ -66,6 +66,10 @@ PackedSequences pack_sequences(std::vector<int64_t> cu_seqlens_q, std::vector<in
   PackedSequences p;
   p.total_q = total_q;
   p.total_k = total_k;
+  // reserve(1): an empty side (no query or no key token at all) still has a data pointer, so the
+  // document mask counts as given on both sides.
+  p.query_documents.reserve(1);
+  p.key_documents.reserve(1);
   p.query_documents.resize(static_cast<std::size_t>(total_q));
   p.key_documents.resize(static_cast<std::size_t>(total_k));
   std::vector<int64_t> qpos(static_cast<std::size_t>(total_q)),
@@ -77,9 +81,10 @@ PackedSequences pack_sequences(std::vector<int64_t> cu_seqlens_q, std::vector<in
     const int64_t k0 = cu_seqlens_k[s], k1 = cu_seqlens_k[s + 1];
     const int64_t lq = q1 - q0, lk = k1 - k0;
     if (!query_positions && lq > lk && lk > 0) {
-      fail("attention_varlen: sequence " + std::to_string(s) + " has " + std::to_string(lq) +
-           " queries and " + std::to_string(lk) +
-           " keys: the default positions put queries last among the keys; pass positions");
+      fail("attention_varlen: cu_seqlens_q / cu_seqlens_k: sequence " + std::to_string(s) +
+           " has " + std::to_string(lq) + " queries and " + std::to_string(lk) +
+           " keys: the default positions put queries last among the keys; pass query_positions "
+           "and key_positions");
     }
     for (int64_t i = q0; i < q1; ++i) {
       p.query_documents[static_cast<std::size_t>(i)] = static_cast<int32_t>(s);

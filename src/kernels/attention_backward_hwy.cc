@@ -1343,10 +1343,15 @@ class BackwardKernel {
     }
     if (p_.softcap > 0.0f) {
       // Soft-capping of the finished scores; masked cells stay -inf.
+      // Where |x / cap| < 2^-12, tanh(y) = y to float32's precision (y - y^3/3): the score x
+      // itself, also for caps near FLT_MAX whose quotients are subnormal (Tanh may flush them).
       const auto vcap = hn::Set(d, p_.softcap), vninf = hn::Set(d, kNegInf);
+      const auto small = hn::Set(d, 1.0f / 4096.0f);
       for (int64_t c = 0; c < kt; c += lanes_) {
         const auto x = hn::Load(d, srow + c);
-        const auto capped = hn::Mul(vcap, hn::Tanh(d, hn::Div(x, vcap)));
+        const auto y = hn::Div(x, vcap);
+        const auto capped =
+            hn::IfThenElse(hn::Lt(hn::Abs(y), small), x, hn::Mul(vcap, hn::Tanh(d, y)));
         hn::Store(hn::IfThenElse(hn::Eq(x, vninf), x, capped), d, srow + c);
       }
     }

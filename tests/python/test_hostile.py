@@ -380,3 +380,29 @@ def test_torch_rope_append_with_an_int_offset():
                        positions=5)
     np.testing.assert_array_equal(pool.numpy(), want)
     assert np.any(want != 0)
+
+
+@pytest.mark.parametrize("cap", [1e30, 1e38, 1e300])
+def test_huge_softcap_is_the_identity_to_float32_precision(cap):
+    # Also on the simple path (positions too far apart for the fused kernel's int32 offsets) and
+    # through the backward's recomputed scores, where cap * tanh(s / cap) underflowed.
+    q, k, v = f32(1, 1, 1, 4), f32(1, 3, 1, 4), f32(1, 3, 1, 4)
+    sinks = {"sinks": np.array([0.5], np.float32)}
+    for kp in (None, np.array([0, 1, 2**31 - 4])):
+        kw = dict(softcap=cap, scale=0.25, params=sinks, key_positions=kp,
+                  query_positions=None if kp is None else np.array([2]))
+        want = posenc.ref.attention(q, k, v, **kw)
+        assert np.max(np.abs(posenc.attention(q, k, v, **kw) - want)) < 1e-6
+        dout = f32(1, 1, 1, 4)
+        g, g64 = (fn(q, k, v, dout, **kw) for fn in (posenc.attention_grad,
+                                                     posenc.ref.attention_grad))
+        for n in ("dq", "dk", "dv", "dsinks"):
+            assert np.max(np.abs(g[n] - g64[n])) < 1e-5, n
+
+
+def test_packed_sequences_without_query_tokens():
+    # cu_seqlens with an empty query side: the document mask is still given on both sides.
+    q = np.zeros((0, 1, 2), np.float32)
+    k = f32(1, 1, 2)
+    out = posenc.attention(q, k, k, cu_seqlens_q=[0, 0], cu_seqlens_k=[0, 1])
+    assert out.shape == (0, 1, 2)
