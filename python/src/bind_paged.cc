@@ -290,7 +290,16 @@ void bind_paged(pb::module_& m) {
         const pb::array kn0 = asarray(k_new);
         const bool kn_half = half && kn0.dtype().itemsize() == 2;
         const auto new_array_of = [&](const pb::object& x, const char* what) -> pb::array {
-          if (!kn_half) return as_array<float>(x, what);
+          if (!kn_half) {
+            // float32 (a float64 array would be rounded before its rotation: a second rounding).
+            if (pb::isinstance<pb::array>(x) &&
+                pb::reinterpret_borrow<pb::array>(x).dtype().is(pb::dtype::of<double>())) {
+              throw pb::type_error(std::string(what) +
+                                   ": float64; rope_append takes float32 new keys and values (or "
+                                   "the pages' half bits), rotated once and rounded once");
+            }
+            return as_array<float>(x, what);
+          }
           const pb::array a = asarray(x);
           if (a.dtype().itemsize() != 2) {
             throw pb::type_error(std::string(what) +

@@ -406,3 +406,10 @@ def test_packed_sequences_without_query_tokens():
     k = f32(1, 1, 2)
     out = posenc.attention(q, k, k, cu_seqlens_q=[0, 0], cu_seqlens_k=[0, 1])
     assert out.shape == (0, 1, 2)
+
+
+def test_rope_append_refuses_float64_new_keys():
+    pool = np.zeros((2, 4, 1, 8), np.float32)
+    with pytest.raises(TypeError, match="k_new: float64"):
+        posenc.rope_append(np.ones((1, 1, 1, 8)), pool, np.array([[0]]), np.array([1]))
+    assert not pool.any()
