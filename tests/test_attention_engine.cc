@@ -801,7 +801,7 @@ TEST(Varlen, Validation) {
   expect_error({0, 3}, {0, 3}, 4, 3, "cu_seqlens_q ends at 3");
   expect_error({0, 3}, {0, 1, 3}, 3, 3, "both need num_seqs + 1");
   expect_error({}, {}, 0, 0, "cu_seqlens_q is empty");
-  expect_error({0, 5}, {0, 3}, 5, 3, "pass positions");
+  expect_error({0, 5}, {0, 3}, 5, 3, "pass query_positions");
   // Queries without keys: fully masked rows, an error unless allowed.
   const PackedSequences p = pack_sequences({0, 2, 3}, {0, 0, 4}, 3, 4);
   std::vector<float> q(3 * 4, 0.5f), k(4 * 4, 0.5f), out(q.size());

@@ -79,7 +79,9 @@ _ENCODED = {}
 def _encode_cached(kwargs):
     # Eager calls repeat the same keywords: their strings are kept (hashable values only).
     try:
-        key = tuple(sorted((k, v if not isinstance(v, list) else tuple(v))
+        # The type is part of the key: 1, 1.0 and True hash alike, but are different arguments
+        # (causal=1 must reach the checker as the int it is).
+        key = tuple(sorted((k, type(v).__name__, v if not isinstance(v, list) else tuple(v))
                            for k, v in kwargs.items()))
         hash(key)
     except TypeError:

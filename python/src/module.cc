@@ -17,7 +17,7 @@ std::optional<Positions> positions_arg(const pb::handle& obj, const char* what) 
   if (obj.is_none()) return std::nullopt;
   // An int offset (numpy integer scalars too); arrays and sequences are ids.
   if (!pb::isinstance<pb::array>(obj) && !pb::isinstance<pb::sequence>(obj) &&
-      !pb::hasattr(obj, "__array__") && PyIndex_Check(obj.ptr())) {
+      PyIndex_Check(obj.ptr())) {
     return Positions::offset(arg_int(obj, what, 0, kMaxPositionArg));
   }
   // Integer ids only (no float truncated, no unsigned value wrapped): int_array refuses them.

@@ -217,7 +217,8 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
     return false;
   }
   if (d.batch == 0 || d.seq_q == 0) return true;
-  if (d.seq_k == 0) {  // every row fully masked (and allowed)
+  if (d.seq_k == 0) {  // every row fully masked: allowed, or (block masks) an error here
+    if (reports_empty_rows(pr)) fail_if_fully_masked(pr, make_token_mask(pr));
     for (int64_t b = 0; b < d.batch; ++b)
       for (int64_t i = 0; i < d.seq_q; ++i)
         for (int64_t h = 0; h < d.heads_q; ++h)

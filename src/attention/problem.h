@@ -187,8 +187,8 @@ Problem<T> make_problem(View<const T, 4> q, View<const T, 4> k, View<const T, 4>
   if (!query_positions && d.seq_q > d.seq_k) {
     fail("attention: query length (" + std::to_string(d.seq_q) + ") exceeds key length (" +
          std::to_string(d.seq_k) +
-         "): the default positions put queries last in the key sequence; pass explicit "
-         "query and key positions");
+         "): the default positions put queries last in the key sequence; pass "
+         "query_positions and key_positions");
   }
   pr.qp = query_positions ? *query_positions : Positions::offset(d.seq_k - d.seq_q);
   pr.kp = key_positions ? *key_positions : Positions::offset(0);

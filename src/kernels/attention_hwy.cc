@@ -1131,7 +1131,10 @@ class ForwardKernel {
                  int64_t s_cols, int64_t one_pass_tiles, Scratch& sc, ItemPass& ps) const {
     // Query rows read in place (RunSegments): one product per query head, over rows that need no
     // padding.
-    ps.q_in_place = q_in_place_ && it.nkv == 1 && it.nq % 4 == 0 && it.gstride == group_ * it.nq;
+    // (A row stride below head_dim, e.g. 0 for a broadcast q, is not a layout ScoresTile reads:
+    // its stride 0 means packed rows.)
+    ps.q_in_place = q_in_place_ && it.nkv == 1 && it.nq % 4 == 0 && it.gstride == group_ * it.nq &&
+                    p_.q_stride[1] >= dim_;
     if (!ps.q_in_place) PackQueries(it, j_begin, j_end, sc, ps.rt);
     Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
     Scratch::Ensure(sc.s, sc.s_n, static_cast<size_t>(it.rows_pad * s_cols));

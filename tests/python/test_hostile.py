@@ -413,3 +413,60 @@ def test_rope_append_refuses_float64_new_keys():
     with pytest.raises(TypeError, match="k_new: float64"):
         posenc.rope_append(np.ones((1, 1, 1, 8)), pool, np.array([[0]]), np.array([1]))
     assert not pool.any()
+
+
+def test_broadcast_queries_with_gqa_and_documents():
+    # Query rows with stride 0 along the sequence (a broadcast q), GQA and a document mask: the
+    # kernel's in-place query reads took stride 0 for packed rows.
+    rng = np.random.default_rng(3)
+    q = np.broadcast_to(rng.standard_normal((1, 1, 2, 4)).astype(np.float32), (1, 8, 2, 4))
+    k = rng.standard_normal((1, 8, 1, 4)).astype(np.float32)
+    d = np.array([[0, 0, 0, 1, 1, 1, 2, 2]], np.int32)
+    got = posenc.attention(q, k, k, query_documents=d, key_documents=d)
+    want = posenc.ref.attention(q, k, k, query_documents=d, key_documents=d)
+    assert np.max(np.abs(got - want)) < 1e-6
+
+
+def test_no_key_under_block_masks_is_refused_in_half_too():
+    h, e = np.ones((1, 2, 1, 4), np.float16), np.ones((1, 0, 1, 4), np.float16)
+    for kw in (dict(prefix=np.array([1])), dict(global_positions=[0])):
+        with pytest.raises(ValueError, match="sees no key"):
+            posenc.attention_half(h, e, e, dtype="float16", query_positions=5, **kw)
+        with pytest.raises(ValueError, match="sees no key"):
+            posenc.attention(h.astype(np.float32), e.astype(np.float32), e.astype(np.float32),
+                             query_positions=5, **kw)
+        out = posenc.attention_half(h, e, e, dtype="float16", query_positions=5,
+                                    allow_fully_masked=True, **kw)
+        assert np.all(out == 0)
+
+
+def test_torch_takes_numpy_masks_of_any_strides_and_numpy_offsets():
+    q = torch.randn(2, 4, 1, 2)
+    m = np.ones((2, 4, 4), bool)
+    m[0, :, 1] = False
+    want = pt.attention(q, q, q, mask=torch.from_numpy(m[::-1].copy()))
+    torch.testing.assert_close(pt.attention(q, q, q, mask=m[::-1]), want, rtol=0, atol=0)
+    b = np.broadcast_to(m[:1], (2, 4, 4))  # read-only
+    torch.testing.assert_close(pt.attention(q, q, q, mask=b),
+                               pt.attention(q, q, q, mask=torch.from_numpy(b.copy())))
+    x = np.ones((1, 4, 1, 4), np.float32)
+    np.testing.assert_array_equal(posenc.attention(x, x, x, query_positions=np.int64(3),
+                                                   key_positions=np.int64(3)),
+                                  posenc.attention(x, x, x, query_positions=3, key_positions=3))
+
+
+def test_op_options_cache_keeps_the_types():
+    # causal=1 and causal=True hash alike; the options of one are not reused for the other.
+    t = torch.randn(1, 3, 1, 4)
+    pt.attention(t, t, t, causal=True)
+    with pytest.raises(TypeError, match="causal: expected True or False"):
+        pt.attention(t, t, t, causal=1)
+    pt.attention(t, t, t, window=2)
+    with pytest.raises(TypeError, match="window: expected an integer"):
+        pt.attention(t, t, t, window=2.0)
+
+
+def test_query_longer_than_keys_names_the_positions():
+    x = np.ones((1, 4, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="query_positions and key_positions"):
+        posenc.attention(x, x[:, :3], x[:, :3])

@@ -74,7 +74,16 @@ def _tensor_arg(value, what):
     if isinstance(value, torch.Tensor):
         _require_cpu(value, what)
         return value
-    return torch.as_tensor(np.asarray(value))
+    return _as_tensor(value, what)
+
+
+def _as_tensor(value, what):
+    """A NumPy array (or anything NumPy converts) as a tensor holding the same values: one
+    contiguous copy, so that negative strides and read-only (broadcast) arrays are taken too."""
+    try:
+        return torch.from_numpy(np.array(value, copy=True, order="C"))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what}: expected an array of numbers ({e})") from None
 
 
 def _int_tensor(value, what):
@@ -85,7 +94,7 @@ def _int_tensor(value, what):
         t = value
     else:
         try:
-            t = torch.as_tensor(np.asarray(value))
+            t = _as_tensor(value, what)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{what}: expected an integer tensor ({e})") from None
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
@@ -132,7 +141,7 @@ def _split_masks(kw):
         if isinstance(value, torch.Tensor):
             _require_cpu(value, n)
         else:
-            value = torch.as_tensor(np.asarray(value))
+            value = _as_tensor(value, n)
         names.append(n)
         tensors.append(value)
     if names:
@@ -147,7 +156,7 @@ def _split_params(params):
     if isinstance(params, dict):
         names = tuple(sorted(params))
         tensors = tuple(params[n] if isinstance(params[n], torch.Tensor)
-                        else torch.as_tensor(np.asarray(params[n])) for n in names)
+                        else _as_tensor(params[n], n) for n in names)
         return names, tensors
     raise TypeError("params: a dict {name: tensor}")
 
