@@ -27,6 +27,13 @@ inline constexpr int64_t kMaxPositionArg = int64_t{1} << 48;
 
 bool arg_bool(const pb::handle& v, const std::string& name);
 
+// Whether `v` is one integer (a Python int, a NumPy integer scalar, anything with __index__ that
+// is neither an array nor a sequence): the form of a position offset, against an id array.
+inline bool is_int_scalar(const pb::handle& v) {
+  return !pb::isinstance<pb::array>(v) && !pb::isinstance<pb::sequence>(v) &&
+         PyIndex_Check(v.ptr());
+}
+
 // An integer in [lo, hi].
 int64_t arg_int(const pb::handle& v, const std::string& name,
                 int64_t lo = std::numeric_limits<int64_t>::min(),

@@ -80,7 +80,7 @@ namespace {
 // (int_array refuses floats, booleans and values past int64).
 template <class F>
 pb::object map_int(const pb::handle& x, const char* what, F f) {
-  if (!pb::isinstance<pb::array>(x) && !pb::isinstance<pb::sequence>(x) && PyIndex_Check(x.ptr())) {
+  if (is_int_scalar(x)) {
     return pb::int_(f(arg_int(x, what)));
   }
   const pb::array a = int_array<int64_t>(x, what);
@@ -96,11 +96,8 @@ pb::object map_int(const pb::handle& x, const char* what, F f) {
 template <class F>
 pb::object map_int2(const pb::handle& x, const pb::handle& y, const char* xwhat, const char* ywhat,
                     F f) {
-  const auto scalar = [](const pb::handle& h) {
-    return !pb::isinstance<pb::array>(h) && !pb::isinstance<pb::sequence>(h) &&
-           PyIndex_Check(h.ptr());
-  };
-  if (scalar(x) && scalar(y)) return pb::int_(f(arg_int(x, xwhat), arg_int(y, ywhat)));
+  if (is_int_scalar(x) && is_int_scalar(y))
+    return pb::int_(f(arg_int(x, xwhat), arg_int(y, ywhat)));
   static const pb::object& broadcast = py_attr("numpy", "broadcast_arrays");
   pb::tuple ab = broadcast(int_array<int64_t>(x, xwhat), int_array<int64_t>(y, ywhat));
   auto a = pb::array_t<int64_t, pb::array::c_style | pb::array::forcecast>::ensure(ab[0]);

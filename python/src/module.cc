@@ -16,8 +16,7 @@ namespace posenc::py {
 std::optional<Positions> positions_arg(const pb::handle& obj, const char* what) {
   if (obj.is_none()) return std::nullopt;
   // An int offset (numpy integer scalars too); arrays and sequences are ids.
-  if (!pb::isinstance<pb::array>(obj) && !pb::isinstance<pb::sequence>(obj) &&
-      PyIndex_Check(obj.ptr())) {
+  if (is_int_scalar(obj)) {
     return Positions::offset(arg_int(obj, what, 0, kMaxPositionArg));
   }
   // Integer ids only (no float truncated, no unsigned value wrapped): int_array refuses them.

@@ -179,19 +179,8 @@ pb::array_t<T> checked_array(const std::vector<pb::ssize_t>& shape, const std::s
 // broadcast with stride 0 can describe results far larger than themselves).
 template <class T, std::size_t R>
 pb::array_t<T> new_array(const std::array<int64_t, R>& shape, const char* what = "the result") {
-  int64_t n = 1;
-  for (const int64_t d : shape) {
-    const std::optional<int64_t> m = checked_mul(n, d);
-    if (!m)
-      throw SizeError(std::string(what) + " " + shape_str(shape) + " overflows a 64-bit size");
-    n = *m;
-  }
-  const std::optional<int64_t> bytes = checked_mul(n, static_cast<int64_t>(sizeof(T)));
-  if (!bytes)
-    throw SizeError(std::string(what) + " " + shape_str(shape) + " overflows a 64-bit size");
-  require_allocation(std::string(what) + " " + shape_str(shape), *bytes);
-  std::vector<pb::ssize_t> s(shape.begin(), shape.end());
-  return pb::array_t<T>(s);
+  return checked_array<T>(std::vector<pb::ssize_t>(shape.begin(), shape.end()),
+                          std::string(what) + " " + shape_str(shape));
 }
 
 template <class T, std::size_t R>
