@@ -112,9 +112,10 @@ def run_child(case, impl, length, mode):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def accuracy():
+def accuracy(only=None):
     """The differences posenc vs eager of every family the tests run (tests/python/
-    test_hf_backend.py's shrunk models), as a Markdown table."""
+    test_hf_backend.py's shrunk models), as a Markdown table; only: a comma-separated list of
+    name substrings (None: every family)."""
     import torch
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
                                     "python"))
@@ -125,6 +126,8 @@ def accuracy():
           "eager error |")
     print("|---|---|---|---|---|")
     for name, layers, _ in FAMILIES:
+        if only and not any(part in name for part in only.split(",")):
+            continue
         model = make_model(name, layers).train()
         ids = _ids(2, 13)
         res = {}
@@ -175,12 +178,14 @@ def main():
     ap.add_argument("--cases", default="llama,mistral,llama-padded")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--only", default=None,
+                    help="with --accuracy: comma-separated substrings of the family names")
     ap.add_argument("--accuracy", action="store_true",
                     help="print the differences against eager instead of timing")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.accuracy:
-        accuracy()
+        accuracy(a.only)
         return
     if a.child:
         case, impl, length, mode = a.child

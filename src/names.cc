@@ -42,9 +42,13 @@ constexpr std::pair<const char*, DebertaP2c> kP2c[] = {{"model", DebertaP2c::kMo
                                                        {"paper", DebertaP2c::kPaper}};
 
 constexpr std::pair<const char*, RopeScalingType> kScalings[] = {
-    {"default", RopeScalingType::kDefault}, {"linear", RopeScalingType::kLinear},
-    {"dynamic", RopeScalingType::kDynamic}, {"yarn", RopeScalingType::kYarn},
-    {"llama3", RopeScalingType::kLlama3},   {"longrope", RopeScalingType::kLongRope}};
+    {"default", RopeScalingType::kDefault},
+    {"linear", RopeScalingType::kLinear},
+    {"dynamic", RopeScalingType::kDynamic},
+    {"yarn", RopeScalingType::kYarn},
+    {"llama3", RopeScalingType::kLlama3},
+    {"longrope", RopeScalingType::kLongRope},
+    {"proportional", RopeScalingType::kProportional}};
 
 template <class E, std::size_t N>
 const char* name_of(E value, const std::pair<const char*, E> (&choices)[N]) {

@@ -674,6 +674,48 @@ TEST(RopeFrequencies, LongRopeSwitchesAboveOriginalLength) {
 // ----------------------------------------------------------------------------------------------
 // Errors.
 
+TEST(RopeFrequencies, ProportionalRotatesTheFirstPairsOverTheWholeHead) {
+  // R = 16 (8 pairs), partial_rotary_factor 0.3: floor(0.3 * 16 / 2) = 2 pairs rotate with
+  // theta^(-2i/16) / factor (the exponent over the whole R); the other 6 have frequency 0.
+  RopeConfig cfg{
+      .head_dim = 16,
+      .base = 1e6,
+      .scaling = {
+          .type = RopeScalingType::kProportional, .factor = 2.0, .partial_rotary_factor = 0.3}};
+  for (const auto angles : {posenc::RopeAngles::kAccurate, posenc::RopeAngles::kFloat32}) {
+    const auto f = posenc::rope_frequencies(cfg, 0, angles);
+    ASSERT_EQ(f.inv_freq.size(), 8u);
+    for (std::size_t i = 0; i < 8; ++i) {
+      const double want = i < 2 ? std::pow(1e6, -2.0 * static_cast<double>(i) / 16.0) / 2.0 : 0.0;
+      EXPECT_NEAR(f.inv_freq[i], want,
+                  want * (angles == posenc::RopeAngles::kFloat32 ? 0x1p-22 : 0x1p-50))
+          << i;
+    }
+    EXPECT_EQ(f.attention_factor, 1.0);
+  }
+  // A factor of 1 rotates every pair as the default does; 0 rotates none.
+  cfg.scaling.partial_rotary_factor = 1.0;
+  cfg.scaling.factor = 1.0;
+  RopeConfig plain{.head_dim = 16, .base = 1e6};
+  EXPECT_EQ(posenc::rope_frequencies(cfg).inv_freq, posenc::rope_frequencies(plain).inv_freq);
+  cfg.scaling.partial_rotary_factor = 0.0;
+  for (double v : posenc::rope_frequencies(cfg).inv_freq) EXPECT_EQ(v, 0.0);
+  // Frequency 0: those dims pass through the rotation unchanged, at any position.
+  cfg.scaling.partial_rotary_factor = 0.25;
+  const auto f = posenc::rope_frequencies(cfg);
+  std::vector<float> x(16);
+  for (std::size_t i = 0; i < 16; ++i) x[i] = 0.5f + static_cast<float>(i);
+  std::vector<float> y = x;
+  const auto pos = Positions::offset(123456);
+  posenc::apply_rope(f, RopeStyle::kHalf, View<float, 4>::contiguous(y.data(), {1, 1, 1, 16}),
+                     &pos);
+  for (std::size_t i : {2u, 3u, 4u, 5u, 6u, 7u, 10u, 11u, 12u, 13u, 14u, 15u}) {
+    EXPECT_EQ(y[i], x[i]) << i;
+  }
+  EXPECT_NE(y[0], x[0]);
+  EXPECT_NE(y[9], x[9]);
+}
+
 TEST(RopeValidation, BadConfigsThrowValueError) {
   const double nan = std::nan("");
   std::vector<RopeConfig> bad = {
@@ -711,6 +753,11 @@ TEST(RopeValidation, BadConfigsThrowValueError) {
                    .original_max_position_embeddings = 4096,
                    .short_factor = {1, 1, 0, 1},
                    .long_factor = {1, 1, 1, 1}}},
+      {.head_dim = 8,
+       .scaling = {.type = RopeScalingType::kProportional, .partial_rotary_factor = 1.5}},
+      {.head_dim = 8,
+       .scaling = {.type = RopeScalingType::kProportional, .partial_rotary_factor = -0.1}},
+      {.head_dim = 8, .scaling = {.type = RopeScalingType::kProportional, .factor = 0}},
   };
   for (std::size_t k = 0; k < bad.size(); ++k) {
     SCOPED_TRACE("bad config " + std::to_string(k));

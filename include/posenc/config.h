@@ -44,6 +44,10 @@ struct ModelLayer {
   // Logit soft-capping (Gemma 2's attn_logit_softcapping; Gemma 3 when set): scores become
   // softcap * tanh(s / softcap) (AttentionOptions::softcap).
   std::optional<double> softcap;
+  // The layer's head dim and key/value heads: the model's, except where its layers differ
+  // (Gemma 4's global layers: global_head_dim, num_global_key_value_heads).
+  int64_t head_dim = 0;
+  int64_t heads_kv = 0;
 };
 
 struct ModelConfig {
@@ -105,7 +109,8 @@ struct ModelConfig {
 // num_key_value_heads: the query heads, sliding_window: none).
 // Supported model_type values: RoPE half style: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
 // qwen3_moe, phi, phi3, gpt_neox, gemma, gemma2, stablelm, starcoder2, olmo, gpt_oss, gemma3
-// and gemma3_text (text_config first), falcon (without alibi); RoPE + M-RoPE: qwen2_vl,
+// and gemma3_text (text_config first), gemma4 and gemma4_text (text_config first; proportional
+// RoPE on the global layers), falcon (without alibi); RoPE + M-RoPE: qwen2_vl,
 // qwen2_5_vl, qwen3_vl (text_config first); RoPE interleaved: gptj, codegen, llama4 (text_config
 // first) and llama4_text, deepseek_v2, deepseek_v3 and kimi_k2 (multi-head latent attention:
 // rope_offset, rope_deinterleave); ALiBi: bloom, mpt (attn_config.alibi must be true), falcon

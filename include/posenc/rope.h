@@ -26,7 +26,15 @@ enum class RopeStyle { kHalf, kInterleaved };
 enum class Direction { kForward, kInverse };
 
 // HF `rope_scaling` / `rope_parameters` (docs/rope-scaling/). Only the fields of `type` are read.
-enum class RopeScalingType { kDefault, kLinear, kDynamic, kYarn, kLlama3, kLongRope };
+enum class RopeScalingType {
+  kDefault,
+  kLinear,
+  kDynamic,
+  kYarn,
+  kLlama3,
+  kLongRope,
+  kProportional
+};
 struct RopeScaling {
   RopeScalingType type = RopeScalingType::kDefault;
   double factor = 1.0;                           // f
@@ -42,6 +50,10 @@ struct RopeScaling {
   double attention_factor = 0.0;                 // yarn, longrope (0 = not given)
   std::vector<double> short_factor;              // longrope, R/2 entries
   std::vector<double> long_factor;               // longrope, R/2 entries
+  // proportional (Gemma 4): pairs i < floor(partial_rotary_factor * R / 2) rotate with
+  // theta^(-2i/R) / factor (the exponent over the whole R); the others have frequency 0 and pass
+  // through unrotated. R is the whole head here: the factor does not shorten it.
+  double partial_rotary_factor = 1.0;
 };
 
 struct RopeConfig {

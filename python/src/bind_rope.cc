@@ -37,9 +37,11 @@ RopeScaling scaling_arg(const pb::handle& obj) {
         s.type = RopeScalingType::kLlama3;
       } else if (t == "longrope") {
         s.type = RopeScalingType::kLongRope;
+      } else if (t == "proportional") {
+        s.type = RopeScalingType::kProportional;
       } else {
         throw ValueError("scaling: rope_type '" + t +
-                         "' (default, linear, dynamic, yarn, llama3, longrope)");
+                         "' (default, linear, dynamic, yarn, llama3, longrope, proportional)");
       }
     } else if (key == "factor") {
       s.factor = v.cast<double>();
@@ -67,6 +69,8 @@ RopeScaling scaling_arg(const pb::handle& obj) {
       s.short_factor = v.cast<std::vector<double>>();
     } else if (key == "long_factor") {
       s.long_factor = v.cast<std::vector<double>>();
+    } else if (key == "partial_rotary_factor") {
+      s.partial_rotary_factor = v.cast<double>();
     } else {
       throw ValueError("scaling: unknown key '" + key + "'");
     }

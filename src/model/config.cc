@@ -82,7 +82,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   ModelConfig cfg;
   cfg.model_type = r.string(*mt);
   // The text model's type under a multimodal wrapper names the same family.
-  if (cfg.model_type == "llama4" || cfg.model_type == "gemma3") {
+  if (cfg.model_type == "llama4" || cfg.model_type == "gemma3" || cfg.model_type == "gemma4") {
     if (const auto tc = root.get("text_config")) {
       if (const auto tt = Node{&r.object(*tc), "text_config"}.get("model_type")) {
         const std::string inner = r.string(*tt);
@@ -106,6 +106,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     case Family::kLlama4:
     case Family::kGptOss:
     case Family::kGemma3:
+    case Family::kGemma4:
       model::read_rope_family(r, top, *entry, cfg.model_type, cfg);
       break;
     case Family::kFalcon: {

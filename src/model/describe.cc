@@ -17,9 +17,14 @@ namespace {
 
 std::string scaling_summary(const RopeScaling& s);
 
-// One line for a layer's position handling (without its index): equal lines, equal layers.
-std::string layer_summary(const ModelLayer& l) {
+// One line for a layer's position handling (without its index): equal lines, equal layers. The
+// head dim and key/value heads appear where they differ from the model's (Gemma 4).
+std::string layer_summary(const ModelLayer& l, const ModelConfig& cfg) {
   std::string out = l.attention;
+  if ((l.head_dim > 0 && l.head_dim != cfg.head_dim) ||
+      (l.heads_kv > 0 && l.heads_kv != cfg.heads_kv)) {
+    out += ", head_dim " + fmt(l.head_dim) + ", " + fmt(l.heads_kv) + " kv heads";
+  }
   if (l.sliding_window) out += ", window " + fmt(*l.sliding_window);
   if (l.attention_chunk) out += ", chunk " + fmt(*l.attention_chunk);
   if (l.rope) {
@@ -59,7 +64,7 @@ std::string index_ranges(const std::vector<int64_t>& idx) {
 
 bool ModelConfig::layers_differ() const {
   for (const ModelLayer& l : layers) {
-    if (layer_summary(l) != layer_summary(layers.front())) return true;
+    if (layer_summary(l, *this) != layer_summary(layers.front(), *this)) return true;
   }
   return false;
 }
@@ -110,6 +115,10 @@ std::string scaling_summary(const RopeScaling& s) {
                                     : std::string()) +
             ", short_factor " + list_summary(s.short_factor) + ", long_factor " +
             list_summary(s.long_factor);
+      break;
+    case RopeScalingType::kProportional:
+      sc += ": partial_rotary_factor " + fmt(s.partial_rotary_factor) +
+            (s.factor != 1.0 ? ", factor " + fmt(s.factor) : std::string());
       break;
   }
   return sc;
@@ -199,12 +208,12 @@ std::string describe(const ModelConfig& cfg) {
   if (!cfg.layers.empty()) {
     if (!cfg.layers_differ()) {
       line("layers", fmt(static_cast<int64_t>(cfg.layers.size())) + ", all " +
-                         layer_summary(cfg.layers.front()));
+                         layer_summary(cfg.layers.front(), cfg));
     } else {
       // Group equal layers; groups in the order of their first layer.
       std::vector<std::pair<std::string, std::vector<int64_t>>> groups;
       for (const ModelLayer& l : cfg.layers) {
-        const std::string sig = layer_summary(l);
+        const std::string sig = layer_summary(l, cfg);
         auto it = std::find_if(groups.begin(), groups.end(),
                                [&](const auto& g) { return g.first == sig; });
         if (it == groups.end()) {
@@ -216,7 +225,7 @@ std::string describe(const ModelConfig& cfg) {
       std::string pattern;
       for (const ModelLayer& l : cfg.layers) {
         for (std::size_t g = 0; g < groups.size(); ++g) {
-          if (groups[g].first == layer_summary(l)) pattern += static_cast<char>('A' + g % 26);
+          if (groups[g].first == layer_summary(l, cfg)) pattern += static_cast<char>('A' + g % 26);
         }
       }
       line("layers", fmt(static_cast<int64_t>(cfg.layers.size())) + ", pattern " + pattern);

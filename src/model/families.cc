@@ -232,14 +232,14 @@ void read_rope_style(const Reader& r, const Scope& s, const TypeDefaults& td,
     }
   }
   read_rope(r, s, td, model_type, cfg);
-  if (family != Family::kGemma3) {
+  if (family != Family::kGemma3 && family != Family::kGemma4) {
     // One RoPE for every layer here: per-layer-type entries must repeat full_attention's.
     const auto full = global_rope_parameters(r, s);
     for (const char* t : {"sliding_attention", "chunked_attention"}) {
       const auto x = layer_rope_parameters(s, t);
       if (x && full && !same(*x->v, *full->v)) {
         r.fail(x->name + " differs from " + full->name + "; " + model_type +
-               " rotates every layer alike (per-layer-type RoPE is read for gemma3)");
+               " rotates every layer alike (per-layer-type RoPE is read for gemma3 and gemma4)");
       }
     }
   }
@@ -249,6 +249,7 @@ void read_rope_style(const Reader& r, const Scope& s, const TypeDefaults& td,
 // 1 / sqrt(qk_head_dim) times YaRN's mscale(factor, mscale_all_dim) squared.
 double read_softmax_scale(const Reader& r, const Scope& s, const TypeDefaults& td,
                           ModelConfig& cfg) {
+  if (td.family == Family::kGemma4) return 1.0;  // q and k are RMS-normalised; no scale
   double scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
   if (td.query_pre_attn_scalar > 0) {
     scale = 1.0 / std::sqrt(number_or_default(r, s, "query_pre_attn_scalar",
@@ -267,7 +268,7 @@ double read_softmax_scale(const Reader& r, const Scope& s, const TypeDefaults& t
 // Gemma 3's local layers: rope_local_base_freq (default 10000), no scaling; the layer pattern
 // when the config lists no layer types.
 RopeConfig read_gemma3_local(const Reader& r, const Scope& s, bool explicit_types, ModelConfig& cfg,
-                             int64_t& pattern) {
+                             int64_t& pattern, const char* who = "Gemma 3") {
   RopeConfig local = cfg.rope;
   pattern = 0;
   {
@@ -279,14 +280,14 @@ RopeConfig read_gemma3_local(const Reader& r, const Scope& s, bool explicit_type
       const Node node{sl->v, sl->name};
       for (auto it = sl->v->begin(); it != sl->v->end(); ++it) {
         if (it.key() != "rope_type" && it.key() != "type" && it.key() != "rope_theta") {
-          r.fail(sl->name + ": unknown key '" + it.key() +
-                 "' (Gemma 3's sliding layers take rope_type 'default' and rope_theta)");
+          r.fail(sl->name + ": unknown key '" + it.key() + "' (" + who +
+                 "'s sliding layers take rope_type 'default' and rope_theta)");
         }
       }
       for (const char* key : {"rope_type", "type"}) {
         if (const auto x = node.get(key); x && r.string(*x) != "default") {
-          r.fail(x->name + ": rope_type '" + r.string(*x) +
-                 "' on Gemma 3's sliding layers is not supported (they rotate with 'default')");
+          r.fail(x->name + ": rope_type '" + r.string(*x) + "' on " + who +
+                 "'s sliding layers is not supported (they rotate with 'default')");
         }
       }
       theta.take(node.get("rope_theta"));
@@ -294,7 +295,10 @@ RopeConfig read_gemma3_local(const Reader& r, const Scope& s, bool explicit_type
     if (theta.value()) {
       local.base = theta.value()->first;
     } else {
-      note_default(cfg, "rope_local_base_freq", "10000");
+      note_default(cfg,
+                   std::string(who) == "Gemma 3" ? "rope_local_base_freq"
+                                                 : "rope_parameters.sliding_attention.rope_theta",
+                   "10000");
     }
     local.scaling = RopeScaling{};
     if (!explicit_types) {
@@ -356,6 +360,103 @@ void read_llama4_layers(const Reader& r, const Scope& s, int64_t num_layers, Mod
   }
 }
 
+// Gemma 4's layers: their types (five sliding to one global by default; the last layer is
+// always global, as the configuration class forces it), and each layer's head dim and key/value
+// heads: per_layer_config when the file has one (transformers writes it), else global_head_dim
+// (default 512) on the global layers and, with attention_k_eq_v, num_global_key_value_heads.
+struct Gemma4Layers {
+  std::vector<std::string> types;
+  std::vector<int64_t> head_dim, heads_kv;
+  int64_t global_head_dim = 0, local_head_dim = 0;
+};
+Gemma4Layers read_gemma4_layers(const Reader& r, const Scope& s, int64_t num_layers,
+                                const std::optional<std::vector<std::string>>& explicit_types,
+                                ModelConfig& cfg) {
+  if (const auto x = s.get("use_bidirectional_attention"); x && !x->v->is_null()) {
+    const std::string v = r.string(*x);
+    if (v == "all") {
+      r.fail(x->name +
+             " 'all' (bidirectional attention over text) is not supported: posenc "
+             "reads Gemma 4 as a causal decoder");
+    }
+    if (v != "vision") r.fail(x->name + ": unknown value '" + v + "' (null, 'vision' or 'all')");
+  }
+  Gemma4Layers g;
+  const auto n = static_cast<std::size_t>(num_layers);
+  g.types.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    g.types[i] = explicit_types ? (*explicit_types)[i]
+                                : ((i + 1) % 6 != 0 ? "sliding_attention" : "full_attention");
+    if (g.types[i] == "chunked_attention") {
+      r.fail("layer_types[" + std::to_string(i) + "]: Gemma 4 has no chunked_attention layers");
+    }
+  }
+  if (n > 0) g.types[n - 1] = "full_attention";
+  g.head_dim.assign(n, cfg.head_dim);
+  g.heads_kv.assign(n, cfg.heads_kv);
+  auto check_kv = [&](int64_t kv, const std::string& name) {
+    if (cfg.heads_q % kv != 0) {
+      r.fail(name + " (" + fmt(kv) + ") must divide num_attention_heads (" + fmt(cfg.heads_q) +
+             ")");
+    }
+  };
+  if (const auto plc = s.get("per_layer_config"); plc && !plc->v->is_null()) {
+    const json& obj = r.object(*plc);
+    for (auto it = obj.begin(); it != obj.end(); ++it) {
+      const std::string& key = it.key();
+      const std::string name = plc->name + "." + key;
+      if (key.empty() || key.size() > 9 ||
+          !std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+        r.fail(name + ": the keys are layer indices");
+      }
+      const auto i = static_cast<std::size_t>(std::stoll(key));
+      if (i >= n)
+        r.fail(name + ": layer " + key + " is past num_hidden_layers (" + fmt(num_layers) + ")");
+      const Node layer{&r.object(Value{&it.value(), name}), name};
+      for (auto f = it.value().begin(); f != it.value().end(); ++f) {
+        if (f.key() == "head_dim") {
+          g.head_dim[i] = r.positive_int(*layer.get("head_dim"), Reader::kMaxDim);
+        } else if (f.key() == "num_key_value_heads") {
+          const auto x = layer.get("num_key_value_heads");
+          g.heads_kv[i] = r.positive_int(*x, Reader::kMaxDim);
+          check_kv(g.heads_kv[i], x->name);
+        } else if (f.key() == "rope_parameters" || f.key() == "rope_scaling" ||
+                   f.key() == "rope_theta" || f.key() == "partial_rotary_factor" ||
+                   f.key() == "sliding_window" || f.key() == "layer_types") {
+          r.fail(name + "." + f.key() + ": a per-layer positional setting posenc does not read");
+        }
+      }
+    }
+  } else {
+    const int64_t global = count_or_default(r, s, "global_head_dim", 512, cfg, Reader::kMaxDim);
+    std::optional<std::pair<int64_t, std::string>> global_kv;
+    bool k_eq_v = false;
+    if (const auto x = s.get("attention_k_eq_v")) k_eq_v = r.boolean(*x);
+    if (const auto x = s.get("num_global_key_value_heads"); x && k_eq_v) {
+      global_kv = std::make_pair(r.positive_int(*x, Reader::kMaxDim), x->name);
+      check_kv(global_kv->first, global_kv->second);
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      if (g.types[i] != "full_attention") continue;
+      g.head_dim[i] = global;
+      if (global_kv) g.heads_kv[i] = global_kv->first;
+    }
+  }
+  // One head dim per layer type: the RoPE of a type is read once.
+  for (std::size_t i = 0; i < n; ++i) {
+    int64_t& want = g.types[i] == "full_attention" ? g.global_head_dim : g.local_head_dim;
+    if (want == 0) want = g.head_dim[i];
+    if (g.head_dim[i] != want) {
+      r.fail("layer " + std::to_string(i) + " (" + g.types[i] + ") has head_dim " +
+             fmt(g.head_dim[i]) + ", another layer of its type " + fmt(want) +
+             ": posenc reads one head dim per layer type");
+    }
+  }
+  if (g.local_head_dim == 0) g.local_head_dim = cfg.head_dim;
+  if (g.global_head_dim == 0) g.global_head_dim = cfg.head_dim;
+  return g;
+}
+
 }  // namespace
 
 void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
@@ -363,7 +464,8 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
   const Family family = td.family;
   Scope s;
   // Multimodal wrappers keep the language model's settings under text_config.
-  if (family == Family::kRopeVl || model_type == "llama4" || model_type == "gemma3") {
+  if (family == Family::kRopeVl || model_type == "llama4" || model_type == "gemma3" ||
+      model_type == "gemma4") {
     if (const auto tc = Node{&top, ""}.get("text_config")) {
       s.nodes.push_back(Node{&r.object(*tc), "text_config"});
     }
@@ -374,13 +476,17 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
   const int64_t rope_head_dim = read_rope_dims(r, s, td, cfg);
   int64_t first_sliding = 0;
   const std::optional<int64_t> window = read_window(r, s, td, cfg, first_sliding);
-  read_rope_style(r, s, td, model_type, rope_head_dim, cfg);
 
   // Layers.
   const auto nl = r.positive_int_alias(s, kLayerKeys, Reader::kMaxDim);
   const int64_t num_layers = nl ? nl->first : td.layers;
   if (!nl) note_default(cfg, "num_hidden_layers", fmt(td.layers));
   const auto explicit_types = read_layer_types(r, s, num_layers);
+  Gemma4Layers g4;
+  if (family == Family::kGemma4) g4 = read_gemma4_layers(r, s, num_layers, explicit_types, cfg);
+  // The global RoPE (Gemma 4: of the global layers' head dim).
+  read_rope_style(r, s, td, model_type,
+                  family == Family::kGemma4 ? g4.global_head_dim : rope_head_dim, cfg);
 
   const double scale = read_softmax_scale(r, s, td, cfg);
   // Logit soft-capping: read where the model's code applies it (Gemma 2, default 50; Gemma 3,
@@ -395,9 +501,13 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
     }
   }
   int64_t pattern = 0;
-  const RopeConfig local = family == Family::kGemma3
-                               ? read_gemma3_local(r, s, explicit_types.has_value(), cfg, pattern)
-                               : cfg.rope;
+  RopeConfig local = cfg.rope;
+  if (family == Family::kGemma3) {
+    local = read_gemma3_local(r, s, explicit_types.has_value(), cfg, pattern);
+  } else if (family == Family::kGemma4) {
+    local = read_gemma3_local(r, s, true, cfg, pattern, "Gemma 4");
+    local.head_dim = local.rotary_dim = g4.local_head_dim;
+  }
   Llama4Layers l4{std::vector<bool>(static_cast<std::size_t>(num_layers), true), {}, {}};
   if (family == Family::kLlama4) read_llama4_layers(r, s, num_layers, cfg, l4);
   const std::vector<bool>& uses_rope = l4.uses_rope;
@@ -413,8 +523,14 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
     l.softmax_scale = scale;
     l.attention_sinks = family == Family::kGptOss;
     l.softcap = softcap;
+    l.head_dim = cfg.head_dim;
+    l.heads_kv = cfg.heads_kv;
     std::string type = "full_attention";
-    if (explicit_types) {
+    if (family == Family::kGemma4) {
+      type = g4.types[static_cast<std::size_t>(i)];
+      l.head_dim = g4.head_dim[static_cast<std::size_t>(i)];
+      l.heads_kv = g4.heads_kv[static_cast<std::size_t>(i)];
+    } else if (explicit_types) {
       type = (*explicit_types)[static_cast<std::size_t>(i)];
     } else if (family == Family::kGemma3) {
       type = (i + 1) % pattern != 0 ? "sliding_attention" : "full_attention";
@@ -431,7 +547,7 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
         r.fail("layer " + fmt(i) + " is sliding_attention but the config has no sliding_window");
       }
       l.sliding_window = window;
-      if (family == Family::kGemma3) l.rope_config = local;
+      if (family == Family::kGemma3 || family == Family::kGemma4) l.rope_config = local;
     } else if (type == "chunked_attention") {
       if (!chunk) {
         r.fail("layer " + fmt(i) + " is chunked_attention but attention_chunk_size is not set");
@@ -440,7 +556,8 @@ void read_rope_family(const Reader& r, const json& top, const TypeDefaults& td,
     }
     if (!l.rope && temperature) l.temperature = temperature;
   }
-  if (family == Family::kGemma3 || model_type == "gemma2" || family == Family::kGptOss) {
+  if (family == Family::kGemma3 || family == Family::kGemma4 || model_type == "gemma2" ||
+      family == Family::kGptOss) {
     // cfg.sliding_window stays the window the sliding layers use.
     cfg.sliding_window = window;
   }

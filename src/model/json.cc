@@ -16,8 +16,12 @@ nlohmann::json scaling_json(const RopeScaling& s) {
   nlohmann::json j;
   j["type"] = scaling_name(s.type);
   if (s.type == RopeScalingType::kDefault) return j;
-  // Every scaling has a factor and the original context (linear: only when the config gave it).
   j["factor"] = s.factor;
+  if (s.type == RopeScalingType::kProportional) {
+    j["partial_rotary_factor"] = s.partial_rotary_factor;
+    return j;
+  }
+  // The other scalings have the original context (linear: only when the config gave it).
   if (s.type != RopeScalingType::kLinear || s.original_max_position_embeddings > 0) {
     j["original_max_position_embeddings"] = s.original_max_position_embeddings;
   }
@@ -58,6 +62,8 @@ nlohmann::json layer_json(const ModelLayer& l) {
                                    : nlohmann::json(nullptr);
   j["attention_sinks"] = l.attention_sinks;
   j["softcap"] = l.softcap ? nlohmann::json(*l.softcap) : nlohmann::json(nullptr);
+  j["head_dim"] = l.head_dim;
+  j["heads_kv"] = l.heads_kv;
   return j;
 }
 

@@ -37,6 +37,8 @@ enum class Family {
   kLlama4,           // llama4 (text_config), llama4_text: interleaved, NoPE layers, chunks
   kGptOss,           // gpt_oss: YaRN, sliding / full layers, attention sinks
   kGemma3,           // gemma3 (text_config), gemma3_text: local / global layers
+  kGemma4,           // gemma4 (text_config), gemma4_text: local / global layers of their own
+                     // head dims and key/value heads, proportional RoPE, score scale 1
   kFalcon,           // RoPE (half) or ALiBi with "alibi": true
   kBloom,
   kMpt,

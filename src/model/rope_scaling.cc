@@ -109,6 +109,7 @@ std::optional<Kind> parse_kind(const std::string& s) {
   if (s == "yarn") return Kind{RopeScalingType::kYarn, false};
   if (s == "llama3") return Kind{RopeScalingType::kLlama3, false};
   if (s == "longrope" || s == "su") return Kind{RopeScalingType::kLongRope, false};
+  if (s == "proportional") return Kind{RopeScalingType::kProportional, false};
   return std::nullopt;
 }
 
@@ -143,6 +144,9 @@ std::vector<std::string> allowed_scaling_keys(RopeScalingType t, bool vl) {
     case RopeScalingType::kLongRope:
       add({"factor", "original_max_position_embeddings", "short_factor", "long_factor",
            "attention_factor"});
+      break;
+    case RopeScalingType::kProportional:
+      add({"factor"});
       break;
   }
   return keys;
@@ -243,6 +247,37 @@ int64_t read_rotary_dim(const Reader& r, const Scope& s, const std::optional<Sca
   return rot->first;
 }
 
+// Whether the scaling dict names the proportional kind (Gemma 4's global layers).
+bool names_proportional(const Reader& r, const std::optional<ScalingDict>& sd) {
+  if (!sd) return false;
+  for (const char* key : {"rope_type", "type"}) {
+    if (const auto x = sd->get(key); x && x->v->is_string() && r.string(*x) == "proportional") {
+      return true;
+    }
+  }
+  return false;
+}
+
+// proportional's partial_rotary_factor: the scaling dict's or the top level's (both: must agree),
+// in [0, 1]; 1 when neither gives one. It picks the rotated pairs; the rotary dim stays the head.
+double read_proportion(const Reader& r, const Scope& s, const ScalingDict& d) {
+  std::optional<std::pair<double, std::string>> out;
+  for (const auto& x : {d.get("partial_rotary_factor"), s.get("partial_rotary_factor")}) {
+    if (!x) continue;
+    if (!x->v->is_number() || !(x->v->get<double>() >= 0) || !(x->v->get<double>() <= 1)) {
+      r.fail(x->name + " must be a number in [0, 1] (got " + show(*x->v) + ")");
+    }
+    const double v = x->v->get<double>();
+    if (!out) {
+      out = std::make_pair(v, x->name);
+    } else if (out->first != v) {
+      r.fail(x->name + " (" + show(*x->v) + ") contradicts " + out->second + " (" +
+             fmt(out->first) + ")");
+    }
+  }
+  return out ? out->first : 1.0;
+}
+
 // original_max_position_embeddings from the scaling dict or the top level (both: must agree).
 std::optional<std::pair<int64_t, std::string>> read_original(const Reader& r, const Scope& s,
                                                              const ScalingDict& d) {
@@ -282,8 +317,25 @@ void read_rope(const Reader& r, const Scope& s, const TypeDefaults& td,
         {"beta_slow", 1.0},    {"truncate", false}, {"original_max_position_embeddings", 4096}};
     sd = ScalingDict{{Node{&kGptOssYarn, "rope_parameters"}}, "rope_parameters"};
   }
+  if (!sd && family == Family::kGemma4) {
+    // Gemma4TextConfig's default for the global layers when the config gives no RoPE dict.
+    static const json kGemma4Global = {
+        {"rope_type", "proportional"}, {"partial_rotary_factor", 0.25}, {"rope_theta", 1e6}};
+    sd = ScalingDict{{Node{&kGemma4Global, "rope_parameters.full_attention"}},
+                     "rope_parameters.full_attention"};
+    note_default(cfg, "rope_parameters.full_attention",
+                 "{rope_type: proportional, partial_rotary_factor: 0.25, rope_theta: 1000000}");
+  }
   cfg.rope.base = read_theta(r, s, sd, td, cfg);
-  cfg.rope.rotary_dim = read_rotary_dim(r, s, sd, cfg.rope.head_dim, td, cfg);
+  if (names_proportional(r, sd)) {
+    // The whole head rotates (pairs past partial_rotary_factor with frequency 0).
+    if (cfg.rope.head_dim % 2 != 0) {
+      r.fail("rotary dim = head dim " + fmt(cfg.rope.head_dim) + " is odd; it must be even");
+    }
+    cfg.rope.rotary_dim = cfg.rope.head_dim;
+  } else {
+    cfg.rope.rotary_dim = read_rotary_dim(r, s, sd, cfg.rope.head_dim, td, cfg);
+  }
   const int64_t pairs = cfg.rope.rotary_dim / 2;
 
   RopeScaling& sc = cfg.rope.scaling;
@@ -300,7 +352,8 @@ void read_rope(const Reader& r, const Scope& s, const TypeDefaults& td,
       const auto k = parse_kind(name);
       if (!k) {
         r.fail(x->name + ": unknown rope_type '" + name +
-               "' (supported: default, linear, dynamic, yarn, llama3, longrope, su, mrope)");
+               "' (supported: default, linear, dynamic, yarn, llama3, longrope, su, mrope, "
+               "proportional)");
       }
       if (!kind) {
         kind = std::make_pair(*k, name);
@@ -366,6 +419,9 @@ void read_rope(const Reader& r, const Scope& s, const TypeDefaults& td,
           r.fail(d.key_name("original_max_position_embeddings") + " (or max_position_embeddings) " +
                  "is required for rope_type '" + kname + "'");
         }
+        break;
+      case RopeScalingType::kProportional:
+        sc.partial_rotary_factor = read_proportion(r, s, d);
         break;
       case RopeScalingType::kLlama3:
       case RopeScalingType::kLongRope:

@@ -62,6 +62,13 @@ int64_t effective_rotary_dim(const RopeConfig& cfg) {
   return cfg.rotary_dim == 0 ? cfg.head_dim : cfg.rotary_dim;
 }
 
+// proportional: the pairs that rotate, int(partial_rotary_factor * R // 2) as the reference
+// computes it (a product in double, then a floor division by 2).
+std::size_t rotated_pairs(const RopeScaling& s, int64_t r) {
+  return static_cast<std::size_t>(
+      std::floor(s.partial_rotary_factor * static_cast<double>(r) / 2.0));
+}
+
 // The float32 recipe of the reference frameworks (Hugging Face's rope init functions run by
 // PyTorch on CPU), step by step: every tensor operation rounds to float32 in the reference's
 // order, and the Python scalars it mixes in (factor, 2 pi, lengths) are rounded to float32 where
@@ -167,6 +174,16 @@ void frequencies(const RopeConfig& cfg, int64_t r, int64_t seq_len, RopeFrequenc
       for (std::size_t i = 0; i < pos.size(); ++i) inv[i] = recip(cast(ext[i]) * pos[i]);
       break;
     }
+    case RopeScalingType::kProportional: {
+      // 1.0 / (base ** (arange(0, 2 * rotated, 2).float() / R)), zeros for the others, then
+      // inv_freq /= factor.
+      inv = default_inv(cast(cfg.base), r);
+      const std::size_t rotated = rotated_pairs(s, r);
+      for (std::size_t i = 0; i < inv.size(); ++i) {
+        inv[i] = i < rotated ? inv[i] / cast(s.factor) : 0.0f;
+      }
+      break;
+    }
   }
   for (std::size_t i = 0; i < inv.size(); ++i) out.inv_freq[i] = static_cast<double>(inv[i]);
 }
@@ -239,6 +256,13 @@ void validate(const RopeConfig& cfg) {
         }
       }
       if (s.attention_factor < 0) detail::fail("rope scaling 'longrope': attention_factor < 0");
+      break;
+    case RopeScalingType::kProportional:
+      require_factor(s, "proportional");
+      if (!(s.partial_rotary_factor >= 0.0 && s.partial_rotary_factor <= 1.0)) {
+        detail::fail("rope scaling 'proportional': partial_rotary_factor must be in [0, 1] (got " +
+                     detail::num(s.partial_rotary_factor) + ")");
+      }
       break;
   }
 }
@@ -321,6 +345,14 @@ RopeFrequencies rope_frequencies(const RopeConfig& cfg, int64_t seq_len, RopeAng
       } else {
         const double sc = static_cast<double>(s.max_position_embeddings) / lo;
         out.attention_factor = sc <= 1.0 ? 1.0 : std::sqrt(1.0 + std::log(sc) / std::log(lo));
+      }
+      break;
+    }
+    case RopeScalingType::kProportional: {
+      base_inv(cfg.base);
+      const std::size_t rotated = rotated_pairs(s, r);
+      for (std::size_t i = 0; i < out.inv_freq.size(); ++i) {
+        out.inv_freq[i] = i < rotated ? out.inv_freq[i] / s.factor : 0.0;
       }
       break;
     }

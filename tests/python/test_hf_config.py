@@ -43,12 +43,11 @@ ROPE_TYPES_READ = [
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3",
     "gpt_neox", "gemma", "gemma2", "stablelm", "starcoder2", "olmo", "falcon", "qwen2_vl",
     "qwen2_5_vl", "qwen3_vl", "gptj", "codegen", "llama4", "llama4_text", "deepseek_v2",
-    "deepseek_v3", "kimi_k2", "gpt_oss", "gemma3", "gemma3_text",
+    "deepseek_v3", "kimi_k2", "gpt_oss", "gemma3", "gemma3_text", "gemma4", "gemma4_text",
 ]
 
 # RoPE types of transformers that posenc refuses by name (the test checks the refusal).
-NOT_YET = {"proportional": "posenc does not implement transformers' 'proportional' RoPE "
-                           "(Gemma 4: rotated and unrotated angle pairs in one head)"}
+NOT_YET = {}
 
 # Class defaults on which posenc's table and the installed transformers disagree (found by this
 # test): strictly failing until posenc follows transformers.
@@ -202,6 +201,11 @@ def _compare_layers(text, pc, what):
         # soft-capping (Gemma 2)
         cap = getattr(attn, "attn_logit_softcapping", None)
         assert (cap or None) == (layer["softcap"] or None), (what, i, cap, layer["softcap"])
+        # the layer's head dim and key/value heads (Gemma 4's global layers differ)
+        if hasattr(attn, "head_dim") and hasattr(attn, "num_key_value_groups"):
+            assert attn.head_dim == layer["head_dim"], (what, i, attn.head_dim, layer["head_dim"])
+            assert text.num_attention_heads // attn.num_key_value_groups == layer["heads_kv"], \
+                (what, i, attn.num_key_value_groups, layer["heads_kv"])
         # sinks (gpt-oss)
         assert hasattr(attn, "sinks") == bool(layer["attention_sinks"]), (what, i)
         # chunked attention (Llama 4)
@@ -269,6 +273,9 @@ SCALINGS = {
                   "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}],
     "llama3": [{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}],
+    "proportional": [{"rope_type": "proportional", "partial_rotary_factor": 0.25},
+                     {"rope_type": "proportional", "partial_rotary_factor": 0.3, "factor": 2.0},
+                     {"rope_type": "proportional"}],
 }
 
 
@@ -302,7 +309,9 @@ def test_every_rope_type(rope_type, scaling):
         pytest.fail(f"transformers {transformers.__version__} has RoPE type {rope_type!r}: "
                     "posenc refuses it; add it to posenc (and a case here)")
     variants = [_llama(scaling)]
-    if rope_type != "longrope":  # a partial rotary dim (Phi: 80-dim heads, 32 rotated)
+    # A partial rotary dim (Phi: 80-dim heads, 32 rotated); proportional takes Phi's top-level
+    # partial_rotary_factor only where its own dict has none (posenc refuses two that differ).
+    if rope_type != "longrope" and "partial_rotary_factor" not in scaling:
         variants.append({"model_type": "phi", "hidden_size": 2560, "num_attention_heads": 32,
                          "partial_rotary_factor": 0.4, "max_position_embeddings": 8192,
                          "num_hidden_layers": 2, "rope_scaling": scaling})
@@ -360,3 +369,81 @@ def test_every_rope_model_type_posenc_reads_is_covered():
             if mt in DEFAULTS_REFUSED:
                 rope.append(mt)
     assert sorted(rope) == sorted(ROPE_TYPES_READ)
+
+
+GEMMA4 = {"model_type": "gemma4_text", "num_hidden_layers": 8, "hidden_size": 256,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+          "global_head_dim": 64, "sliding_window": 16, "vocab_size": 64,
+          "vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8}
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
+    {"rope_parameters": {"full_attention": {"rope_type": "proportional", "rope_theta": 5e5,
+                                            "partial_rotary_factor": 0.5, "factor": 4.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}},
+    {"layer_types": ["full_attention", "sliding_attention"] * 3 + ["sliding_attention"] * 2},
+], ids=["defaults", "k_eq_v", "rope-parameters", "layer-types"])
+def test_gemma4_layers_head_dims_and_proportional_rope(extra):
+    """Gemma 4: global layers with their own head dim (and key/value heads with
+    attention_k_eq_v) and proportional RoPE, sliding layers with default RoPE; the last layer
+    always global. posenc's layers against the model's attention modules and rotary module, for
+    the config as written, as transformers saves it (per_layer_config), and under a gemma4
+    wrapper's text_config."""
+    raw = {**GEMMA4, **extra}
+    cfg, text, pc = _compare_rope(raw, "gemma4_text")
+    _compare_layers(text, pc, "gemma4_text")
+    assert pc.layers[-1]["attention"] == "full_attention"
+    full = [l for l in pc.layers if l["attention"] == "full_attention"]
+    assert full and all(l["head_dim"] == 64 for l in full)
+    f = posenc.rope_frequencies(pc, layer=full[0]["index"])
+    factor = raw.get("rope_parameters", {}).get("full_attention", {}).get(
+        "partial_rotary_factor", 0.25)
+    assert len(f.inv_freq) == 32 and np.count_nonzero(f.inv_freq) == int(factor * 64 // 2)
+    saved = json.loads(cfg.to_json_string())
+    assert "per_layer_config" in saved
+    b = posenc.read_model_config(saved)
+    assert [l["head_dim"] for l in b.layers] == [l["head_dim"] for l in pc.layers]
+    assert [l["heads_kv"] for l in b.layers] == [l["heads_kv"] for l in pc.layers]
+    for i in range(len(pc.layers)):
+        np.testing.assert_array_equal(posenc.rope_frequencies(b, layer=i).inv_freq,
+                                      posenc.rope_frequencies(pc, layer=i).inv_freq)
+    wrapped = posenc.read_model_config({"model_type": "gemma4", "text_config": raw})
+    assert [l["head_dim"] for l in wrapped.layers] == [l["head_dim"] for l in pc.layers]
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ({"per_layer_config": {"3": {"sliding_window": 4}}}, r"per_layer_config\.3\.sliding_window"),
+    ({"per_layer_config": {"9": {"head_dim": 64}}}, "past num_hidden_layers"),
+    ({"per_layer_config": {"7": {"num_key_value_heads": 3}}}, "must divide"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "proportional",
+                                             "partial_rotary_factor": 1.5}}},
+     "partial_rotary_factor"),
+])
+def test_gemma4_refusals_name_the_key(extra, match):
+    with pytest.raises(Exception, match=match):
+        posenc.read_model_config({**GEMMA4, **extra})
+
+
+def test_gemma4_proportional_rope_rotates_as_the_model():
+    """posenc's RoPE with a Gemma 4 global layer's frequencies rotates q as the model's own
+    rotary module and apply_rotary_pos_emb do; the unrotated angle pairs pass through bit for
+    bit."""
+    cfg, text = _hf_config(GEMMA4)
+    pc = posenc.read_model_config(GEMMA4)
+    mod = importlib.import_module("transformers.models.gemma4.modeling_gemma4")
+    rot = mod.Gemma4TextRotaryEmbedding(config=text)
+    layer = next(l["index"] for l in pc.layers if l["attention"] == "full_attention")
+    pos = torch.arange(0, 300, 7)[None]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, len(pos[0]), 4, 64, generator=g)
+    cos, sin = rot(q, pos, "full_attention")
+    want = mod.apply_rotary_pos_emb(q, cos, sin, unsqueeze_dim=2)
+    f = posenc.rope_frequencies(pc, layer=layer)
+    got = posenc.apply_rope(q.double().numpy(), f, positions=pos[0].numpy())
+    np.testing.assert_allclose(got, want.double().numpy(), rtol=0, atol=3e-5)
+    rotated = int(0.25 * 64 // 2)
+    still = np.r_[rotated:32, 32 + rotated:64]
+    np.testing.assert_array_equal(got[..., still], q.double().numpy()[..., still])

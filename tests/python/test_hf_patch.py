@@ -457,11 +457,11 @@ def test_unsupported_models_raise_type_error():
                                                     vocab_size=64))
     with pytest.raises(TypeError, match="gpt2"):
         patch(gpt2)
-    rope_falcon = AutoModelForCausalLM.from_config(_config(
-        "falcon-rw-1b", alibi=False, hidden_size=32, num_attention_heads=4, num_kv_heads=4,
-        num_hidden_layers=1, vocab_size=64))
-    with pytest.raises(TypeError, match="RoPE"):
-        patch(rope_falcon)
+    llama = AutoModelForCausalLM.from_config(_config(
+        "llama", hidden_size=32, num_attention_heads=4, num_hidden_layers=1, vocab_size=64,
+        intermediate_size=32))
+    with pytest.raises(TypeError, match="attn_implementation='posenc'"):
+        patch(llama)  # a RoPE model that calls the attention interface: the backend's
     with pytest.raises(TypeError):
         patch("t5")
     with pytest.raises(ValueError, match="attention_dropout"):

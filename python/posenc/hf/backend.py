@@ -437,9 +437,10 @@ def _uniform_rows(out, q, k, v, empty, scale, softcap):
     value is uniform and whose gradient is the softmax's). O(rows x keys) extra memory."""
     bi, hi, ii = empty.nonzero(as_tuple=True)
     group = q.shape[2] // k.shape[2]
-    qr = q[bi, ii, hi].float()                 # [n, d]
-    kr = k[bi, :, hi // group].float()         # [n, keys, d]
-    vr = v[bi, :, hi // group].float()         # [n, keys, v_dim]
+    wide = torch.promote_types(q.dtype, torch.float32)  # float64 models stay float64
+    qr = q[bi, ii, hi].to(wide)                 # [n, d]
+    kr = k[bi, :, hi // group].to(wide)         # [n, keys, d]
+    vr = v[bi, :, hi // group].to(wide)         # [n, keys, v_dim]
     s = torch.einsum("nd,nkd->nk", qr, kr) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)

@@ -1,26 +1,31 @@
 """posenc.hf.patch: fused positional attention for the bias families of transformers.
 
 ``patch(model)`` replaces, in place, the attention of T5 / mT5 (encoder and decoder
-self-attention with the stack's layer-0 bucket table, cross-attention), BLOOM, MPT and Falcon-RW
-(ALiBi with the model's slopes) and DeBERTa-v2/v3 (c2p and p2c from the model's relative
-embeddings and projections) by posenc's fused kernels, so the ``[batch, heads, L, L]`` bias (and
-the ``[batch, 1, L, L]`` mask) is never built. Forward and backward; gradients reach the model's
-own tables. See docs/hf.md.
+self-attention with the stack's layer-0 bucket table, cross-attention), UMT5 (a table in every
+layer), BLOOM, MPT and Falcon-RW (ALiBi with the model's slopes) and DeBERTa v1/v2/v3 (c2p and
+p2c from the model's relative embeddings and projections) by posenc's fused kernels, so the
+``[batch, heads, L, L]`` bias (and the ``[batch, 1, L, L]`` mask) is never built. Forward and
+backward; gradients reach the model's own tables. See docs/hf.md.
 """
 
 import copy
 import warnings
 
-from . import _bias_alibi, _bias_deberta, _bias_mask, _bias_t5
+from . import _bias_alibi, _bias_deberta, _bias_deberta_v1, _bias_mask, _bias_t5, _bias_umt5
+from . import _bias_longt5, _rope_falcon_stablelm
 
 __all__ = ["patch", "unpatch", "SUPPORTED_MODEL_TYPES"]
 
 # model_type -> family.
 SUPPORTED_MODEL_TYPES = {"t5": "t5", "mt5": "t5", "bloom": "bloom", "mpt": "mpt",
-                         "falcon": "falcon", "deberta-v2": "deberta"}
-_ATTENTION_CLASSES = {"T5Attention": "t5", "MT5Attention": "t5", "BloomAttention": "bloom",
+                         "falcon": "falcon", "deberta-v2": "deberta", "umt5": "umt5",
+                         "deberta": "deberta-v1", "stablelm": "stablelm", "longt5": "longt5"}
+_ATTENTION_CLASSES = {"T5Attention": "t5", "MT5Attention": "t5", "UMT5Attention": "umt5",
+                      "BloomAttention": "bloom",
                       "MptAttention": "mpt", "FalconAttention": "falcon",
-                      "DisentangledSelfAttention": "deberta"}
+                      "DisentangledSelfAttention": "deberta", "StableLmAttention": "stablelm",
+                      "LongT5Attention": "longt5", "LongT5LocalAttention": "longt5",
+                      "LongT5TransientGlobalAttention": "longt5"}
 _DROPOUT_POLICIES = ("warn", "error", "ignore")
 
 
@@ -28,8 +33,17 @@ def _family_of(module):
     """The family of an attention module class we patch, or None."""
     name = type(module).__name__
     fam = _ATTENTION_CLASSES.get(name)
-    if fam == "deberta" and not type(module).__module__.endswith("deberta_v2"):
-        return None  # DeBERTa v1 has its own (different) attention class of that name
+    if fam == "deberta":  # v1 and v2 have different attention classes of that name
+        return {"modeling_deberta_v2": "deberta", "modeling_deberta": "deberta-v1"}.get(
+            type(module).__module__.split(".")[-1])
+    if fam == "umt5" and type(module).__module__.split(".")[-1] != "modeling_umt5":
+        return None
+    if fam == "longt5" and type(module).__module__.split(".")[-1] != "modeling_longt5":
+        return None
+    if fam == "stablelm" and type(module).__module__.split(".")[-1] != "modeling_stablelm":
+        return None
+    if fam == "falcon" and not getattr(getattr(module, "config", None), "alibi", False):
+        return "falcon-rope"
     if fam == "t5" and type(module).__module__.split(".")[-1] not in ("modeling_t5",
                                                                         "modeling_mt5"):
         return None
@@ -37,12 +51,16 @@ def _family_of(module):
 
 
 def _dropout_probability(module, family):
-    if family == "t5":
+    if family in ("t5", "umt5", "longt5"):
         return float(module.dropout)
     if family == "bloom" or family == "falcon":
         return float(module.attention_dropout.p)
     if family == "mpt":
         return float(module.attn_dropout_p or 0.0)
+    if family == "stablelm":
+        return float(module.attention_dropout)
+    if family == "falcon-rope":
+        return 0.0  # transformers' RoPE Falcon applies no attention dropout (eager nor sdpa)
     return float(module.dropout.p)
 
 
@@ -99,7 +117,8 @@ def _own_configs(model):
 
 def patch(model, *, attention_dropout="warn"):
     """Runs the attention of a transformers T5 / mT5, BLOOM, MPT, Falcon-RW (ALiBi) or
-    DeBERTa-v2/v3 model on posenc's fused kernels, in place; returns the model.
+    DeBERTa-v2/v3 model (and of RoPE Falcon and StableLM) on posenc's fused kernels, in place;
+    returns the model.
 
     The model's own weights are used: T5's ``relative_attention_bias`` table of layer 0 of each
     stack (shared by the stack's layers, as transformers shares its bias), the ALiBi slopes the
@@ -115,8 +134,15 @@ def patch(model, *, attention_dropout="warn"):
     raise ValueError: ``output_attentions=True``, head masks, explicit ``position_bias`` /
     ``relative_pos`` tensors. attention_dropout: what to do when a module in training mode has
     attention-probability dropout (which cannot be fused): "warn" (default: skip it, warn once),
-    "error" (ValueError) or "ignore". Model types: t5, mt5, bloom, mpt, falcon (with
-    ``alibi=True``), deberta-v2 (DeBERTa-v3 too). Other models raise TypeError; RoPE models use
+    "error" (ValueError) or "ignore". Model types: t5, mt5, umt5 (every self-attention layer
+    with its own table), bloom, mpt, falcon (with ``alibi=True``), deberta-v2 (DeBERTa-v3 too),
+    deberta (v1: ``in_proj`` with ``q_bias`` / ``v_bias``, ``pos_proj`` / ``pos_q_proj``, clipped
+    distances; ``talking_head`` raises TypeError), falcon with RoPE (``alibi=False``; Falcon's
+    attention never calls transformers' attention interface) and stablelm (partial rotary, q / k
+    layer norms): the model's own projections and rotation, posenc's attention with the "posenc"
+    masks (``posenc.hf.register()``, called by patch), longt5 (local and transient-global
+    encoders: a window of ``local_radius``, the global blocks' side keys merged by log-sum-exp;
+    the decoder as T5). Other models raise TypeError; other RoPE models use
     the attention backend instead (``posenc.hf.register()``, ``attn_implementation="posenc"``).
     ``posenc.hf.unpatch(model)`` restores the original attention.
     """
@@ -140,26 +166,39 @@ def patch(model, *, attention_dropout="warn"):
                         f"model types: {', '.join(SUPPORTED_MODEL_TYPES)} (RoPE models: "
                         "posenc.hf.register() and attn_implementation='posenc')")
     families = {f for _, f in found}
-    if "falcon" in families:
-        for m in model.modules():
-            if type(m).__name__ == "FalconModel" and not getattr(m, "use_alibi", False):
-                raise TypeError(f"posenc.hf.patch: {name} uses RoPE (config.alibi is false); "
-                                "only ALiBi Falcon models (Falcon-RW) are patched. Use "
-                                "posenc.hf.register() and attn_implementation='posenc'")
-
+    for m, f in found:
+        option = _bias_deberta_v1.unsupported(m) if f == "deberta-v1" else None
+        if option is not None:
+            raise TypeError(f"posenc.hf.patch: {name}: the configuration option {option}=True "
+                            "(DeBERTa's talking heads mix the heads' scores before the softmax "
+                            "and its probabilities after it) cannot be fused; use the unpatched "
+                            "model")
     if "t5" in families:
         _patch_t5(model, attention_dropout, name)
     if families & {"bloom", "mpt", "falcon"}:
         _patch_alibi(model, attention_dropout, name)
     if "deberta" in families:
         _patch_deberta(model, attention_dropout, name)
-    if families & {"t5", "bloom", "mpt", "falcon"}:
+    if "umt5" in families:
+        _patch_umt5(model, attention_dropout, name)
+    if "deberta-v1" in families:
+        _patch_deberta_v1(model, attention_dropout, name)
+    if "longt5" in families:
+        _bias_longt5.install_model(
+            model, lambda: _make_dropout_check(attention_dropout, "longt5", name))
+    mask_impl = None
+    if families & {"t5", "umt5", "longt5", "bloom", "mpt", "falcon"}:
         _bias_mask.register_mask_function()
+        mask_impl = _bias_mask.MASK_IMPL
+    if families & set(_rope_falcon_stablelm.FAMILIES):
+        _patch_rope(model, families, attention_dropout, name)
+        mask_impl = _rope_falcon_stablelm.mask_implementation()
+    if mask_impl is not None:
         _own_configs(model)
         previous = model.__dict__.setdefault("_posenc_previous_attn", {})
         for c in _configs(model):
             previous.setdefault(id(c), (c, c._attn_implementation))
-            c._attn_implementation = _bias_mask.MASK_IMPL
+            c._attn_implementation = mask_impl
     model.__dict__["_posenc_patched"] = True
     return model
 
@@ -232,6 +271,36 @@ def _patch_deberta(model, policy, name):
             _bias_deberta.install_encoder(m)
 
 
+def _patch_umt5(model, policy, name):
+    check = _make_dropout_check(policy, "umt5", name)
+    for m in model.modules():
+        if _family_of(m) == "umt5":
+            _bias_umt5.install(m, check)  # every self-attention layer holds its own table
+
+
+def _patch_deberta_v1(model, policy, name):
+    check = _make_dropout_check(policy, "deberta-v1", name)
+    for m in model.modules():
+        if _family_of(m) == "deberta-v1":
+            _bias_deberta_v1.install(m, check)
+        elif (type(m).__name__ == "DebertaEncoder"
+              and type(m).__module__.split(".")[-1] == "modeling_deberta"):
+            _bias_deberta_v1.install_encoder(m)
+
+
+def _patch_rope(model, families, policy, name):
+    """RoPE Falcon and StableLM: the model's rotation, posenc's attention."""
+    for family in set(_rope_falcon_stablelm.FAMILIES) & families:
+        check = _make_dropout_check(policy, family, name)
+        for m in model.modules():
+            if _family_of(m) == family:
+                _rope_falcon_stablelm.install(m, family, check)
+    for m in model.modules():  # StableLM's layers are not told of output_attentions
+        if type(m).__name__ == "StableLmModel" and "_posenc_hook" not in m.__dict__:
+            m.__dict__["_posenc_hook"] = m.register_forward_pre_hook(
+                _rope_falcon_stablelm.refuse_output_attentions, with_kwargs=True)
+
+
 def unpatch(model):
     """Restores the attention posenc.hf.patch replaced (and the configs' attention
     implementation); returns the model."""
@@ -242,7 +311,7 @@ def unpatch(model):
         if "_posenc_state" in m.__dict__:
             del m.__dict__["_posenc_state"]
             m.__dict__.pop("forward", None)
-        if type(m).__name__ == "DebertaV2Encoder":
+        if type(m).__name__ in ("DebertaEncoder", "DebertaV2Encoder"):
             m.__dict__.pop("get_attention_mask", None)
             m.__dict__.pop("get_rel_pos", None)
     for c, prev in model.__dict__.pop("_posenc_previous_attn", {}).values():
