@@ -495,7 +495,11 @@ TEST(BlockMask, DocumentLengthsAroundTilesEveryTarget) {
     Rng rng(posenc_test::test_seed(), 85);
     for (const auto& name : cases::kSchemes) {
       if (target != targets.front() && name != "none" && name != "rope") continue;
-      for (const int64_t dim : {32, 13}) check_document_lengths(name, lengths, dim, rng);
+      for (const int64_t dim : {32, 13}) {
+        // Sanitized: the odd (padded) head dim for two schemes, the in-place one for all.
+        if (posenc_test::kSanitized && dim == 13 && name != "none" && name != "t5") continue;
+        check_document_lengths(name, lengths, dim, rng);
+      }
     }
   }
   kernels::set_simd_target_for_test(0);
@@ -706,6 +710,7 @@ TEST(Varlen, LongDocumentsManyHeadsEveryThreadCount) {
       const auto v = randn<float>(rng, numel(ks));
       std::vector<float> first;
       for (const int threads : {1, 2, 3, 5}) {
+        if (posenc_test::kSanitized && (threads == 2 || threads == 5)) continue;
         SCOPED_TRACE(name + " threads " + std::to_string(threads) + posenc_test::seed_trace());
         std::vector<float> out(q.size(), -5.0f);
         attention_varlen(cview(q, qs), cview(k, ks), cview(v, ks), packed, box->scheme,

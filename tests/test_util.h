@@ -39,6 +39,16 @@ inline uint64_t test_seed() {
   return seed;
 }
 
+// Whether this build runs under AddressSanitizer (the sanitized CI build). Its purpose is memory
+// and undefined behaviour: the heaviest value sweeps run a subset there (each memory path kept),
+// the full grid in the optimized build.
+constexpr bool kSanitized =
+#if defined(__SANITIZE_ADDRESS__)
+    true;
+#else
+    false;
+#endif
+
 // "POSENC_TEST_SEED=<seed>" for SCOPED_TRACE.
 inline std::string seed_trace(uint64_t seed = test_seed()) {
   return "POSENC_TEST_SEED=" + std::to_string(seed);
