@@ -271,10 +271,11 @@ def main():
     import torch.nn.functional as F
 
     import posenc
+    import posenc._posenc_extras  # noqa: F401  (the SIMD target the harness reports)
     import posenc.torch as pt
     torch.set_num_threads(args.threads)
     header = {"processor": processor(), "threads": args.threads, "torch": torch.__version__,
-              "posenc_simd": posenc._posenc._simd_target()}
+              "posenc_simd": posenc._posenc_extras._simd_target()}
     if args.json:
         print(json.dumps({"machine": header}), flush=True)
     else:

@@ -54,7 +54,7 @@ from ._posenc import (  # noqa: F401  (the public API)
     t5_bucket_map,
     xl_sinusoid,
 )
-from . import plot, ref  # noqa: F401,E402
+from . import ref  # noqa: F401,E402
 
 from ._posenc import schemes  # noqa: F401,E402  (the registry: one dict per scheme)
 
@@ -270,11 +270,12 @@ def bench(*, quick=True, threads=0, filter=""):
     filter: run only the entries whose name contains this text (baselines they compare with are
     not run unless they match too).
     """
+    from . import _posenc_extras  # the benchmark harness, loaded on demand
     done = {}
     results = []
-    for name, run in _posenc._bench_suite(int(threads), bool(quick), str(filter)):
+    for name, run in _posenc_extras._bench_suite(int(threads), bool(quick), str(filter)):
         r = run()
-        r["simd_target"] = _posenc._simd_target()
+        r["simd_target"] = _posenc_extras._simd_target()
         r["quick"] = bool(quick)
         base = r["baselines"][0] if r["baselines"] else None
         if base in done:
@@ -287,11 +288,12 @@ def bench(*, quick=True, threads=0, filter=""):
     return results
 
 
-__all__ = [n for n in dir() if not n.startswith("_")]
+__all__ = [n for n in dir() if not n.startswith("_")] + ["plot"]
 
 # Subpackages that need torch (and transformers for posenc.hf) load on first use, so
-# ``import posenc`` stays NumPy-only and ``posenc.torch.attention`` works after ``import posenc``.
-_LAZY_SUBMODULES = ("torch", "hf", "testing", "experiments")
+# ``import posenc`` stays NumPy-only and ``posenc.torch.attention`` works after ``import posenc``;
+# posenc.plot loads the figures' extension module (cairo) on first use.
+_LAZY_SUBMODULES = ("torch", "hf", "testing", "experiments", "plot")
 
 
 def __getattr__(name):

@@ -6,7 +6,7 @@ the PNG bytes are returned), scale= (PNG pixel scale) and the figure's options a
 ``posenc.plot.similarity(out="s.svg", scheme="rope", model="config.json")``.
 """
 
-from ._posenc import plot as _plot
+from ._posenc_extras import plot as _plot  # the figures (cairo), apart from the core module
 
 heatmap = _plot.heatmap
 heatmap_table = _plot.heatmap_table

@@ -1,6 +1,7 @@
-// python/src/bind_extras.cc - the property checks (posenc::run_checks), RoPE precision rows, the
-// figures (plot/plots.h, saved through cairo) and the benchmark suite (bench/harness.h). The demo
-// page is the CLI's (posenc.demo runs the bundled `posenc demo`).
+// python/src/bind_extras.cc - the figures (plot/plots.h, saved through cairo) and the benchmark
+// suite (bench/harness.h): the module posenc._posenc_extras (extras_module.cc), apart from the
+// core extension so that the core links only the library. The demo page is the CLI's
+// (posenc.demo runs the bundled `posenc demo`).
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
@@ -139,40 +140,6 @@ pb::dict result_dict(const bench::Result& r) {
 }  // namespace
 
 void bind_extras(pb::module_& m) {
-  // ---- checks ----
-  m.def(
-      "_run_checks",
-      [](uint64_t seed) {
-        std::vector<CheckResult> rows;
-        {
-          pb::gil_scoped_release release;
-          rows = run_checks({.seed = seed});
-        }
-        pb::list out;
-        for (const auto& r : rows) {
-          out.append(
-              pb::make_tuple(r.property, r.scheme, r.measured, r.threshold, r.expect, r.pass));
-        }
-        return out;
-      },
-      arg("seed") = CheckOptions{}.seed);
-  m.def(
-      "_rope_precision",
-      [](const std::vector<int64_t>& positions, int64_t head_dim, double base, uint64_t seed) {
-        std::vector<RopePrecisionRow> rows;
-        {
-          pb::gil_scoped_release release;
-          rows = rope_precision(positions, head_dim, base, seed);
-        }
-        pb::list out;
-        for (const auto& r : rows) {
-          out.append(
-              pb::make_tuple(r.position, r.accurate_error, r.float32_error, r.float32_angle_error));
-        }
-        return out;
-      },
-      arg("positions"), arg("head_dim") = 128, arg("base") = 5e5, arg("seed") = 1);
-
   // ---- figures ----
   pb::module_ plt = m.def_submodule("plot", "Figures (PNG / SVG through cairo)");
   using HO = plot::HeatmapOptions;
@@ -299,13 +266,6 @@ void bind_extras(pb::module_& m) {
       },
       arg("threads") = 0, arg("quick") = false, arg("filter") = "");
   m.def("_simd_target", &bench::simd_target);
-
-  // The address of the array the bindings would view for `obj` in `dtype` (as_array): the
-  // caller's buffer when no conversion is needed. For the zero-copy tests.
-  m.def("_viewed_address", [](const pb::object& obj, const std::string& dtype) {
-    const pb::array a = dtype == "float64" ? as_array<double>(obj, "x") : as_array<float>(obj, "x");
-    return reinterpret_cast<std::uintptr_t>(a.data());
-  });
 }
 
 }  // namespace posenc::py

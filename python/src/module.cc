@@ -1,5 +1,6 @@
-// python/src/module.cc - the extension module posenc._posenc: exceptions, shared argument
-// conversions, and the registration of every binding file.
+// python/src/module.cc - the extension module posenc._posenc: exceptions and the registration of
+// every binding file of the core (the figures and the benchmark suite are posenc._posenc_extras,
+// extras_module.cc).
 //
 // Errors: posenc::Error and its subclasses become Python exceptions with the C++ message
 // unchanged: posenc.Error (a ValueError), posenc.ShapeError, posenc.InvalidValueError and
@@ -10,46 +11,6 @@
 
 #include "args.h"
 #include "calls.h"
-
-namespace posenc::py {
-
-std::optional<Positions> positions_arg(const pb::handle& obj, const char* what) {
-  if (obj.is_none()) return std::nullopt;
-  // An int offset (numpy integer scalars too); arrays and sequences are ids.
-  if (is_int_scalar(obj)) {
-    return Positions::offset(arg_int(obj, what, 0, kMaxPositionArg));
-  }
-  // Integer ids only (no float truncated, no unsigned value wrapped): int_array refuses them.
-  const pb::array ids = int_array<int64_t>(obj, what);
-  const int64_t* p = static_cast<const int64_t*>(ids.data());
-  if (ids.ndim() == 1) {
-    return Positions::shared(std::vector<int64_t>(p, p + ids.shape(0)));
-  }
-  if (ids.ndim() == 2) {
-    return Positions::per_row(std::vector<int64_t>(p, p + ids.size()), ids.shape(0), ids.shape(1));
-  }
-  throw ShapeError(std::string(what) + ": positions must be [seq] or [batch, seq], got " +
-                   std::to_string(ids.ndim()) + " dimensions");
-}
-
-ModelConfig model_config_arg(const pb::handle& obj) {
-  if (pb::isinstance<ModelConfig>(obj)) return obj.cast<ModelConfig>();
-  if (pb::isinstance<pb::dict>(obj)) {
-    static const pb::object& dumps = py_attr("json", "dumps");
-    return parse_model_config(dumps(obj).cast<std::string>(), "config");
-  }
-  if (pb::isinstance<pb::str>(obj) || pb::hasattr(obj, "__fspath__")) {
-    static const pb::object& fspath = py_attr("os", "fspath");
-    return read_model_config(fspath(obj).cast<std::string>());
-  }
-  throw pb::type_error("config: expected a path to config.json, a dict or a ModelConfig");
-}
-
-void unexpected_keyword(const std::string& fn, const std::string& key) {
-  throw pb::type_error(fn + "() got an unexpected keyword argument '" + key + "'");
-}
-
-}  // namespace posenc::py
 
 PYBIND11_MODULE(_posenc, m) {
   namespace pb = pybind11;
@@ -63,24 +24,14 @@ PYBIND11_MODULE(_posenc, m) {
   static auto& value_error =
       *new pb::exception<posenc::ValueError>(m, "InvalidValueError", error.ptr());
   static auto& io_error = *new pb::exception<posenc::IoError>(m, "IoError", error.ptr());
-  pb::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const posenc::ShapeError& e) {
-      PyErr_SetString(shape_error.ptr(), e.what());
-    } catch (const posenc::ValueError& e) {
-      PyErr_SetString(value_error.ptr(), e.what());
-    } catch (const posenc::IoError& e) {
-      PyErr_SetString(io_error.ptr(), e.what());
-    } catch (const posenc::Error& e) {
-      PyErr_SetString(error.ptr(), e.what());
-    }
-  });
+  static const ErrorClasses classes{error.ptr(), shape_error.ptr(), value_error.ptr(),
+                                    io_error.ptr()};
+  pb::register_exception_translator([](std::exception_ptr p) { set_python_error(p, classes); });
 
   pb::module_ ref = m.def_submodule("ref", "The float64 reference (posenc::ref)");
   bind_encodings(m, ref);
   bind_attention(m, ref);
-  bind_extras(m);
+  bind_checks(m);
   bind_half(m);
   bind_paged(m);
 }

@@ -209,9 +209,22 @@ inline SinLayout parse_layout(const std::string& s) { return parse_sin_layout(s,
 // Raises TypeError "<fn>() got an unexpected keyword argument '<key>'".
 [[noreturn]] void unexpected_keyword(const std::string& fn, const std::string& key);
 
+// The Python classes of posenc's exceptions (the core module's: posenc.Error, ShapeError,
+// InvalidValueError, IoError), and the translation both extension modules register: the
+// exception in `p`, when it is a posenc::Error, becomes the matching Python error with its message
+// unchanged; anything else is left to pybind11 (rethrown).
+struct ErrorClasses {
+  PyObject* error = nullptr;
+  PyObject* shape_error = nullptr;
+  PyObject* value_error = nullptr;
+  PyObject* io_error = nullptr;
+};
+void set_python_error(std::exception_ptr p, const ErrorClasses& c);
+
 // Registration of each binding file.
 void bind_encodings(pb::module_& m, pb::module_& ref);
 void bind_attention(pb::module_& m, pb::module_& ref);
-void bind_extras(pb::module_& m);
+void bind_checks(pb::module_& m);
+void bind_extras(pb::module_& m);  // the module posenc._posenc_extras
 
 }  // namespace posenc::py

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "attention/problem.h"
+#include "core/problem.h"
 
 namespace posenc::attn {
 

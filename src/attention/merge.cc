@@ -6,7 +6,7 @@
 #include <limits>
 #include <string>
 
-#include "attention/problem.h"
+#include "core/problem.h"
 
 namespace posenc {
 

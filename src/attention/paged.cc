@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "attention/half.h"
-#include "attention/problem.h"
 #include "common.h"
+#include "core/problem.h"
 #include "kernels/parallel.h"
 #include "posenc/size.h"
 

@@ -11,7 +11,7 @@
 #include <variant>
 #include <vector>
 
-#include "attention/problem.h"
+#include "core/problem.h"
 #include "posenc/schemes.h"
 #include "schemes/alibi_term.h"
 #include "schemes/deberta_term.h"

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "attention/prepared.h"
-#include "attention/problem.h"
+#include "core/problem.h"
 
 namespace posenc::attn {
 

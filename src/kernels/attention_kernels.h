@@ -10,7 +10,7 @@
 #include <array>
 #include <cstdint>
 
-#include "attention/mask.h"
+#include "core/mask.h"
 #include "kernels/rope_kernels.h"
 #include "posenc/dtype.h"
 
@@ -44,7 +44,7 @@ struct FusedAttentionParams {
   // Logit soft-capping: every score s (scale, terms and bias included) becomes
   // softcap * tanh(s / softcap) before the mask; 0: none.
   float softcap = 0.0f;
-  // Causal, window, chunk (attention/mask.h). With chunks the positions below are relative to a
+  // Causal, window, chunk (core/mask.h). With chunks the positions below are relative to a
   // multiple of the chunk, and non-negative.
   detail::MaskRule mask;
   // Block masks (AttentionOptions::block_mask) per token, nullptr = unset: document ids qdoc

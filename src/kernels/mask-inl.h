@@ -1,4 +1,4 @@
-// src/kernels/mask-inl.h - the mask of attention/mask.h on a vector of key positions, shared by
+// src/kernels/mask-inl.h - the mask of core/mask.h on a vector of key positions, shared by
 // the fused forward (attention_hwy.cc) and backward (attention_backward_hwy.cc).
 //
 // Included once per target by the kernels' .cc files after hwy/foreach_target.h (the guard
@@ -13,7 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "attention/mask.h"
+#include "core/mask.h"
 #include "hwy/highway.h"
 #include "kernels/block_mask.h"
 

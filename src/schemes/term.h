@@ -39,7 +39,7 @@
 #include <tuple>
 #include <vector>
 
-#include "attention/problem.h"
+#include "core/problem.h"
 #include "hwy/aligned_allocator.h"
 #include "kernels/attention_kernels.h"
 #include "posenc/attention.h"

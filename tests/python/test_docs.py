@@ -86,3 +86,28 @@ def test_scheme_pages_python_sections_run(page, monkeypatch):
     monkeypatch.chdir(root)
     with contextlib.redirect_stdout(io.StringIO()):
         exec(compile(code[0], f"docs/{page}.md", "exec"), {})
+
+
+def test_readme_fits_on_a_page_and_no_heading_is_dated():
+    """README.md is read top to bottom (at most 200 lines); docs/ headings carry no dates (the
+    software as it is; provenance goes in the text)."""
+    import glob
+    import re
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read().splitlines()
+    assert len(readme) <= 200, len(readme)
+    dated = re.compile(r"^#+ .*\b(19|20)\d\d-\d\d(-\d\d)?\b")
+    for path in [os.path.join(root, "README.md")] + glob.glob(
+            os.path.join(root, "docs", "**", "*.md"), recursive=True):
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                assert not dated.match(line), f"{path}:{n}: {line.strip()}"
+
+
+def test_table_head_axes_come_from_the_registry():
+    """The head axis of every parameter table the testing and distributed modules slice, read
+    from the registry's layouts, as docs/attention.md lists them."""
+    from posenc._tables import TABLE_HEAD_AXIS
+    assert TABLE_HEAD_AXIS == {"slopes": 0, "relative_attention_bias": 1, "r_w_bias": 0,
+                               "r_r_bias": 0, "pos_key": 1, "pos_query": 1, "sinks": 0}

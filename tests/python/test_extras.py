@@ -50,3 +50,24 @@ def test_bench_quick_entry():
     rows = posenc.bench(quick=True, filter="rope_neox", threads=1)
     assert rows and rows[0]["name"].startswith("rope_neox")
     assert rows[0]["median_s"] > 0 and rows[0]["gbps"] > 0
+
+
+def test_the_core_module_loads_without_the_figures_and_the_benchmarks():
+    """import posenc loads the core extension only; posenc.plot and posenc.bench load the extras
+    module (cairo, the benchmark harness) on first use, and its errors are posenc's."""
+    import subprocess
+    import sys
+    code = ("import sys, posenc\n"
+            "assert 'posenc._posenc_extras' not in sys.modules\n"
+            "posenc.attention\n"
+            "assert 'posenc._posenc_extras' not in sys.modules\n"
+            "png = posenc.plot.heatmap(length=8, dim=8)\n"
+            "assert png[:4] == b'\\x89PNG' and 'posenc._posenc_extras' in sys.modules\n"
+            "try:\n"
+            "    posenc.plot.heatmap(length=-1, dim=8)\n"
+            "except posenc.InvalidValueError as e:\n"
+            "    assert 'length' in str(e)\n"
+            "else:\n"
+            "    raise AssertionError('accepted length=-1')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

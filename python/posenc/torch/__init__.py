@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .. import _ops, _posenc
+from ._keywords import MASK_KEYWORDS as _MASK_KEYWORDS
 
 __all__ = [
     "attention", "attention_paged", "rope_append", "rope", "apply_rope", "rerotate_rope",
@@ -122,12 +123,6 @@ def _split_positions(kwargs, *names):
             del kw[n]
         tensors.append(t)
     return kw, tensors
-
-
-# Keywords whose values are integer / boolean arrays: they travel to the ops as tensors (the
-# `masks` argument), named in the options.
-_MASK_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "query_documents", "key_documents", "prefix",
-                  "mask")
 
 
 def _split_masks(kw):

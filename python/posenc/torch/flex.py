@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from .. import _posenc
+from ._keywords import PACKED_KEYWORDS as _PACKED_KEYWORDS
+from ._keywords import VISIBILITY_KEYWORDS as _VISIBILITY_KEYWORDS
 
 __all__ = ["attention", "score_mod", "mask_mod", "block_mask", "apply_sinks",
            "UnsupportedScheme", "SCHEMES"]
@@ -48,10 +50,8 @@ _SETTINGS = {
 }
 _TABLES = {"none": (), "rope": (), "alibi": ("slopes",), "t5": ("relative_attention_bias",),
            "shaw": ("rel_k", "rel_v"), "deberta": ("pos_key", "pos_query")}
-_MASK_KEYWORDS = ("causal", "window", "chunk", "query_positions", "key_positions",
-                  "query_documents", "key_documents", "prefix", "global_positions", "mask")
-_COMMON = _MASK_KEYWORDS + ("scale", "softcap", "allow_fully_masked", "num_threads",
-                            "cu_seqlens_q", "cu_seqlens_k")
+_COMMON = _VISIBILITY_KEYWORDS + ("scale", "softcap", "allow_fully_masked",
+                                  "num_threads") + _PACKED_KEYWORDS
 
 
 class UnsupportedScheme(ValueError, NotImplementedError):
@@ -305,7 +305,7 @@ def mask_mod(q_len, k_len, *, batch=1, device="cpu", **keywords):
     key_documents ([batch, seq] ints), prefix, global_positions, mask ([batch or 1, q_len,
     k_len] bool): the masks of posenc.torch.attention (docs/attention.md, Masks and Block
     masks)."""
-    _only(keywords, _MASK_KEYWORDS, "mask_mod")
+    _only(keywords, _VISIBILITY_KEYWORDS, "mask_mod")
     return _MaskSpec(batch, q_len, k_len, torch.device(device), **keywords).mask_mod()
 
 
@@ -319,7 +319,7 @@ def block_mask(q_len, k_len, *, batch=1, device="cpu", block_size=128, compile=N
     compile: build it with torch.compile (block by block, no [q_len, k_len] tensor); None:
     on GPUs when q_len * k_len > 2^24. A row that sees no key gives out = 0 and lse = -inf in
     flex_attention (posenc.torch.flex.attention raises unless allow_fully_masked or sinks)."""
-    _only(keywords, _MASK_KEYWORDS, "block_mask")
+    _only(keywords, _VISIBILITY_KEYWORDS, "block_mask")
     device = torch.device(device)
     spec = _MaskSpec(batch, q_len, k_len, device, **keywords)
     return _create_block_mask(spec, device, block_size, compile)

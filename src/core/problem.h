@@ -1,4 +1,4 @@
-// src/attention/problem.h - an attention call as the implementation sees it: the validated
+// src/core/problem.h - an attention call as the implementation sees it: the validated
 // shapes (Dims), inputs, positions and options (Problem), the mask rule, and the argument checks
 // and table helpers that the reference (reference.cc), the fused glue (fused.cc) and the schemes'
 // terms (src/schemes/*_term.h) share.
@@ -14,8 +14,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "attention/mask.h"
 #include "common.h"
+#include "core/mask.h"
 #include "posenc/attention.h"
 #include "posenc/size.h"
 

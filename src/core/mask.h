@@ -1,4 +1,4 @@
-// src/attention/mask.h - which keys a query sees: the causal mask, the sliding window and chunked
+// src/core/mask.h - which keys a query sees: the causal mask, the sliding window and chunked
 // local attention, in one place for the float64 reference, the API's checks and tables and both
 // fused kernels (whose per-lane form is kernels/mask-inl.h). Attention sinks are not a mask: they
 // join the softmax denominator (docs/attention.md, Masks).
