@@ -165,3 +165,15 @@ def test_rope_module_with_scaling_uses_the_sequence_length():
     assert (m(q, q, q, causal=True) - want).abs().max() == 0
     short = pt._posenc.rope_frequencies(16)
     assert not np.array_equal(f.inv_freq, short.inv_freq)  # the scaling is in force at 20 > 8
+
+
+def test_every_registry_scheme_has_a_module_or_a_clear_error(monkeypatch):
+    """posenc.torch imports whatever schemes the registry lists; PositionalAttention builds each
+    scheme's module, and for a scheme without one it names the function that computes it."""
+    assert list(pt._SCHEMES) == list(posenc.SCHEMES)
+    for name in posenc.SCHEMES:
+        layer = pt.PositionalAttention(name, heads=4, head_dim=16)
+        assert isinstance(layer.positions, pt._SCHEMES[name])
+    monkeypatch.setitem(pt._SCHEMES, "t5", None)  # as a scheme added without a torch module
+    with pytest.raises(ValueError, match=r"posenc.torch.attention\(q, k, v, 't5', params="):
+        pt.PositionalAttention("t5", heads=4, head_dim=16)

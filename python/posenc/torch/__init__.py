@@ -390,6 +390,10 @@ class _Scheme(nn.Module):
 class NoPositions(_Scheme):
     """Attention without positional information."""
 
+    @classmethod
+    def _for_attention(cls, cfg, heads, head_dim, options):
+        return cls(**options)
+
 
 class Rope(_Scheme):
     """RoPE: rotates q and k inside attention (scheme 'rope'), or tensors with rotate().
@@ -433,6 +437,10 @@ class Rope(_Scheme):
         return rope(x, positions=positions, inverse=inverse,
                     _base_options=self.__dict__["_rotate_options"])
 
+    @classmethod
+    def _for_attention(cls, cfg, heads, head_dim, options):
+        return cls.from_config(cfg, **options) if cfg is not None else cls(head_dim, **options)
+
 
 class Alibi(_Scheme):
     """ALiBi: linear biases with slopes for `heads` heads (docs/alibi.md), or the model's slopes.
@@ -459,6 +467,10 @@ class Alibi(_Scheme):
     def from_config(cls, config, **kwargs):
         return cls(0, config=config, **kwargs)
 
+    @classmethod
+    def _for_attention(cls, cfg, heads, head_dim, options):
+        return cls.from_config(cfg, **options) if cfg is not None else cls(heads, **options)
+
 
 class T5RelativeBias(_Scheme):
     """T5's bucketed relative bias: table relative_attention_bias [num_buckets, heads] (docs/t5.md).
@@ -484,6 +496,10 @@ class T5RelativeBias(_Scheme):
         cfg = _config(config)
         return cls(cfg.heads_q, cfg.t5["num_buckets"], cfg.t5["max_distance"], **kwargs)
 
+    @classmethod
+    def _for_attention(cls, cfg, heads, head_dim, options):
+        return cls.from_config(cfg, **options) if cfg is not None else cls(heads, **options)
+
 
 class ShawRelative(_Scheme):
     """Shaw et al.'s clipped relative representations: rel_k, rel_v [2K+1, head_dim] shared by
@@ -498,6 +514,13 @@ class ShawRelative(_Scheme):
         shape = (2 * max_relative_position + 1,) + ((heads,) if heads else ()) + (head_dim,)
         self.rel_k = nn.Parameter(torch.randn(*shape) * init_std)
         self.rel_v = nn.Parameter(torch.randn(*shape) * init_std) if value else None
+
+    @classmethod
+    def _for_attention(cls, cfg, heads, head_dim, options):
+        opts = dict(options)
+        k = opts.pop("max_relative_position", 16)
+        shared = opts.pop("shared", True)  # default: tables shared by the heads
+        return cls(head_dim, k, None if shared else heads, **opts)
 
 
 class XLRelative(_Scheme):
@@ -514,6 +537,12 @@ class XLRelative(_Scheme):
         self.r_r_bias = nn.Parameter(torch.randn(heads, head_dim) * init_std)
         self.r_net = nn.Parameter(torch.randn(heads * head_dim, d_model) / math.sqrt(d_model))
         self._settings = {"base": base}
+
+    @classmethod
+    def _for_attention(cls, cfg, heads, head_dim, options):
+        opts = dict(options)
+        d_model = opts.pop("d_model", heads * head_dim)
+        return cls(heads, head_dim, d_model, **opts)
 
 
 class DebertaRelative(_Scheme):
@@ -544,6 +573,11 @@ class DebertaRelative(_Scheme):
     def from_config(cls, config, **kwargs):
         cfg = _config(config)
         return cls(cfg.heads_q, cfg.head_dim, config=cfg, **kwargs)
+
+    @classmethod
+    def _for_attention(cls, cfg, heads, head_dim, options):
+        return (cls.from_config(cfg, **options) if cfg is not None
+                else cls(heads, head_dim, **options))
 
 
 class LearnedPositions(nn.Module):
@@ -594,11 +628,9 @@ class SinusoidalPositions(nn.Module):
 
 _MODULES = {"none": NoPositions, "rope": Rope, "alibi": Alibi, "t5": T5RelativeBias,
             "shaw": ShawRelative, "xl": XLRelative, "deberta": DebertaRelative}
-# One module per scheme of the registry (posenc.schemes()), in its order.
-_missing = [s["name"] for s in _posenc.schemes() if s["name"] not in _MODULES]
-if _missing:
-    raise ImportError(f"posenc.torch: no module for scheme(s) {', '.join(_missing)}")
-_SCHEMES = {s["name"]: _MODULES[s["name"]] for s in _posenc.schemes()}
+# The module of each scheme of the registry (posenc.schemes()), in its order; None for a scheme
+# without one (posenc.torch.attention computes it with the tables given as params=).
+_SCHEMES = {s["name"]: _MODULES.get(s["name"]) for s in _posenc.schemes()}
 
 
 class PositionalAttention(nn.Module):
@@ -637,29 +669,12 @@ class PositionalAttention(nn.Module):
         self.causal, self.layout = causal, layout
         self.chunk = chunk
         self.sinks = nn.Parameter(torch.zeros(heads)) if sinks else None
-        if scheme == "none":
-            self.positions = NoPositions()
-        elif scheme == "rope":
-            self.positions = (Rope.from_config(cfg, **options) if cfg is not None
-                              else Rope(head_dim, **options))
-        elif scheme == "alibi":
-            self.positions = (Alibi.from_config(cfg, **options) if cfg is not None
-                              else Alibi(heads, **options))
-        elif scheme == "t5":
-            self.positions = (T5RelativeBias.from_config(cfg, **options) if cfg is not None
-                              else T5RelativeBias(heads, **options))
-        elif scheme == "shaw":
-            opts = dict(options)
-            k = opts.pop("max_relative_position", 16)
-            shared = opts.pop("shared", True)
-            self.positions = ShawRelative(head_dim, k, None if shared else heads, **opts)
-        elif scheme == "xl":
-            opts = dict(options)
-            d_model = opts.pop("d_model", heads * head_dim)
-            self.positions = XLRelative(heads, head_dim, d_model, **opts)
-        else:
-            self.positions = (DebertaRelative.from_config(cfg, **options) if cfg is not None
-                              else DebertaRelative(heads, head_dim, **options))
+        module = _SCHEMES[scheme]
+        if module is None:
+            raise ValueError(f"scheme: '{scheme}' has no posenc.torch module; call "
+                             f"posenc.torch.attention(q, k, v, '{scheme}', params=...) with its "
+                             "tables")
+        self.positions = module._for_attention(cfg, heads, head_dim, options)
 
     def forward(self, q, k, v, *, causal=None, **kwargs):
         """Attention output in the module's layout. kwargs: scale, window, query_positions,

@@ -39,17 +39,10 @@ __all__ = ["attention", "score_mod", "mask_mod", "block_mask", "apply_sinks",
 SCHEMES = ("none", "rope", "alibi", "t5", "shaw", "deberta")
 
 _POSITION_LIMIT = 2 ** 48
-_SETTINGS = {
-    "none": (),
-    "rope": ("base", "rotary_dim", "style", "angles", "seq_len", "freqs", "scaling"),
-    "alibi": ("max_bias",),
-    "t5": ("num_buckets", "max_distance", "bidirectional"),
-    "shaw": (),
-    "deberta": ("position_buckets", "max_relative_positions", "deberta_p2c",
-                "deberta_float64_log"),
-}
-_TABLES = {"none": (), "rope": (), "alibi": ("slopes",), "t5": ("relative_attention_bias",),
-           "shaw": ("rel_k", "rel_v"), "deberta": ("pos_key", "pos_query")}
+# Each scheme's settings (keywords) and parameter tables, as the registry declares them.
+_REGISTRY = {s["name"]: s for s in _posenc.schemes() if s["name"] in SCHEMES}
+_SETTINGS = {n: tuple(x["keyword"] for x in s["settings"]) for n, s in _REGISTRY.items()}
+_TABLES = {n: tuple(p["name"] for p in s["params"]) for n, s in _REGISTRY.items()}
 _COMMON = _VISIBILITY_KEYWORDS + ("scale", "softcap", "allow_fully_masked",
                                   "num_threads") + _PACKED_KEYWORDS
 
