@@ -62,25 +62,27 @@ def main(root: pathlib.Path) -> int:
 
     used = set()
     problems = []
-    kernels = sorted((root / "src" / "kernels").glob("*"))
+    # Every file under src/kernels/, terms/ included, named by its path below it.
+    kernels = sorted((root / "src" / "kernels").rglob("*"))
     if not kernels:
         print("src/kernels/: no files")
         return 1
     for path in kernels:
         if path.suffix not in (".cc", ".h"):
             continue
+        name = path.relative_to(root / "src" / "kernels").as_posix()
         text = path.read_text(encoding="utf-8")
         # Comments name operations too (to say why one is avoided): only code counts.
         code = re.sub(r"//[^\n]*", "", text)
         for lineno, line in enumerate(code.splitlines(), 1):
             for op in HWY_OP.findall(line):
                 if op in BLOCK_LOCAL:
-                    problems.append(f"src/kernels/{path.name}:{lineno}: hn::{op} is block-local "
+                    problems.append(f"src/kernels/{name}:{lineno}: hn::{op} is block-local "
                                     "(its lane order depends on the vector width)")
                 elif op in LISTED:
-                    used.add((path.name, op))
+                    used.add((name, op))
             for op in INTRINSIC.findall(line):
-                used.add((path.name, op))
+                used.add((name, op))
     for name, op in sorted(used - listed):
         problems.append(f"src/kernels/{name}: {op} is used but not listed in docs/architecture.md "
                         "(Lane order at every vector width)")

@@ -1,5 +1,5 @@
 // src/kernels/fetch_queue.h - rows to bring into L2 a few cache lines at a time while a fused
-// attention work item computes (attention_hwy.cc, RunSegments): fetched in one burst they stalled
+// attention work item computes (schedule-inl.h, RunSegments): fetched in one burst they stalled
 // the thread as long as reading them would have, so the score and P.V micro-kernels
 // (attention-inl.h) issue a few lines between their register blocks instead.
 #pragma once
