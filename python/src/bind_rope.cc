@@ -24,7 +24,7 @@ RopeScaling scaling_arg(const pb::handle& obj) {
   for (auto [k, v] : pb::reinterpret_borrow<pb::dict>(obj)) {
     const std::string key = pb::str(k);
     if (key == "rope_type" || key == "type") {
-      const std::string t = pb::str(v);
+      const std::string t = arg_str(v, "scaling['" + key + "']");
       if (t == "default") {
         s.type = RopeScalingType::kDefault;
       } else if (t == "linear") {
@@ -44,33 +44,35 @@ RopeScaling scaling_arg(const pb::handle& obj) {
                          "' (default, linear, dynamic, yarn, llama3, longrope, proportional)");
       }
     } else if (key == "factor") {
-      s.factor = v.cast<double>();
+      s.factor = arg_float(v, "scaling['factor']");
     } else if (key == "original_max_position_embeddings") {
-      s.original_max_position_embeddings = v.cast<int64_t>();
+      s.original_max_position_embeddings =
+          arg_int(v, "scaling['original_max_position_embeddings']", 0, kMaxPositionArg);
     } else if (key == "max_position_embeddings") {
-      s.max_position_embeddings = v.cast<int64_t>();
+      s.max_position_embeddings =
+          arg_int(v, "scaling['max_position_embeddings']", 0, kMaxPositionArg);
     } else if (key == "low_freq_factor") {
-      s.low_freq_factor = v.cast<double>();
+      s.low_freq_factor = arg_float(v, "scaling['low_freq_factor']");
     } else if (key == "high_freq_factor") {
-      s.high_freq_factor = v.cast<double>();
+      s.high_freq_factor = arg_float(v, "scaling['high_freq_factor']");
     } else if (key == "beta_fast") {
-      s.beta_fast = v.cast<double>();
+      s.beta_fast = arg_float(v, "scaling['beta_fast']");
     } else if (key == "beta_slow") {
-      s.beta_slow = v.cast<double>();
+      s.beta_slow = arg_float(v, "scaling['beta_slow']");
     } else if (key == "truncate") {
-      s.truncate = v.cast<bool>();
+      s.truncate = arg_bool(v, "scaling['truncate']");
     } else if (key == "mscale") {
-      s.mscale = v.cast<double>();
+      s.mscale = arg_float(v, "scaling['mscale']");
     } else if (key == "mscale_all_dim") {
-      s.mscale_all_dim = v.cast<double>();
+      s.mscale_all_dim = arg_float(v, "scaling['mscale_all_dim']");
     } else if (key == "attention_factor") {
-      s.attention_factor = v.cast<double>();
+      s.attention_factor = arg_float(v, "scaling['attention_factor']");
     } else if (key == "short_factor") {
       s.short_factor = v.cast<std::vector<double>>();
     } else if (key == "long_factor") {
       s.long_factor = v.cast<std::vector<double>>();
     } else if (key == "partial_rotary_factor") {
-      s.partial_rotary_factor = v.cast<double>();
+      s.partial_rotary_factor = arg_float(v, "scaling['partial_rotary_factor']");
     } else {
       throw ValueError("scaling: unknown key '" + key + "'");
     }

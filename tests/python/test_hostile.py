@@ -470,3 +470,29 @@ def test_query_longer_than_keys_names_the_positions():
     x = np.ones((1, 4, 1, 8), np.float32)
     with pytest.raises(ValueError, match="query_positions and key_positions"):
         posenc.attention(x, x[:, :3], x[:, :3])
+
+
+@pytest.mark.parametrize("scaling,match", [
+    ({"rope_type": "proportional", "partial_rotary_factor": "0.25"}, r"scaling\['partial_rotary_factor'\]"),
+    ({"rope_type": "proportional", "partial_rotary_factor": float("nan")}, r"scaling\['partial_rotary_factor'\]"),
+    ({"rope_type": "linear", "factor": [2.0]}, r"scaling\['factor'\]"),
+    ({"rope_type": 3}, r"scaling\['rope_type'\]"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2.5},
+     r"scaling\['original_max_position_embeddings'\]"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+      "truncate": "no"}, r"scaling\['truncate'\]"),
+])
+def test_rope_scaling_dict_values_are_checked_by_name(scaling, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        posenc.rope_frequencies(64, scaling=scaling)
+
+
+def test_proportional_scaling_dict():
+    f = posenc.rope_frequencies(64, base=1e6, scaling={"rope_type": "proportional",
+                                                       "partial_rotary_factor": 0.25})
+    inv = np.asarray(f.inv_freq)
+    assert np.count_nonzero(inv) == 8 and np.all(inv[8:] == 0)
+    np.testing.assert_allclose(inv[:8], 1e6 ** (-2.0 * np.arange(8) / 64), rtol=1e-15)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        posenc.rope_frequencies(64, scaling={"rope_type": "proportional",
+                                             "partial_rotary_factor": 1.5})
