@@ -115,8 +115,6 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
   AttentionArgs& a = in.args;
   std::optional<ModelConfig>& model = in.model;
   if (!a.config.empty()) {
-    reject_with_config(app, {"--base", "--rotary-dim", "--style", "--max-bias", "--num-buckets",
-                             "--max-distance", "--position-buckets", "--max-relative-positions"});
     model = read_model_config(a.config);
     const std::string s = model_attention_scheme(*model, a.config);
     if (!a.scheme.empty() && a.scheme != s) {
@@ -126,6 +124,37 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
     a.scheme = s;
   } else if (a.scheme.empty()) {
     throw UsageError("--scheme is required (or --config config.json)");
+  }
+  // The settings given as flags, each checked by the registry's type and range: a flag of another
+  // scheme, or one the model config fixes, is a usage error.
+  SchemeSettings s;
+  s.scheme = a.scheme;
+  std::optional<int64_t> given_seq_len;
+  for (const SchemeSettingUse& use : scheme_settings()) {
+    const SchemeSettingInfo& info = use.setting;
+    if (info.flag.empty()) continue;
+    s.setting_names[info.keyword] = info.flag;
+    if (app.count(info.flag) == 0) continue;
+    const SchemeSettingInfo* own = scheme_setting(a.scheme, info.keyword);
+    if (own == nullptr) {
+      std::string schemes;
+      for (const std::string& n : use.schemes) schemes += (schemes.empty() ? "" : ", ") + n;
+      throw UsageError(info.flag + " does not apply to --scheme " + a.scheme + " (it is for " +
+                       schemes + ")");
+    }
+    if (model && own->model_sets) throw UsageError(info.flag + " conflicts with --config");
+    const std::string& text = a.settings.at(info.keyword);
+    SettingValue value;
+    try {
+      value = parse_setting(*own, text, info.flag);
+    } catch (const ValueError& e) {
+      throw UsageError(e.what());
+    }
+    if (own->store == nullptr) {
+      given_seq_len = std::get<int64_t>(value);  // seq_len: a dimension of the call
+    } else {
+      own->store(s, value);
+    }
   }
   if (a.layer && !model) throw UsageError("--layer needs --config");
   if (model && !a.layer && model->layers_differ()) {
@@ -183,46 +212,17 @@ void read_attention_inputs(const CLI::App& app, const AttentionArgs& args, Atten
     pos_q = in.packed->query_positions;
     pos_k = in.packed->key_positions;
   }
-  // Sequence length for length-dependent RoPE frequencies: the largest position + 1.
-  const int64_t seq_len = a.seq_len.value_or(
-      attention_seq_len(batch, seq_q, seq_k, pos_q ? &*pos_q : nullptr, pos_k ? &*pos_k : nullptr));
-  require_at_least("--seq-len", seq_len, 0);
-
-  // The flags as scheme settings: without --config all of them (the CLI's defaults are the
-  // library's); with it only those the config does not determine (reject_with_config above).
-  SchemeSettings s;
-  s.scheme = a.scheme;
-  s.angles = parse_rope_angles(a.angles, "--angles");
-  if (!model) {
-    s.base = a.base;
-    s.rotary_dim = a.rotary_dim;
-    s.style = parse_rope_style(a.style, "--style");
-    s.max_bias = a.max_bias;
-    s.max_distance = a.max_distance;
-    s.position_buckets = a.position_buckets;
-    s.max_relative_positions = a.max_relative_positions;
-  } else if (a.scheme == "xl") {
-    s.base = a.base;
-  }
-  if (app.count("--deberta-p2c") > 0) {
-    s.deberta_p2c = parse_deberta_p2c(a.deberta_p2c, "--deberta-p2c");
-  }
-  if (a.deberta_float64_log) s.deberta_float64_log = true;
   s.layer = a.layer;
   s.params_name = a.params.empty() ? "--params" : a.params;
   s.config_name = a.config;
   s.q_name = a.q;
   s.k_name = a.k;
 
+  // Sequence length for length-dependent RoPE frequencies: the largest position + 1.
+  const int64_t seq_len = given_seq_len.value_or(
+      attention_seq_len(batch, seq_q, seq_k, pos_q ? &*pos_q : nullptr, pos_k ? &*pos_k : nullptr));
+
   ParamMap params = load_params(a, in.holder);
-  if (a.scheme == "t5" && a.num_buckets) {
-    const auto it = params.find("relative_attention_bias");
-    if (it != params.end() && *a.num_buckets != it->second.shape[0]) {
-      throw UsageError("--num-buckets " + std::to_string(*a.num_buckets) + " does not match " +
-                       a.params + ": relative_attention_bias with " +
-                       std::to_string(it->second.shape[0]) + " buckets");
-    }
-  }
   in.holder.built =
       build_scheme(s, params, model ? &*model : nullptr,
                    SchemeDims{.heads_q = q.shape[2],
@@ -264,6 +264,34 @@ std::string params_help() {
 }
 }  // namespace
 
+namespace {
+// The schemes' settings as flags, from the registry: "rope: theta (rope_theta); default 10000;
+// > 0. xl: sinusoid base; ...". A flag serving several schemes (--base) is registered once.
+void add_setting_flags(CLI::App* app, AttentionArgs& a) {
+  for (const SchemeSettingUse& use : scheme_settings()) {
+    const SchemeSettingInfo& info = use.setting;
+    if (info.flag.empty()) continue;
+    std::string help;
+    for (const std::string& name : use.schemes) {
+      const SchemeSettingInfo& own = *scheme_setting(name, info.keyword);
+      const std::string range = setting_range_text(own);
+      help += (help.empty() ? "" : ". ") + name + ": " + own.help + " (default " +
+              own.default_value + (range.empty() ? "" : "; " + range) + ")";
+    }
+    std::string& text = a.settings[info.keyword];
+    if (info.type == SettingType::kBool) {
+      app->add_flag_callback(
+          info.flag, [&text] { text = "true"; }, help);
+    } else {
+      app->add_option(info.flag, text, help)
+          ->type_name(info.type == SettingType::kInt     ? "INT"
+                      : info.type == SettingType::kFloat ? "FLOAT"
+                                                         : "TEXT");
+    }
+  }
+}
+}  // namespace
+
 void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHelp& help) {
   app->add_option("--q", a.q, "Queries .npy [batch, seq_q, heads_q, head_dim]")->required();
   app->add_option("--k", a.k, "Keys .npy [batch, seq_k, heads_kv, head_dim]")->required();
@@ -284,35 +312,7 @@ void add_attention_flags(CLI::App* app, AttentionArgs& a, const AttentionFlagHel
   app->add_flag("--causal", a.causal, "Key j visible iff pos_k(j) <= pos_q(i)");
   app->add_option("--scale", a.scale, "Score scale (default 1/sqrt(D); DeBERTa 1/sqrt(3D))");
   app->add_option("--params", a.params, params_help());
-  app->add_option("--base", a.base, "rope: theta; xl: sinusoid base")->capture_default_str();
-  app->add_option("--rotary-dim", a.rotary_dim, "rope: rotary dim R (default head_dim)");
-  app->add_option("--style", a.style, "rope: half or interleaved")
-      ->check(CLI::IsMember({"half", "interleaved"}))
-      ->capture_default_str();
-  app->add_option("--angles", a.angles, "rope: accurate or float32 angles (docs/precision.md)")
-      ->check(CLI::IsMember({"accurate", "float32"}))
-      ->capture_default_str();
-  app->add_option("--seq-len", a.seq_len,
-                  "rope: sequence length for length-dependent scaling (default: max position + "
-                  "1)");
-  app->add_option("--max-bias", a.max_bias, "alibi: maximum bias B when slopes are computed")
-      ->capture_default_str();
-  app->add_option("--num-buckets", a.num_buckets,
-                  "t5: number of buckets (must equal the table's rows; default: the table's)");
-  app->add_option("--max-distance", a.max_distance, "t5: max distance")->capture_default_str();
-  app->add_option("--position-buckets", a.position_buckets,
-                  "deberta: position_buckets (0 = no log bucketing)")
-      ->capture_default_str();
-  app->add_option("--max-relative-positions", a.max_relative_positions,
-                  "deberta: max_relative_positions")
-      ->capture_default_str();
-  app->add_option("--deberta-p2c", a.deberta_p2c,
-                  "deberta: p2c index: model (clamp(rho + K), what trained checkpoints compute; "
-                  "default) or paper (clamp(-rho + K), the paper's delta(j, i))")
-      ->check(CLI::IsMember({"model", "paper"}))
-      ->capture_default_str();
-  app->add_flag("--deberta-float64-log", a.deberta_float64_log,
-                "deberta: log bucketing in float64 (the authors' code) instead of float32 (HF)");
+  add_setting_flags(app, a);
   app->add_option("--positions-q", a.positions_q,
                   "int64 query positions [Lq] or [B, Lq] (.npy); default Lk - Lq + i");
   app->add_option("--positions-k", a.positions_k,

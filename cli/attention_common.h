@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -32,22 +33,9 @@ struct AttentionArgs {
   bool causal = false;
   std::optional<double> scale;
   std::string params;
-  // rope (base also serves xl)
-  double base = 1e4;
-  int64_t rotary_dim = 0;
-  std::string style = "half";
-  std::string angles = "accurate";
-  std::optional<int64_t> seq_len;
-  // alibi
-  double max_bias = 8.0;
-  // t5
-  std::optional<int64_t> num_buckets;
-  int64_t max_distance = 128;
-  // deberta
-  int64_t position_buckets = 0;
-  int64_t max_relative_positions = 512;
-  std::string deberta_p2c = "model";  // model or paper
-  bool deberta_float64_log = false;
+  // The schemes' settings given as flags (the registry's, posenc/schemes.h), by keyword: their
+  // text ("true" for a flag without a value). A map: its values stay in place for CLI11.
+  std::map<std::string, std::string> settings;
   // positions and options
   std::string positions_q, positions_k;
   std::optional<int64_t> window;

@@ -216,7 +216,8 @@ void Builder::build() {
   }
   b_.out.name = name;
   const ModelLayer* layer = resolve_layer();
-  build_term(static_cast<std::size_t>(scheme_info(name).kind), b_, layer);
+  // The registry's rows are in PositionScheme's order: a row's place is its alternative's index.
+  build_term(static_cast<std::size_t>(&scheme_info(name) - attention_schemes().data()), b_, layer);
   build_sinks(layer);
 }
 

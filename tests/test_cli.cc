@@ -644,6 +644,49 @@ TEST_F(CliAttentionTest, ReferenceMatchesFloatPath) {
   }
 }
 
+TEST_F(CliAttentionTest, SettingFlagsAreCheckedByTheirDeclaredTypeAndRange) {
+  // Every flag of the registry's settings, from its declaration alone: a value of the wrong
+  // kind or outside its range or choices, and a flag of another scheme, exit 2 naming the flag.
+  int checked = 0;
+  for (const SchemeSettingUse& use : scheme_settings()) {
+    const SchemeSettingInfo& info = use.setting;
+    if (info.flag.empty()) continue;
+    const std::string scheme = use.schemes.front();
+    std::vector<std::string> bad;
+    if (info.type == SettingType::kInt) {
+      bad = {"2.5", "x", ""};
+      if (info.min) bad.push_back(std::to_string(static_cast<int64_t>(*info.min) - 1));
+      if (info.max) bad.push_back(std::to_string(static_cast<int64_t>(*info.max) + 1));
+    } else if (info.type == SettingType::kFloat) {
+      bad = {"x", "nan", "inf", ""};
+      if (info.min) bad.push_back(info.min_exclusive ? "0" : "-1e300");
+    } else if (info.type == SettingType::kChoice) {
+      bad = {"nope", ""};
+    }
+    for (const std::string& v : bad) {
+      expect_error("attention", qkv() + " --scheme " + scheme + " " + info.flag + " " + quote(v),
+                   info.flag);
+      ++checked;
+    }
+    // A scheme the setting does not apply to.
+    for (const SchemeInfo& other : attention_schemes()) {
+      if (std::find(use.schemes.begin(), use.schemes.end(), other.name) != use.schemes.end() ||
+          !other.params.empty()) {
+        continue;
+      }
+      const std::string value =
+          info.type == SettingType::kBool
+              ? ""
+              : " " + (info.type == SettingType::kChoice ? info.choices.front() : std::string("1"));
+      expect_error("attention", qkv() + " --scheme " + other.name + " " + info.flag + value,
+                   info.flag + " does not apply to --scheme " + other.name);
+      ++checked;
+      break;
+    }
+  }
+  EXPECT_GE(checked, 30);
+}
+
 TEST_F(CliAttentionTest, Errors) {
   // kv heads must divide q heads.
   const std::string k3 = write_f32("k3.npy", {kB, kLk, 3, kD}, random_floats(kB * kLk * 3 * kD, 1));

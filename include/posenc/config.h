@@ -92,6 +92,10 @@ struct ModelConfig {
   // key out: {key, value} in the order read ("head_dim", "256"). default_source names the class.
   std::vector<std::pair<std::string, std::string>> defaults;
   std::string default_source;  // e.g. "GemmaConfig"
+  // The config.json text it was parsed from and the name of its source (a path, or "config"):
+  // parse_model_config(json, source) reads the same config again (in another process too).
+  std::string json;
+  std::string source;
 
   // Tokens the encoding was trained or scaled for: for scaled RoPE the larger of
   // original_max_position_embeddings x factor (original: max_position_embeddings when the config

@@ -82,11 +82,18 @@ struct SchemeSettings {
   std::optional<int64_t> layer;
 
   // How messages name the parameter source, the config and the query / key tensors (the CLI
-  // passes file names).
+  // passes file names), and the settings (by keyword; the CLI passes its flags: "--num-buckets").
   std::string params_name = "params";
   std::string config_name = "config";
   std::string q_name = "q";
   std::string k_name = "k";
+  std::map<std::string, std::string> setting_names;
+
+  // How messages name the setting `keyword`.
+  std::string name_of(const std::string& keyword) const {
+    const auto it = setting_names.find(keyword);
+    return it == setting_names.end() ? keyword : it->second;
+  }
 };
 
 // What the inputs say: heads, head_dim and the sequence length that length-dependent RoPE

@@ -11,13 +11,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 namespace posenc {
 
-// PositionScheme's alternatives, by index.
-enum class SchemeKind { kNone = 0, kRope, kAlibi, kT5, kShaw, kXl, kDeberta };
+struct SchemeSettings;  // posenc/scheme.h
 
 // A parameter tensor the scheme reads (`--params` file, Python `params=`, `AttentionTables`).
 struct SchemeParamInfo {
@@ -26,17 +27,40 @@ struct SchemeParamInfo {
   bool required = true;
   bool learned = true;  // trained with the model: attention_grad returns "d" + name
   std::string help;
+  // The axis of the layout that is the heads ([num_buckets, heads]: 1; -1: shared by the heads):
+  // what splits the table when heads are split across processes.
+  int head_axis = -1;
 };
 
-// A setting of the scheme: the Python keyword (SchemeSettings' field) and the CLI flag.
+// The kind of value a setting takes: the CLI flag's and the Python keyword's type.
+//   kFloat, kInt: a number in [min, max] (min_exclusive: > min); kBool: True / False, a CLI flag
+//   without a value; kChoice: one of `choices`; kRopeFrequencies: a posenc.RopeFrequencies
+//   (Python only); kRopeScaling: a Hugging Face rope_scaling dict (Python only).
+enum class SettingType { kFloat, kInt, kBool, kChoice, kRopeFrequencies, kRopeScaling };
+
+// A checked value of a float, int, bool or choice setting.
+using SettingValue = std::variant<double, int64_t, bool, std::string>;
+
+// A setting of the scheme: its Python keyword, CLI flag, type, range, default and doc line, and
+// where it goes in SchemeSettings. Every front end reads these: the CLI's flags, the Python
+// keywords and their checks, posenc.schemes(), the torch ops' arguments.
 struct SchemeSettingInfo {
   std::string keyword;  // e.g. "max_distance"
   std::string flag;     // e.g. "--max-distance"; empty: not a flag of `posenc attention`
-  std::string help;     // without the scheme's name
+  SettingType type = SettingType::kFloat;
+  std::optional<double> min, max;  // kFloat, kInt: the range (inclusive unless min_exclusive)
+  bool min_exclusive = false;
+  std::vector<std::string> choices;  // kChoice
+  std::string default_value;         // in words: "10000", "head_dim", "not causal"
+  std::string help;                  // without the scheme's name, default or range
+  // A model config fixes it: giving it beside one is a conflict.
+  bool model_sets = false;
+  // Stores a checked value (kFloat, kInt, kBool, kChoice) in SchemeSettings; nullptr: the front
+  // ends read it themselves (seq_len, a dimension of the call) or convert it (the object types).
+  void (*store)(SchemeSettings&, const SettingValue&) = nullptr;
 };
 
 struct SchemeInfo {
-  SchemeKind kind = SchemeKind::kNone;
   std::string name;     // "t5": what --scheme, scheme= and messages say
   std::string title;    // "T5 relative bias"
   std::string summary;  // one line: what the scheme adds to attention
@@ -50,12 +74,13 @@ struct SchemeInfo {
   bool bias_map = false;  // an additive [Lq, Lk] bias or bucket map that figures can draw
 };
 
-// Every attention scheme, in PositionScheme order.
+// Every attention scheme, in PositionScheme order (attention_schemes()[s.index()] describes s).
 const std::vector<SchemeInfo>& attention_schemes();
 
 // The scheme called `name`; ValueError naming the known ones otherwise.
 const SchemeInfo& scheme_info(const std::string& name);
-const SchemeInfo& scheme_info(SchemeKind kind);
+// The scheme of PositionScheme's alternative `index`.
+const SchemeInfo& scheme_info(std::size_t index);
 
 // {"none", "rope", ...} in registry order.
 std::vector<std::string> scheme_names();
@@ -72,5 +97,28 @@ struct SchemeSettingUse {
   std::vector<std::string> schemes;
 };
 std::vector<SchemeSettingUse> scheme_settings();
+
+// The setting `keyword` of scheme `scheme`; nullptr when the scheme has none of that name.
+const SchemeSettingInfo* scheme_setting(const std::string& scheme, const std::string& keyword);
+
+// "float", "int", "bool", "choice", "rope_frequencies", "rope_scaling".
+const char* setting_type_name(SettingType t);
+
+// The setting's range and choices in words: "> 0", "in [1, 2^48]", "half or interleaved".
+std::string setting_range_text(const SchemeSettingInfo& s);
+
+// `value` checked against the setting's type, range and choices (ValueError naming `name`, e.g.
+// "max_distance" or "--max-distance", and what is allowed); ints are refused for kFloat never
+// (widened), kInt takes no double.
+SettingValue check_setting(const SchemeSettingInfo& s, SettingValue value, const std::string& name);
+
+// A CLI flag's text parsed by the setting's type (a whole int, a finite number, a choice) and
+// checked (ValueError naming `name`).
+SettingValue parse_setting(const SchemeSettingInfo& s, const std::string& text,
+                           const std::string& name);
+
+// check_setting, then the value stored in `settings` (s.store; ValueError when it has none).
+void set_scheme_setting(SchemeSettings& settings, const SchemeSettingInfo& s, SettingValue value,
+                        const std::string& name);
 
 }  // namespace posenc

@@ -41,6 +41,58 @@ std::string join_names(const std::vector<std::string>& names) {
   return s;
 }
 
+// A checked value into the settings; one the front end reads itself (seq_len) is only checked.
+void store_setting(SchemeSettings& settings, const SchemeSettingInfo& info, SettingValue value,
+                   const std::string& name) {
+  if (info.store == nullptr) {
+    check_setting(info, std::move(value), name);
+  } else {
+    set_scheme_setting(settings, info, std::move(value), name);
+  }
+}
+
+bool is_setting_keyword(const std::string& name) {
+  for (const SchemeSettingUse& k : scheme_keywords()) {
+    if (k.setting.keyword == name) return true;
+  }
+  return false;
+}
+
+// The keyword `name` of scheme `scheme` converted by the registry's type (args.h's rules: a
+// value of the wrong kind is a TypeError naming it) and checked by its range (ValueError) into
+// `settings`. A keyword of another scheme is a TypeError naming the schemes it is for.
+void set_setting(const std::string& fn, SchemeSettings& settings, const std::string& scheme,
+                 const std::string& name, const pb::handle& value) {
+  const SchemeSettingInfo* info = scheme_setting(scheme, name);
+  if (info == nullptr) {
+    for (const SchemeSettingUse& k : scheme_keywords()) {
+      if (k.setting.keyword != name) continue;
+      throw pb::type_error(fn + "(): keyword '" + name + "' does not apply to scheme '" + scheme +
+                           "' (it is for " + join_names(k.schemes) + ")");
+    }
+    unexpected_keyword(fn, name);
+  }
+  switch (info->type) {
+    case SettingType::kRopeFrequencies:
+      if (!pb::isinstance<RopeFrequencies>(value)) {
+        throw pb::type_error(name + ": expected a posenc.RopeFrequencies, got " + type_name(value));
+      }
+      settings.freqs = value.cast<RopeFrequencies>();
+      return;
+    case SettingType::kRopeScaling:
+      settings.scaling = scaling_arg(value);
+      return;
+    case SettingType::kFloat:
+      return store_setting(settings, *info, arg_float(value, name, /*finite=*/false), name);
+    case SettingType::kInt:
+      return store_setting(settings, *info, arg_int(value, name), name);
+    case SettingType::kBool:
+      return store_setting(settings, *info, arg_bool(value, name), name);
+    case SettingType::kChoice:
+      return store_setting(settings, *info, arg_str(value, name), name);
+  }
+}
+
 void add_param(Call& c, const std::string& name, const pb::handle& value) {
   pb::array a;
   if (pb::isinstance<pb::array>(value)) a = pb::reinterpret_borrow<pb::array>(value);
@@ -177,6 +229,7 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
   if (!scheme.is_none()) c.settings.scheme = arg_str(scheme, "scheme");
   pb::object params = pb::none();
   pb::object cu_q = pb::none(), cu_k = pb::none();
+  std::vector<std::pair<std::string, pb::object>> settings;  // the schemes' keywords
   for (auto [key, value] : kw) {
     const std::string name = key.cast<std::string>();
     if (extra.count(name)) {
@@ -237,56 +290,19 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
       c.model = model_config_arg(value);
       c.settings.config_name =
           pb::isinstance<pb::str>(value) ? value.cast<std::string>() : std::string("config");
-    } else if (name == "base") {
-      c.settings.base = arg_float(value, name, /*finite=*/true, /*positive=*/true);
-    } else if (name == "rotary_dim") {
-      c.settings.rotary_dim = arg_int(value, name, 0, int64_t{1} << 32);
-    } else if (name == "style") {
-      c.settings.style = parse_style(arg_str(value, name));
-    } else if (name == "angles") {
-      c.settings.angles = parse_angles(arg_str(value, name));
-    } else if (name == "seq_len") {
-      arg_int(value, name, 0, kMaxPositionArg);  // read below, once positions are known
-    } else if (name == "freqs") {
-      if (!pb::isinstance<RopeFrequencies>(value)) {
-        throw pb::type_error("freqs: expected a posenc.RopeFrequencies, got " + type_name(value));
-      }
-      c.settings.freqs = value.cast<RopeFrequencies>();
-    } else if (name == "scaling") {
-      c.settings.scaling = scaling_arg(value);
-    } else if (name == "max_bias") {
-      c.settings.max_bias = arg_float(value, name);
-    } else if (name == "num_buckets") {
-      c.settings.num_buckets = arg_int(value, name, 1, kMaxPositionArg);
-    } else if (name == "max_distance") {
-      c.settings.max_distance = arg_int(value, name, 1, kMaxPositionArg);
-    } else if (name == "bidirectional") {
-      c.settings.bidirectional = arg_bool(value, name);
-    } else if (name == "position_buckets") {
-      c.settings.position_buckets = arg_int(value, name, 0, kMaxPositionArg);
-    } else if (name == "max_relative_positions") {
-      c.settings.max_relative_positions = arg_int(value, name, 0, kMaxPositionArg);
-    } else if (name == "deberta_p2c") {
-      c.settings.deberta_p2c = parse_deberta_p2c(arg_str(value, name), "deberta_p2c");
-    } else if (name == "deberta_float64_log") {
-      c.settings.deberta_float64_log = arg_bool(value, name);
+    } else if (is_setting_keyword(name)) {
+      settings.emplace_back(name, pb::reinterpret_borrow<pb::object>(value));
     } else {
       unexpected_keyword(fn, name);
     }
   }
-  // Scheme-specific keywords must fit the scheme (a typo or a wrong scheme is an error).
+  // Scheme-specific keywords must fit the scheme (a typo or a wrong scheme is an error); their
+  // values are checked by the registry's type and range (set_setting).
   const std::string s = !c.settings.scheme.empty() ? c.settings.scheme
                         : c.model ? model_attention_scheme(*c.model, c.settings.config_name)
                                   : std::string("none");
   if (c.settings.scheme.empty() && !c.model) c.settings.scheme = "none";
-  for (const SchemeSettingUse& k : scheme_keywords()) {
-    const char* name = k.setting.keyword.c_str();
-    if (kw.contains(name) && !kw[name].is_none() && !applies(k, s)) {
-      throw pb::type_error(fn + "(): keyword '" + k.setting.keyword +
-                           "' does not apply to scheme '" + s + "' (it is for " +
-                           join_names(k.schemes) + ")");
-    }
-  }
+  for (const auto& [name, value] : settings) set_setting(fn, c.settings, s, name, value);
   parse_params(c, params);
   if (varlen) {
     if (cu_q.is_none() || cu_k.is_none()) {
@@ -500,11 +516,24 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
           for (const SchemeParamInfo& p : s.params) {
             params.append(pb::dict(pb::arg("name") = p.name, pb::arg("layout") = p.layout,
                                    pb::arg("required") = p.required, pb::arg("learned") = p.learned,
+                                   pb::arg("head_axis") = p.head_axis < 0
+                                                              ? pb::object(pb::none())
+                                                              : pb::object(pb::int_(p.head_axis)),
                                    pb::arg("help") = p.help));
           }
           for (const SchemeSettingInfo& t : s.settings) {
-            settings.append(pb::dict(pb::arg("keyword") = t.keyword, pb::arg("flag") = t.flag,
-                                     pb::arg("help") = t.help));
+            auto bound = [](const std::optional<double>& x, SettingType type) -> pb::object {
+              if (!x) return pb::none();
+              if (type == SettingType::kInt) return pb::int_(static_cast<int64_t>(*x));
+              return pb::float_(*x);
+            };
+            settings.append(pb::dict(
+                pb::arg("keyword") = t.keyword, pb::arg("flag") = t.flag,
+                pb::arg("type") = setting_type_name(t.type), pb::arg("min") = bound(t.min, t.type),
+                pb::arg("max") = bound(t.max, t.type), pb::arg("min_exclusive") = t.min_exclusive,
+                pb::arg("choices") = t.choices, pb::arg("default") = t.default_value,
+                pb::arg("range") = setting_range_text(t), pb::arg("model_sets") = t.model_sets,
+                pb::arg("help") = t.help));
           }
           out.append(pb::dict(pb::arg("name") = s.name, pb::arg("title") = s.title,
                               pb::arg("summary") = s.summary, pb::arg("models") = s.models,
@@ -516,8 +545,10 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
       },
       "schemes() -> list of dict\n\nThe attention schemes, in order (none, rope, alibi, t5, "
       "shaw, xl, deberta): name, title, summary, models, doc (its documentation page), params "
-      "(name, layout, required, learned, help), settings (keyword, flag, help), relative and "
-      "bias_map. posenc.SCHEMES holds the names.");
+      "(name, layout, required, learned, head_axis: the axis that indexes the heads, or None, "
+      "help), settings (keyword, flag, type: float, int, bool, choice, rope_frequencies or "
+      "rope_scaling, min, max, min_exclusive, choices, default, range in words, model_sets: a "
+      "model config fixes it, help), relative and bias_map. posenc.SCHEMES holds the names.");
   const std::set<std::string> fwd_extra = {"out", "return_lse"};
   const std::set<std::string> grad_extra = {"out", "lse"};
   m.def(

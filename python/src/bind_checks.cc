@@ -53,6 +53,21 @@ void bind_checks(pb::module_& m) {
     const pb::array a = dtype == "float64" ? as_array<double>(obj, "x") : as_array<float>(obj, "x");
     return reinterpret_cast<std::uintptr_t>(a.data());
   });
+
+  // A keyword's value as the plain Python value of its kind ("bool", "int", "float", "str") by
+  // the bindings' rules (args.h): what posenc.torch hands to the typed torch ops, whose schemas
+  // would otherwise read True as 1 or refuse a NumPy integer. Ranges are checked where the value
+  // is used.
+  m.def(
+      "_arg",
+      [](const pb::object& value, const std::string& kind, const std::string& name) -> pb::object {
+        if (kind == "bool") return pb::bool_(arg_bool(value, name));
+        if (kind == "int") return pb::int_(arg_int(value, name));
+        if (kind == "float") return pb::float_(arg_float(value, name, /*finite=*/false));
+        if (kind == "str") return pb::str(arg_str(value, name));
+        throw ValueError("_arg: unknown kind '" + kind + "' (bool, int, float or str)");
+      },
+      arg("value"), arg("kind"), arg("name"));
 }
 
 }  // namespace posenc::py

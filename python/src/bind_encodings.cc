@@ -241,6 +241,11 @@ void bind_classes(pb::module_& m) {
           "to_dict() -> dict\n\nThe model's positional encoding as `posenc describe --json` "
           "prints it (model_type, scheme, dims, the scheme's settings, layers, defaults).")
       .def("effective_context", &ModelConfig::effective_context)
+      .def_readonly("json", &ModelConfig::json,
+                    "The config.json text it was read from: read_model_config(json.loads(text)) "
+                    "reads the same config (in another process too).")
+      .def_readonly("source", &ModelConfig::source,
+                    "Where it was read from: the path, or 'config' for a dict.")
       .def("__repr__", [](const ModelConfig& c) {
         return "<posenc.ModelConfig model_type='" + c.model_type + "' scheme='" +
                model_scheme_name(c.scheme) + "'>";

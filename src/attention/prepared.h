@@ -49,7 +49,7 @@ struct Prepared {
 
 // Rejects float64 tables that the scheme does not have (ref::SchemeTables).
 inline void check_tables_belong(const PositionScheme& scheme, const ref::SchemeTables& t) {
-  const SchemeInfo& info = scheme_info(static_cast<SchemeKind>(scheme.index()));
+  const SchemeInfo& info = scheme_info(scheme.index());
   auto check = [&](const void* data, const char* name) {
     if (data == nullptr) return;
     for (const SchemeParamInfo& p : info.params) {

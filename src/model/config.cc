@@ -136,6 +136,8 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
       model::read_learned(r, top, *entry, cfg);
       break;
   }
+  cfg.json = json_text;
+  cfg.source = what;
   return cfg;
 }
 

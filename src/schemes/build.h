@@ -92,7 +92,8 @@ class SchemeBuild {
   // A setting given beside a model config, whose value the model fixes: an error.
   void conflict(bool given, const std::string& setting) const {
     if (given) {
-      fail(setting + " conflicts with " + model_name() + ": the model's value is used");
+      fail(settings.name_of(setting) + " conflicts with " + model_name() +
+           ": the model's value is used");
     }
   }
 };

@@ -145,8 +145,9 @@ void T5Term<T>::build(detail::SchemeBuild& b, const ModelLayer*) {
     b.out.scale = 1.0;  // T5 does not scale its scores
   } else {
     if (b.settings.num_buckets && *b.settings.num_buckets != t->shape[0]) {
-      detail::fail<ShapeError>("num_buckets " + std::to_string(*b.settings.num_buckets) +
-                               " does not match " + b.pname("relative_attention_bias") + " with " +
+      detail::fail<ShapeError>(b.settings.name_of("num_buckets") + " " +
+                               std::to_string(*b.settings.num_buckets) + " does not match " +
+                               b.pname("relative_attention_bias") + " with " +
                                std::to_string(t->shape[0]) + " buckets");
     }
     bias.max_distance = b.settings.max_distance.value_or(128);

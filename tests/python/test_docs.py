@@ -107,7 +107,7 @@ def test_readme_fits_on_a_page_and_no_heading_is_dated():
 
 def test_table_head_axes_come_from_the_registry():
     """The head axis of every parameter table the testing and distributed modules slice, read
-    from the registry's layouts, as docs/attention.md lists them."""
+    as the registry declares them, as docs/attention.md lists them."""
     from posenc._tables import TABLE_HEAD_AXIS
     assert TABLE_HEAD_AXIS == {"slopes": 0, "relative_attention_bias": 1, "r_w_bias": 0,
                                "r_r_bias": 0, "pos_key": 1, "pos_query": 1, "sinks": 0}

@@ -513,7 +513,13 @@ def test_scheme_registry_is_the_one_list():
     for s in infos:
         assert os.path.exists(os.path.join(root, s["doc"])), s["doc"]
         for p in s["params"]:
-            assert set(p) == {"name", "layout", "required", "learned", "help"}
+            assert set(p) == {"name", "layout", "required", "learned", "head_axis", "help"}
+            # The head axis is declared where the layout has one form with a "heads" entry.
+            dims = p["layout"].strip("[]").split(", ")
+            if " or " not in p["layout"] and "heads" in dims:
+                assert p["head_axis"] == dims.index("heads"), p
+            else:
+                assert p["head_axis"] is None, p
     t5 = next(s for s in infos if s["name"] == "t5")
     assert [p["name"] for p in t5["params"]] == ["relative_attention_bias"]
     assert [k["keyword"] for k in t5["settings"]] == ["num_buckets", "max_distance",
@@ -546,6 +552,60 @@ def test_scheme_registry_is_the_one_list():
             kw[k["keyword"]] = values[k["keyword"]]
             out = posenc.attention(q, q, q, s["name"], params=tables.get(s["name"]), **kw)
             assert out.shape == q.shape
+
+
+def _out_of_range(setting):
+    """Values the registry's declared type and range refuse, with the error they must raise."""
+    t, lo, hi = setting["type"], setting["min"], setting["max"]
+    bad = []
+    if t == "int":
+        bad += [(True, TypeError), (2.0, TypeError), ("3", TypeError)]
+        if lo is not None:
+            bad.append((lo - 1 if not setting["min_exclusive"] else lo, ValueError))
+        if hi is not None:
+            bad.append((hi + 1, ValueError))
+    elif t == "float":
+        bad += [(True, TypeError), ("1", TypeError), (float("nan"), ValueError),
+                (float("inf"), ValueError)]
+        if lo is not None:
+            bad.append((lo if setting["min_exclusive"] else lo - 1.0, ValueError))
+        if hi is not None:
+            bad.append((hi * 2 + 1, ValueError))
+    elif t == "bool":
+        bad += [(1, TypeError), ("true", TypeError)]
+    elif t == "choice":
+        bad += [("nope", ValueError), (1, TypeError)]
+    return bad
+
+
+def test_scheme_settings_are_checked_by_their_declared_type_and_range():
+    # Every setting of every scheme, from the registry's declaration alone: a value of the wrong
+    # kind is a TypeError, one outside the range or choices a ValueError, both naming it.
+    q = np.zeros((1, 3, 2, 8), np.float32)
+    rng = np.random.default_rng(2)
+    tables = {"t5": {"relative_attention_bias": rng.standard_normal((32, 2)).astype(np.float32)},
+              "xl": {"r_w_bias": np.zeros((2, 8), np.float32),
+                     "r_r_bias": np.zeros((2, 8), np.float32),
+                     "r_net": rng.standard_normal((16, 6)).astype(np.float32)},
+              "deberta": {"pos_key": rng.standard_normal((8, 2, 8)).astype(np.float32),
+                          "pos_query": rng.standard_normal((8, 2, 8)).astype(np.float32)},
+              "shaw": {"rel_k": rng.standard_normal((5, 8)).astype(np.float32)}}
+    checked = 0
+    for s in posenc.schemes():
+        for k in s["settings"]:
+            assert k["type"] in ("float", "int", "bool", "choice", "rope_frequencies",
+                                 "rope_scaling"), k
+            assert k["help"] and k["default"], k
+            if k["type"] == "choice":
+                assert k["choices"] and k["range"] == " or ".join(
+                    [", ".join(k["choices"][:-1]), k["choices"][-1]] if len(k["choices"]) > 1
+                    else k["choices"])
+            for value, error in _out_of_range(k):
+                with pytest.raises(error, match=k["keyword"]):
+                    posenc.attention(q, q, q, s["name"], params=tables.get(s["name"]),
+                                     **{k["keyword"]: value})
+                checked += 1
+    assert checked >= 30
 
 
 def test_model_config_dicts_come_from_the_one_serializer(configs_dir):
