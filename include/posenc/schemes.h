@@ -1,6 +1,7 @@
 // posenc/schemes.h - the registry of attention schemes: one table of every scheme's name,
-// parameter tensors (names, layouts, whether required), settings (Python keyword, CLI flag, help)
-// and documentation page, read by the command-line tool, the Python bindings, `posenc check`, the
+// parameter tensors (names, layouts, head axis, whether required and learned), settings (Python
+// keyword, CLI flag, type, range, default, help, where the value is stored) and documentation
+// page, read by the command-line tool, the Python bindings and torch ops, `posenc check`, the
 // figures and the benchmarks instead of lists of their own.
 //
 //   for (const SchemeInfo& s : attention_schemes()) std::cout << s.name << ": " << s.title;
