@@ -1,10 +1,35 @@
 """posenc's PyTorch operators: ``torch.library`` custom ops in the namespace ``posenc``.
 
-Each op takes tensors plus one ``options`` string (the keyword arguments of the NumPy function it
-calls, as a Python dict literal: a constant that torch.compile keeps in the graph) and has a fake (shape) function
-and, where it has a gradient, an autograd formula, so ``torch.compile(fullgraph=True)``,
+Each op takes tensors and typed keyword arguments (bool, int, float, str, lists of ints or
+floats; constants that torch.compile and torch.export keep in the graph), has a fake (shape)
+function and, where it has a gradient, an autograd formula, so ``torch.compile(fullgraph=True)``,
 ``torch.export`` and AOTAutograd see through posenc calls. The public functions and modules of
 ``posenc.torch`` call these ops; they can also be called directly as ``torch.ops.posenc.<name>``.
+``print(torch.ops.posenc.rope.default._schema)`` shows an op's signature::
+
+    posenc::rope(Tensor x, Tensor? positions=None, *, int? positions_offset=None,
+                 float[]? freqs_inv_freq=None, float? freqs_attention_factor=None,
+                 str? freqs_angles=None, str? style=None, int? rotary_dim=None,
+                 float? base=None, str? scaling=None, int? seq_len=None, str? angles=None,
+                 str? config=None, str? config_source=None, int num_threads=0,
+                 bool inverse=False) -> Tensor
+
+The keyword arguments are those of the NumPy function each op calls, by name, with None meaning
+"not given" (the function's default applies). A few keywords whose values are not scalars
+travel as plain values: a ``posenc.RopeFrequencies`` ``freqs`` as ``freqs_inv_freq``,
+``freqs_attention_factor`` and ``freqs_angles``; a Hugging Face rope_scaling dict ``scaling`` as
+its JSON text; a model config ``config`` as its config.json text (``ModelConfig.json``) and
+``config_source``, the path it was read from (``ModelConfig.source``: messages name it), so a
+graph made in one process runs in another; an int offset of ``positions`` (or
+``query_positions``, ``key_positions``) as ``<keyword>_offset`` beside the tensor argument of
+explicit ids. The attention ops take their tables as ``tables`` with their names in
+``table_names``, each mask tensor (``cu_seqlens_q``, ``cu_seqlens_k``, ``query_documents``,
+``key_documents``, ``prefix``, ``mask``) as its own argument, and every scheme setting of the
+registry (``posenc.schemes()``) as a keyword argument of its type.
+
+``typed(op, kwargs, fn)`` turns keyword arguments as posenc.torch takes them into an op's typed
+arguments: every scalar through the bindings' argument checker (a TypeError naming the argument,
+as the NumPy functions raise; ranges are checked by the NumPy function the op calls).
 
 CPU tensors reach the kernels without copies (NumPy views of their memory; a copy is made only
 for a tensor whose last dimension is not contiguous, which the kernels require). Outputs are
@@ -12,14 +37,14 @@ fresh tensors. A tensor on another device raises one ValueError naming the devic
 
 Ops: attention (forward with the per-row log-sum-exp), attention_backward, attention_half (bf16 /
 f16 forward), attention_paged and rope_append (paged KV caches; rope_append writes its pages),
-rope (and its inverse: options' ``inverse``), rope_half, rerotate_rope, add_learned,
+rope (and its inverse: ``inverse=True``), rope_half, rerotate_rope, add_learned,
 learned_backward, add_sinusoidal, sinusoidal_encode, attention_merge.
 """
 
-import ast
 import functools
-import itertools
-from typing import Optional
+import json
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -27,130 +52,305 @@ from . import _posenc
 
 Tensor = torch.Tensor
 
-# Objects that are not JSON (a ModelConfig): registered once, named in options by a key that no
-# file path can spell (it starts with a NUL character).
-_OBJECTS = {}
-_OBJECT_KEYS = {}
-_OBJECT_IDS = itertools.count()
-_OBJECT_PREFIX = "\x00posenc-object:"
+
+# ---- keyword arguments -------------------------------------------------------------------------
+
+class _Keyword(NamedTuple):
+    """A keyword of a NumPy function as an op takes it: its name, its kind and the default of
+    its op argument (None: optional, not given; _REQUIRED: no default)."""
+    name: str
+    kind: str
+    default: object = None
 
 
-def register_object(obj):
-    """The options key of a non-JSON argument (a ModelConfig), registered for this process."""
-    key = _OBJECT_KEYS.get(id(obj))
-    if key is None or _OBJECTS.get(key) is not obj:
-        key = f"{_OBJECT_PREFIX}{next(_OBJECT_IDS)}"
-        _OBJECTS[key] = obj
-        _OBJECT_KEYS[id(obj)] = key
-    return key
+_REQUIRED = object()
+
+# Kinds whose value is one scalar, checked by posenc._posenc._arg as the kind it names.
+_SCALARS = {"bool": "bool", "int": "int", "float": "float", "str": "str", "choice": "str",
+            "offset": "int"}
+# The schema type of each kind's op argument (rope_frequencies: three arguments, below).
+_SCHEMA_TYPES = {"bool": "bool", "int": "int", "float": "float", "str": "str", "choice": "str",
+                 "offset": "int", "int_list": "int[]", "rope_scaling": "str", "config": "str"}
+_FREQUENCY_PARTS = (("inv_freq", "float[]"), ("attention_factor", "float"), ("angles", "str"))
 
 
-def _literal(value, name):
-    """value as a Python literal (plain code: torch.compile traces it on constants)."""
+def _arguments(k):
+    """[(op argument name, schema type)] of a keyword."""
+    if k.kind == "rope_frequencies":
+        return [(f"{k.name}_{part}", t) for part, t in _FREQUENCY_PARTS]
+    if k.kind == "offset":
+        return [(f"{k.name}_offset", "int")]
+    if k.kind == "config":  # its config.json text and where it was read from
+        return [(k.name, "str"), (f"{k.name}_source", "str")]
+    return [(k.name, _SCHEMA_TYPES[k.kind])]
+
+
+def _schema_arguments(keywords):
+    """The schema text of keyword-only op arguments."""
+    out = []
+    for k in keywords:
+        for name, t in _arguments(k):
+            if k.default is _REQUIRED:
+                out.append(f"{t} {name}")
+            elif k.default is None:
+                out.append(f"{t}? {name}=None")
+            elif isinstance(k.default, str):
+                out.append(f'{t} {name}="{k.default}"')
+            else:
+                out.append(f"{t} {name}={k.default}")
+    return out
+
+
+# ---- registry settings -------------------------------------------------------------------------
+
+def _registry_settings():
+    """Every scheme setting of the registry (posenc.schemes()) once, in the registry's order,
+    as a _Keyword of its type."""
+    out = {}
+    for scheme in _posenc.schemes():
+        for s in scheme["settings"]:
+            kind = s["type"]
+            if kind not in _SCHEMA_TYPES and kind != "rope_frequencies":
+                raise ValueError(f"posenc: setting '{s['keyword']}' of scheme "
+                                 f"'{scheme['name']}' has a type ops cannot take: '{kind}'")
+            known = out.setdefault(s["keyword"], _Keyword(s["keyword"], kind))
+            if known.kind != kind:
+                raise ValueError(f"posenc: setting '{s['keyword']}' has two types, "
+                                 f"'{known.kind}' and '{kind}'")
+    return tuple(out.values())
+
+
+def _keywords(*groups):
+    """Keywords of several groups, each name once (the first wins)."""
+    out = {}
+    for group in groups:
+        for k in group:
+            out.setdefault(k.name, k)
+    return tuple(out.values())
+
+
+# Keywords of posenc.attention beside its tensors and the schemes' settings.
+_ATTENTION_COMMON = (
+    _Keyword("scheme", "str"), _Keyword("causal", "bool", False), _Keyword("scale", "float"),
+    _Keyword("window", "int"), _Keyword("chunk", "int"), _Keyword("softcap", "float"),
+    _Keyword("global_positions", "int_list"), _Keyword("layer", "int"),
+    _Keyword("allow_fully_masked", "bool", False), _Keyword("num_threads", "int", 0),
+    _Keyword("config", "config"),
+)
+_SETTINGS = _registry_settings()
+# The tensor arguments of the attention ops after q, k, v (tables, their names, positions,
+# masks); _MASKS are the integer / boolean mask tensors.
+_MASKS = ("cu_seqlens_q", "cu_seqlens_k", "query_documents", "key_documents", "prefix", "mask")
+# RoPE's keywords (posenc.apply_rope and the functions that rotate).
+_ROPE = (_Keyword("freqs", "rope_frequencies"), _Keyword("style", "choice"),
+         _Keyword("rotary_dim", "int"), _Keyword("base", "float"),
+         _Keyword("scaling", "rope_scaling"), _Keyword("seq_len", "int"),
+         _Keyword("angles", "choice"), _Keyword("config", "config"),
+         _Keyword("num_threads", "int", 0))
+_SINUSOIDAL = (_Keyword("base", "float"), _Keyword("layout", "choice"),
+               _Keyword("denominator", "choice"), _Keyword("origin", "int"),
+               _Keyword("odd_dim", "choice"))
+_POSITIONS = _Keyword("positions", "offset")
+
+# The keyword arguments of each op, by op name.
+_KEYWORDS = {
+    "attention": _keywords((_Keyword("query_positions", "offset"),
+                            _Keyword("key_positions", "offset")), _ATTENTION_COMMON, _SETTINGS),
+    "attention_paged": _keywords((_Keyword("query_positions", "offset"),), _ATTENTION_COMMON,
+                                 _SETTINGS, (_Keyword("layout", "choice"),)),
+    "rope_append": _keywords((_POSITIONS,), _ROPE, (_Keyword("offset", "int"),
+                                                    _Keyword("layout", "choice"))),
+    "rope": _keywords((_POSITIONS,), _ROPE, (_Keyword("inverse", "bool", False),)),
+    "rerotate_rope": (_POSITIONS, _Keyword("from_freqs", "rope_frequencies", _REQUIRED),
+                      _Keyword("to_freqs", "rope_frequencies", _REQUIRED),
+                      _Keyword("style", "choice", "half")),
+    "add_learned": (_POSITIONS,),
+    "add_sinusoidal": (_POSITIONS,) + _SINUSOIDAL,
+    "sinusoidal_encode": _SINUSOIDAL,
+}
+_KEYWORDS["attention_backward"] = _KEYWORDS["attention_half"] = _KEYWORDS["attention"]
+_KEYWORDS["rope_half"] = _KEYWORDS["rope"]
+_KEYWORDS["learned_backward"] = _KEYWORDS["add_learned"]
+
+# {op: {op argument name: its _Keyword}}
+_OWNERS = {op: {a: k for k in ks for a, _ in _arguments(k)} for op, ks in _KEYWORDS.items()}
+# {op: {keyword name: _Keyword}}
+_BY_NAME = {op: {k.name: k for k in ks} for op, ks in _KEYWORDS.items()}
+# {op: its rope_frequencies keywords}
+_FREQUENCIES = {op: tuple(k for k in ks if k.kind == "rope_frequencies")
+                for op, ks in _KEYWORDS.items()}
+
+
+# ---- keyword values to typed arguments (posenc.torch's side) -----------------------------------
+
+def _json_value(value, name):
+    """A rope_scaling value as plain JSON data (NumPy scalars as Python numbers; a non-finite
+    float is refused by name: JSON has none)."""
     if value is None or isinstance(value, (bool, int, str)):
-        return repr(value)
+        return value
     if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value):
             raise ValueError(f"{name}: must be finite (got {value})")
-        return repr(value)
+        return value
     if isinstance(value, dict):
-        items = [_literal(str(k), name) + ": " +
-                 _literal(value[k], f"{name}[{k!r}]" if name else str(k))
-                 for k in sorted(value, key=str)]
-        return "{" + ", ".join(items) + "}"
+        return {str(k): _json_value(v, f"{name}[{k!r}]") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_literal(v, name) for v in value) + "]"
-    if isinstance(value, _posenc.RopeFrequencies):
-        return _literal({"\x00freqs": {"inv_freq": [float(x) for x in value.inv_freq],
-                                        "attention_factor": float(value.attention_factor),
-                                        "angles": value.angles}}, name)
-    if isinstance(value, _posenc.ModelConfig):
-        return repr(register_object(value))
-    if hasattr(value, "__fspath__"):
-        return repr(str(value.__fspath__()))
-    if hasattr(value, "item") and hasattr(value, "ndim") and value.ndim == 0:  # NumPy scalar
-        return _literal(value.item(), name)
-    raise TypeError(f"{name}: unsupported argument of type {type(value).__name__}")
+        return [_json_value(v, name) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a NumPy scalar
+        return _json_value(value.item(), name)
+    raise TypeError(f"{name}: unsupported value of type {type(value).__name__}")
 
 
-_ENCODED = {}
+def _scaling_text(value, name):
+    if not isinstance(value, dict):
+        raise TypeError(f"{name}: expected a rope_scaling dict, got {type(value).__name__}")
+    return json.dumps(_json_value(value, name), sort_keys=True)
 
 
-def _encode_cached(kwargs):
-    # Eager calls repeat the same keywords: their strings are kept (hashable values only).
-    try:
-        # The type is part of the key: 1, 1.0 and True hash alike, but are different arguments
-        # (causal=1 must reach the checker as the int it is).
-        key = tuple(sorted((k, type(v).__name__, v if not isinstance(v, list) else tuple(v))
-                           for k, v in kwargs.items()))
-        hash(key)
+def _config_parts(value):
+    """config.json text of a config (a path, dict or ModelConfig) and the name of its source (the
+    path it was read from, or "config"), for messages."""
+    if not isinstance(value, _posenc.ModelConfig):
+        value = _posenc.read_model_config(value)
+    return value.json, value.source or "config"
+
+
+def _frequency_parts(value, name):
+    if not isinstance(value, _posenc.RopeFrequencies):
+        raise TypeError(f"{name}: expected a posenc.RopeFrequencies, got "
+                        f"{type(value).__name__}")
+    return ([float(x) for x in value.inv_freq], float(value.attention_factor), value.angles)
+
+
+def _typed_value(k, value):
+    """[(op argument, value)] of one keyword's value."""
+    if k.kind in _SCALARS:
+        return [(_arguments(k)[0][0], _posenc._arg(value, _SCALARS[k.kind], k.name))]
+    if k.kind == "rope_frequencies":
+        return list(zip((a for a, _ in _arguments(k)), _frequency_parts(value, k.name)))
+    if k.kind == "rope_scaling":
+        return [(k.name, _scaling_text(value, k.name))]
+    if k.kind == "config":
+        return list(zip((a for a, _ in _arguments(k)), _config_parts(value)))
+    try:  # int_list
+        items = list(value)
     except TypeError:
-        return _literal(dict(kwargs), "")
-    text = _ENCODED.get(key)
-    if text is None:
-        text = _literal(dict(kwargs), "")
-        if len(_ENCODED) < 4096:
-            _ENCODED[key] = text
-    return text
+        raise TypeError(f"{k.name}: expected a list of integers, got "
+                        f"{type(value).__name__}") from None
+    return [(k.name, [_posenc._arg(x, "int", k.name) for x in items])]
 
 
-def encode(kwargs, base=None):
-    """Keyword arguments as an options string (a Python dict literal, keys sorted). base: an
-    options string made earlier (a module's settings, encoded once outside any compiled region,
-    where its floats are plain constants) whose keywords `kwargs` extend or override."""
-    if torch.compiler.is_compiling():
-        text = _literal(dict(kwargs), "")
-    else:
-        text = _encode_cached(kwargs)
-    if not base or base == "{}":
-        return text
-    if text == "{}":
-        return base
-    return base[:-1] + ", " + text[1:]  # a repeated key: the later one wins
+def _typed_items(op, fn, names, values):
+    """((op argument, value), ...) of keywords' values (None: not given)."""
+    known = _BY_NAME[op]
+    out = []
+    for name, value in zip(names, values):
+        k = known.get(name)
+        if k is None:
+            raise TypeError(f"{fn}() got an unexpected keyword argument '{name}'")
+        if value is not None:
+            out.extend(_typed_value(k, value))
+    return tuple(out)
 
 
-def _resolve(value):
-    if isinstance(value, str) and value.startswith(_OBJECT_PREFIX):
-        try:
-            return _OBJECTS[value]
-        except KeyError:
-            raise ValueError("posenc: options name an object this process has not registered "
-                             "(a graph made in another process?)") from None
-    if isinstance(value, dict):
-        if set(value) == {"\x00freqs"}:
-            f = value["\x00freqs"]
-            return _posenc.RopeFrequencies(f["inv_freq"], attention_factor=f["attention_factor"],
-                                           angles=f["angles"])
-        return {k: _resolve(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_resolve(v) for v in value]
+@torch.compiler.assume_constant_result
+def _typed_constant(op, fn, names, *values):
+    # torch.compile computes this once while tracing, from constant arguments: the items and the
+    # error (its kind and message) or None, returned for the caller to raise as the user's code
+    # would (a constant cannot raise).
+    try:
+        return _typed_items(op, fn, names, values), None
+    except TypeError as e:
+        return (), ("TypeError", str(e))
+    except ValueError as e:
+        return (), ("ValueError", str(e))
+
+
+def typed(op, kwargs, fn):
+    """The keyword arguments `kwargs` of posenc.torch's `fn` (None: not given) as typed
+    arguments of op `op`: a dict {op argument: value}. TypeError for an unknown keyword or a
+    value of the wrong type, naming it."""
+    names = tuple(kwargs)
+    values = tuple(kwargs[n] for n in names)
+    if not torch.compiler.is_compiling():
+        return dict(_typed_items(op, fn, names, values))
+    items, error = _typed_constant(op, fn, names, *values)
+    if error is not None:
+        raise (TypeError if error[0] == "TypeError" else ValueError)(error[1])
+    return {a: v for a, v in items}
+
+
+# ---- typed arguments to the NumPy functions' keywords (the ops' side) --------------------------
+
+def _json_object(text, name, what):
+    """The dict a JSON text holds; ValueError naming the argument otherwise."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{name}: expected {what} as JSON text ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected {what} as JSON text (a JSON object), got "
+                         f"{type(value).__name__}")
     return value
 
 
-@functools.lru_cache(maxsize=4096)
-def _decode_cached(options):
-    if not isinstance(options, str):
-        raise TypeError(f"options: expected a str (a dict literal), got {type(options).__name__}")
-    try:
-        d = ast.literal_eval(options)
-    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as e:
-        raise ValueError(f"options: not a Python dict literal ({e})") from None
-    if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
-        raise ValueError("options: must be a dict literal with string keys")
-    return d
+@functools.lru_cache(maxsize=64)
+def _model_config(text, source):
+    _json_object(text, "config", "a config.json")  # a ValueError naming config unless JSON
+    return _posenc._model_config_from_json(text, source or "config")
 
 
-def decode(options):
-    """An options string as keyword arguments (a fresh dict)."""
-    return {k: _resolve(v) for k, v in _decode_cached(options).items()}
+@functools.lru_cache(maxsize=256)
+def _scaling(text):
+    return _json_object(text, "scaling", "a rope_scaling dict")
 
 
-def with_option(options, **changes):
-    """The options string with some keywords changed."""
-    d = dict(_decode_cached(options))
-    d.update(changes)
-    return _literal(d, "")
+@functools.lru_cache(maxsize=256)
+def _frequencies(inv_freq, attention_factor, angles):
+    kw = {}
+    if attention_factor is not None:
+        kw["attention_factor"] = attention_factor
+    if angles is not None:
+        kw["angles"] = angles
+    return _posenc.RopeFrequencies(list(inv_freq), **kw)
 
+
+def _binding_kwargs(op, settings):
+    """An op's typed keyword arguments as the keywords of the NumPy function it calls (None and
+    absent arguments left out: the function's defaults apply)."""
+    owners = _OWNERS[op]
+    kw = {}
+    for arg, value in settings.items():
+        k = owners.get(arg)
+        if k is None:
+            raise TypeError(f"{op}() got an unexpected keyword argument '{arg}'")
+        if value is None or k.kind == "rope_frequencies" or arg == f"{k.name}_source":
+            continue
+        if k.kind == "rope_scaling":
+            value = _scaling(value)
+        elif k.kind == "config":
+            value = _model_config(value, settings.get(f"{k.name}_source"))
+        kw[k.name] = value
+    for k in _FREQUENCIES[op]:
+        inv, factor, angles = (settings.get(a) for a, _ in _arguments(k))
+        if inv is not None:
+            kw[k.name] = _frequencies(tuple(inv), factor, angles)
+        elif factor is not None or angles is not None:
+            raise ValueError(f"{k.name}_inv_freq: required with {k.name}_attention_factor and "
+                             f"{k.name}_angles (the frequencies of {k.name})")
+    return kw
+
+
+def _with_positions(kw, name, tensor):
+    """kw with positions `name`: the tensor of ids, or the int offset kw holds already."""
+    if tensor is not None:
+        if name in kw:
+            raise ValueError(f"{name}, {name}_offset: give the ids or the offset, not both")
+        kw[name] = _np(tensor, name)
+    return kw
+
+
+# ---- tensors -----------------------------------------------------------------------------------
 
 def require_cpu(t, what):
     """ValueError unless t is a CPU tensor (posenc has no GPU path)."""
@@ -194,33 +394,29 @@ def _half_dtypes(fn, q, k, v, names=("q", "k", "v")):
                         f"{names[1]} and {names[2]} (got {q.dtype})")
 
 
-def _positions(t, what):
-    return None if t is None else _np(t, what)
+def _params(tables, table_names):
+    """The tables as posenc.attention's params {name: array} (None without tables)."""
+    if len(tables) != len(table_names):
+        raise ValueError(f"tables, table_names: {len(tables)} tensors and {len(table_names)} "
+                         f"names {list(table_names)} (one name for each table)")
+    params = {}
+    for n, t in zip(table_names, tables):
+        if n in params:
+            raise ValueError(f"table_names: '{n}' is given twice")
+        params[n] = _np(t, n)
+    return params or None
 
 
-def _params(names, tables):
-    return {n: _np(t, n) for n, t in zip(names, tables)} or None
-
-
-def _attention_kwargs(options, query_positions, key_positions, masks=(), tables=()):
-    kw = decode(options)
-    names = kw.pop("\x00names", [])
-    mask_names = kw.pop("\x00masks", [])
-    # Every tensor is named by the options: one without a name would be ignored.
-    if len(names) != len(tables):
-        raise ValueError(f"tables: {len(tables)} tensors, but options name {len(names)} "
-                         f"({names})")
-    if len(mask_names) != len(masks):
-        raise ValueError(f"masks: {len(masks)} tensors, but options name {len(mask_names)} "
-                         f"({mask_names})")
-    # Mask tensors (cu_seqlens, documents, prefix, dense mask): named by options' "\x00masks".
-    for name, t in zip(mask_names, masks):
-        kw[name] = _np(t, name)
-    if query_positions is not None:
-        kw["query_positions"] = _positions(query_positions, "query_positions")
-    if key_positions is not None:
-        kw["key_positions"] = _positions(key_positions, "key_positions")
-    return kw, names
+def _attention_kwargs(op, tables, table_names, query_positions, key_positions, masks, settings):
+    """(posenc.attention's keywords, params) of an attention op's arguments; masks: the six mask
+    tensors (or None) in the order of _MASKS."""
+    kw = _binding_kwargs(op, settings)
+    _with_positions(kw, "query_positions", query_positions)
+    _with_positions(kw, "key_positions", key_positions)
+    for name, t in zip(_MASKS, masks):
+        if t is not None:
+            kw[name] = _np(t, name)
+    return kw, _params(tables, table_names)
 
 
 def _out_shape(q, v):
@@ -235,103 +431,127 @@ def _lse_shape(q):
     return (q.shape[0], q.shape[2], q.shape[1])
 
 
+def _define(name, impl, tensors, returns, mutates=()):
+    """The op posenc::<name>: its tensor arguments (schema text), then its keyword arguments
+    (_KEYWORDS[name], keyword-only), returning `returns`."""
+    args = list(tensors) + ["*"] + _schema_arguments(_KEYWORDS[name])
+    schema = f"({', '.join(args)}) -> {returns}"
+    return torch.library.custom_op(f"posenc::{name}", impl, mutates_args=mutates, schema=schema)
+
+
+def _no_grads(names):
+    # The gradient slot of a str[] argument (autograd's structure for it: a leaf unless empty).
+    return None if names else []
+
+
 # ---- attention ---------------------------------------------------------------------------------
 
-def attention_impl(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
-                   query_positions: Optional[Tensor], key_positions: Optional[Tensor],
-                   masks: list[Tensor], options: str) -> tuple[Tensor, Tensor]:
+_ATTENTION_TENSORS = ["Tensor[] tables", "str[] table_names", "Tensor? query_positions=None",
+                      "Tensor? key_positions=None"] + [f"Tensor? {n}=None" for n in _MASKS]
+
+
+def attention_impl(q, k, v, tables, table_names, query_positions=None, key_positions=None,
+                   cu_seqlens_q=None, cu_seqlens_k=None, query_documents=None,
+                   key_documents=None, prefix=None, mask=None, **settings):
     """out [batch, seq_q, heads_q, v_dim] and lse [batch, heads_q, seq_q] (packed sequences:
     [total_q, heads_q, v_dim] and [heads_q, total_q]): posenc.attention with return_lse
-    (float32: the fused kernel; float64: the float64 reference). masks: the integer / boolean
-    mask arguments named by the options."""
-    kw, names = _attention_kwargs(options, query_positions, key_positions, masks, tables)
-    out, lse = _posenc.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"),
-                                 params=_params(names, tables), return_lse=True, **kw)
+    (float32: the fused kernel; float64: the float64 reference)."""
+    kw, params = _attention_kwargs(
+        "attention", tables, table_names, query_positions, key_positions,
+        (cu_seqlens_q, cu_seqlens_k, query_documents, key_documents, prefix, mask), settings)
+    out, lse = _posenc.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"), params=params,
+                                 return_lse=True, **kw)
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
-attention = torch.library.custom_op("posenc::attention", attention_impl, mutates_args=())
+attention = _define("attention", attention_impl, ["Tensor q", "Tensor k", "Tensor v"]
+                    + _ATTENTION_TENSORS, "(Tensor, Tensor)")
 
 
 @attention.register_fake
-def _(q, k, v, tables, query_positions, key_positions, masks, options):
+def _(q, k, v, *args, **settings):
     return q.new_empty(_out_shape(q, v)), q.new_empty(_lse_shape(q))
 
 
-def attention_backward_impl(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-                       tables: list[Tensor], query_positions: Optional[Tensor],
-                       key_positions: Optional[Tensor], masks: list[Tensor],
-                       options: str) -> list[Tensor]:
+def attention_backward_impl(q, k, v, out, lse, dout, tables, table_names, query_positions=None,
+                            key_positions=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                            query_documents=None, key_documents=None, prefix=None, mask=None,
+                            **settings):
     """[dq, dk, dv, d<table> for each table]: the fused backward (FlashAttention-2 recomputation
     from out and lse; float64: the reference)."""
-    kw, names = _attention_kwargs(options, query_positions, key_positions, masks, tables)
+    kw, params = _attention_kwargs(
+        "attention_backward", tables, table_names, query_positions, key_positions,
+        (cu_seqlens_q, cu_seqlens_k, query_documents, key_documents, prefix, mask), settings)
     g = _posenc.attention_grad(_np(q, "q"), _np(k, "k"), _np(v, "v"), _np(dout, "dout"),
-                               params=_params(names, tables), out=_np(out, "out"),
-                               lse=_np(lse, "lse"), **kw)
-    return [torch.from_numpy(g[n]) for n in ["dq", "dk", "dv"] + ["d" + n for n in names]]
+                               params=params, out=_np(out, "out"), lse=_np(lse, "lse"), **kw)
+    return [torch.from_numpy(g[n]) for n in ["dq", "dk", "dv"] + ["d" + n for n in table_names]]
 
 
-attention_backward = torch.library.custom_op("posenc::attention_backward",
-                                             attention_backward_impl, mutates_args=())
+attention_backward = _define(
+    "attention_backward", attention_backward_impl,
+    ["Tensor q", "Tensor k", "Tensor v", "Tensor out", "Tensor lse", "Tensor dout"]
+    + _ATTENTION_TENSORS, "Tensor[]")
 
 
 @attention_backward.register_fake
-def _(q, k, v, out, lse, dout, tables, query_positions, key_positions, masks, options):
+def _(q, k, v, out, lse, dout, tables, *args, **settings):
     return [x.new_empty(x.shape) for x in [q, k, v, *tables]]
 
 
-def _attention_setup(ctx, inputs, output):
-    q, k, v, tables, query_positions, key_positions, masks, options = inputs
+def _attention_setup(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, tables, table_names, query_positions, key_positions, *masks = inputs
     out, lse = output
-    ctx.options = options
-    ctx.ntables = len(tables)
-    ctx.save_for_backward(q, k, v, out, lse, query_positions, key_positions, *tables, *masks)
+    ctx.settings = keyword_only_inputs
+    ctx.table_names = list(table_names)
+    ctx.save_for_backward(q, k, v, out, lse, query_positions, key_positions, *masks, *tables)
 
 
 def _attention_grad(ctx, dout, _dlse):
     # lse carries no gradient: posenc.torch.attention returns it detached.
     q, k, v, out, lse, query_positions, key_positions, *rest = ctx.saved_tensors
-    tables, masks = rest[:ctx.ntables], rest[ctx.ntables:]
-    dout = dout.contiguous()
-    g = attention_backward(q, k, v, out, lse, dout, tables, query_positions, key_positions,
-                           masks, ctx.options)
-    return g[0], g[1], g[2], list(g[3:]), None, None, [None] * len(masks), None
+    masks, tables = rest[:len(_MASKS)], rest[len(_MASKS):]
+    g = attention_backward(q, k, v, out, lse, dout.contiguous(), list(tables), ctx.table_names,
+                           query_positions, key_positions, *masks, **ctx.settings)
+    return (g[0], g[1], g[2], list(g[3:]), _no_grads(ctx.table_names), None, None,
+            *([None] * len(_MASKS)))
 
 
 attention.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 
-def attention_half_impl(q: Tensor, k: Tensor, v: Tensor, tables: list[Tensor],
-                   query_positions: Optional[Tensor], key_positions: Optional[Tensor],
-                   masks: list[Tensor], options: str) -> Tensor:
+def attention_half_impl(q, k, v, tables, table_names, query_positions=None, key_positions=None,
+                        cu_seqlens_q=None, cu_seqlens_k=None, query_documents=None,
+                        key_documents=None, prefix=None, mask=None, **settings):
     """The native half-precision forward: k, v bf16 or f16, q of their dtype (out of that dtype)
     or float32 (the mixed kernel, float32 out). No gradient."""
-    kw, names = _attention_kwargs(options, query_positions, key_positions, masks, tables)
+    kw, params = _attention_kwargs(
+        "attention_half", tables, table_names, query_positions, key_positions,
+        (cu_seqlens_q, cu_seqlens_k, query_documents, key_documents, prefix, mask), settings)
     _half_dtypes("attention_half", q, k, v)
     half_q = q.dtype in _HALF
     out = _posenc._attention_half(_bits(q, "q") if half_q else _np(q, "q"), _bits(k, "k"),
-                                  _bits(v, "v"), params=_params(names, tables),
-                                  dtype=_HALF[k.dtype], **kw)
+                                  _bits(v, "v"), params=params, dtype=_HALF[k.dtype], **kw)
     return _from_bits(out, q.dtype) if half_q else torch.from_numpy(out)
 
 
-attention_half = torch.library.custom_op("posenc::attention_half", attention_half_impl,
-                                         mutates_args=())
+attention_half = _define("attention_half", attention_half_impl,
+                         ["Tensor q", "Tensor k", "Tensor v"] + _ATTENTION_TENSORS, "Tensor")
 
 
 @attention_half.register_fake
-def _(q, k, v, tables, query_positions, key_positions, masks, options):
+def _(q, k, v, *args, **settings):
     return q.new_empty(_out_shape(q, v), dtype=q.dtype if q.dtype in _HALF else torch.float32)
 
 
 # ---- paged KV caches ---------------------------------------------------------------------------
 
-def attention_paged_impl(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
-                         seq_lens: Tensor, tables: list[Tensor],
-                         query_positions: Optional[Tensor], options: str) -> Tensor:
+def attention_paged_impl(q, k_pages, v_pages, block_table, seq_lens, tables, table_names,
+                         query_positions=None, **settings):
     """posenc.attention_paged on the pages' memory: float32 pages (float32 q and out), or bf16 /
     f16 pages with q of their dtype (out of that dtype) or float32 (float32 out). No gradient."""
-    kw, names = _attention_kwargs(options, query_positions, None, (), tables)
+    kw = _with_positions(_binding_kwargs("attention_paged", settings), "query_positions",
+                         query_positions)
+    params = _params(tables, table_names)
     table, lens = _np(block_table, "block_table"), _np(seq_lens, "seq_lens")
     if k_pages.dtype not in _HALF and v_pages.dtype not in _HALF:
         for t, what in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
@@ -344,20 +564,22 @@ def attention_paged_impl(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tabl
         half_q = q.dtype in _HALF
         out = _posenc._attention_paged(_bits(q, "q") if half_q else _np(q, "q"),
                                        _bits(k_pages, "k_pages"), _bits(v_pages, "v_pages"),
-                                       table, lens, params=_params(names, tables),
-                                       dtype=_HALF[k_pages.dtype], **kw)
+                                       table, lens, params=params, dtype=_HALF[k_pages.dtype],
+                                       **kw)
         return _from_bits(out, q.dtype) if half_q else torch.from_numpy(out)
     out = _posenc._attention_paged(_np(q, "q"), _np(k_pages, "k_pages"), _np(v_pages, "v_pages"),
-                                   table, lens, params=_params(names, tables), **kw)
+                                   table, lens, params=params, **kw)
     return torch.from_numpy(out)
 
 
-attention_paged = torch.library.custom_op("posenc::attention_paged", attention_paged_impl,
-                                          mutates_args=())
+attention_paged = _define(
+    "attention_paged", attention_paged_impl,
+    ["Tensor q", "Tensor k_pages", "Tensor v_pages", "Tensor block_table", "Tensor seq_lens",
+     "Tensor[] tables", "str[] table_names", "Tensor? query_positions=None"], "Tensor")
 
 
 @attention_paged.register_fake
-def _(q, k_pages, v_pages, block_table, seq_lens, tables, query_positions, options):
+def _(q, *args, **settings):
     return q.new_empty(q.shape, dtype=q.dtype if q.dtype in _HALF else torch.float32)
 
 
@@ -370,12 +592,11 @@ def _pool(t, what):
     return t.detach().view(torch.int16).numpy() if t.dtype in _HALF else t.detach().numpy()
 
 
-def rope_append_impl(k_new: Tensor, v_new: Optional[Tensor], k_pages: Tensor,
-                     v_pages: Optional[Tensor], block_table: Tensor, seq_lens: Tensor,
-                     positions: Optional[Tensor], options: str) -> None:
+def rope_append_impl(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions=None,
+                     **settings):
     """posenc.rope_append: the new keys rotated and written (with the values) into the pages, in
     place."""
-    kw = decode(options)
+    kw = _with_positions(_binding_kwargs("rope_append", settings), "positions", positions)
     half = k_pages.dtype in _HALF
     if v_pages is not None and v_pages.dtype != k_pages.dtype:
         raise TypeError(f"rope_append: k_pages and v_pages must share one dtype (got "
@@ -394,17 +615,18 @@ def rope_append_impl(k_new: Tensor, v_new: Optional[Tensor], k_pages: Tensor,
                          _np(block_table, "block_table"), _np(seq_lens, "seq_lens"),
                          v_new=new(v_new, "v_new"),
                          v_pages=None if v_pages is None else _pool(v_pages, "v_pages"),
-                         dtype=_HALF[k_pages.dtype] if half else None,
-                         positions=(_positions(positions, "positions") if positions is not None
-                                    else kw.pop("positions", None)), **kw)
+                         dtype=_HALF[k_pages.dtype] if half else None, **kw)
 
 
-rope_append = torch.library.custom_op("posenc::rope_append", rope_append_impl,
-                                      mutates_args=("k_pages", "v_pages"))
+rope_append = _define(
+    "rope_append", rope_append_impl,
+    ["Tensor k_new", "Tensor? v_new", "Tensor(a!) k_pages", "Tensor(b!)? v_pages",
+     "Tensor block_table", "Tensor seq_lens", "Tensor? positions=None"], "()",
+    mutates=("k_pages", "v_pages"))
 
 
 @rope_append.register_fake
-def _(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions, options):
+def _(*args, **settings):
     return None
 
 
@@ -454,81 +676,81 @@ attention_merge.register_autograd(_merge_grad, setup_context=_merge_setup)
 
 # ---- RoPE --------------------------------------------------------------------------------------
 
-def rope_impl(x: Tensor, positions: Optional[Tensor], options: str) -> Tensor:
-    """posenc.apply_rope (float32: the SIMD kernel; float64: the reference); options' inverse
+def rope_impl(x, positions=None, **settings):
+    """posenc.apply_rope (float32: the SIMD kernel; float64: the reference); inverse=True
     rotates back. Its gradient is the opposite rotation (its exact transpose)."""
-    kw = decode(options)
-    if positions is not None:
-        kw["positions"] = _positions(positions, "positions")
+    kw = _with_positions(_binding_kwargs("rope", settings), "positions", positions)
     return torch.from_numpy(_posenc.apply_rope(_np(x, "x"), **kw))
 
 
-rope = torch.library.custom_op("posenc::rope", rope_impl, mutates_args=())
+rope = _define("rope", rope_impl, ["Tensor x", "Tensor? positions=None"], "Tensor")
 
 
 @rope.register_fake
-def _(x, positions, options):
+def _(x, *args, **settings):
     return x.new_empty(x.shape)
 
 
-def _positions_setup(ctx, inputs, output):
-    # (x, positions, options): what the rotations' gradients need.
-    _, positions, options = inputs
-    ctx.options = options
-    ctx.save_for_backward(positions)
+def _positions_setup(ctx, inputs, keyword_only_inputs, output):
+    # (x, positions) and the settings: what the rotations' gradients need.
+    ctx.settings = keyword_only_inputs
+    ctx.save_for_backward(inputs[1])
 
 
-def _reverse_rotation(options):
-    """The options of the opposite rotation (the gradient of a rotation)."""
-    return with_option(options, inverse=not bool(_decode_cached(options).get("inverse")))
+def _reverse_rotation(settings):
+    """The settings of the opposite rotation (the gradient of a rotation)."""
+    return {**settings, "inverse": not settings.get("inverse", False)}
 
 
 def _rope_grad(ctx, dy):
     (positions,) = ctx.saved_tensors
-    return rope(dy.contiguous(), positions, _reverse_rotation(ctx.options)), None, None
+    return rope(dy.contiguous(), positions, **_reverse_rotation(ctx.settings)), None
 
 
 rope.register_autograd(_rope_grad, setup_context=_positions_setup)
 
 
-def rope_half_impl(x: Tensor, positions: Optional[Tensor], options: str) -> Tensor:
+def rope_half_impl(x, positions=None, **settings):
     """RoPE of a bf16 / f16 tensor by the native half kernel (result of x's dtype)."""
-    kw = decode(options)
-    if positions is not None:
-        kw["positions"] = _positions(positions, "positions")
+    kw = _with_positions(_binding_kwargs("rope_half", settings), "positions", positions)
     y = _posenc._apply_rope_half(_bits(x, "x"), dtype=_HALF[x.dtype], **kw)
     return _from_bits(y, x.dtype)
 
 
-rope_half = torch.library.custom_op("posenc::rope_half", rope_half_impl, mutates_args=())
+rope_half = _define("rope_half", rope_half_impl, ["Tensor x", "Tensor? positions=None"],
+                    "Tensor")
 
 
 @rope_half.register_fake
-def _(x, positions, options):
+def _(x, *args, **settings):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("posenc::rerotate_rope", mutates_args=())
-def rerotate_rope(k: Tensor, positions: Optional[Tensor], options: str) -> Tensor:
-    """Keys rotated with options' from_freqs moved to to_freqs (posenc.rerotate_rope, float32 or
+def _rerotate_impl(k, positions=None, **settings):
+    """Keys rotated with from_freqs moved to to_freqs (posenc.rerotate_rope, float32 or
     float64). Its gradient is the rerotation back."""
-    kw = decode(options)
+    kw = _with_positions(_binding_kwargs("rerotate_rope", settings), "positions", positions)
     from_freqs, to_freqs = kw.pop("from_freqs"), kw.pop("to_freqs")
-    if positions is not None:
-        kw["positions"] = _positions(positions, "positions")
     return torch.from_numpy(_posenc.rerotate_rope(_np(k, "k"), from_freqs, to_freqs, **kw))
 
 
+rerotate_rope = _define("rerotate_rope", _rerotate_impl, ["Tensor k", "Tensor? positions=None"],
+                        "Tensor")
+
+
 @rerotate_rope.register_fake
-def _(k, positions, options):
+def _(k, *args, **settings):
     return k.new_empty(k.shape)
 
 
 def _rerotate_grad(ctx, dy):
     (positions,) = ctx.saved_tensors
-    d = _decode_cached(ctx.options)
-    back = with_option(ctx.options, from_freqs=d["to_freqs"], to_freqs=d["from_freqs"])
-    return rerotate_rope(dy.contiguous(), positions, back), None, None
+    s = ctx.settings
+    back = dict(s)
+    for part, _ in _FREQUENCY_PARTS:
+        back[f"from_freqs_{part}"], back[f"to_freqs_{part}"] = (s[f"to_freqs_{part}"],
+                                                               s[f"from_freqs_{part}"])
+    return rerotate_rope(dy.contiguous(), positions, **back), None
 
 
 rerotate_rope.register_autograd(_rerotate_grad, setup_context=_positions_setup)
@@ -536,38 +758,39 @@ rerotate_rope.register_autograd(_rerotate_grad, setup_context=_positions_setup)
 
 # ---- absolute positions ------------------------------------------------------------------------
 
-@torch.library.custom_op("posenc::add_learned", mutates_args=())
-def add_learned(x: Tensor, table: Tensor, positions: Optional[Tensor], options: str) -> Tensor:
-    """x + table[position] (float32; options' positions: an int offset when no tensor)."""
-    kw = decode(options)
-    if positions is not None:
-        kw["positions"] = _positions(positions, "positions")
+def _add_learned_impl(x, table, positions=None, **settings):
+    """x + table[position] (float32; positions_offset: an int offset when no tensor)."""
+    kw = _with_positions(_binding_kwargs("add_learned", settings), "positions", positions)
     return torch.from_numpy(_posenc.add_learned(_np(x, "x"), _np(table, "table"), **kw))
 
 
+add_learned = _define("add_learned", _add_learned_impl,
+                      ["Tensor x", "Tensor table", "Tensor? positions=None"], "Tensor")
+
+
 @add_learned.register_fake
-def _(x, table, positions, options):
+def _(x, *args, **settings):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("posenc::learned_backward", mutates_args=())
-def learned_backward(dy: Tensor, positions: Optional[Tensor], max_positions: int,
-                     options: str) -> Tensor:
+def _learned_backward_impl(dy, positions, max_positions, **settings):
     """dtable [max_positions, dim]: the sum of dy at each position."""
-    kw = decode(options)
-    if positions is not None:
-        kw["positions"] = _positions(positions, "positions")
+    kw = _with_positions(_binding_kwargs("learned_backward", settings), "positions", positions)
     return torch.from_numpy(_posenc.learned_backward(_np(dy, "dy"), max_positions, **kw))
 
 
+learned_backward = _define("learned_backward", _learned_backward_impl,
+                           ["Tensor dy", "Tensor? positions", "int max_positions"], "Tensor")
+
+
 @learned_backward.register_fake
-def _(dy, positions, max_positions, options):
+def _(dy, positions, max_positions, **settings):
     return dy.new_empty((max_positions, dy.shape[-1]))
 
 
-def _learned_setup(ctx, inputs, output):
-    x, table, positions, options = inputs
-    ctx.options = options
+def _learned_setup(ctx, inputs, keyword_only_inputs, output):
+    x, table, positions = inputs
+    ctx.settings = keyword_only_inputs
     ctx.rows = table.shape[0]
     ctx.save_for_backward(positions)
 
@@ -576,49 +799,55 @@ def _learned_grad(ctx, dy):
     (positions,) = ctx.saved_tensors
     dtable = None
     if ctx.needs_input_grad[1]:
-        dtable = learned_backward(dy.contiguous(), positions, ctx.rows, ctx.options)
-    return dy, dtable, None, None
+        dtable = learned_backward(dy.contiguous(), positions, ctx.rows, **ctx.settings)
+    return dy, dtable, None
 
 
 add_learned.register_autograd(_learned_grad, setup_context=_learned_setup)
 
 
-@torch.library.custom_op("posenc::add_sinusoidal", mutates_args=())
-def add_sinusoidal(x: Tensor, positions: Optional[Tensor], options: str) -> Tensor:
-    """x + PE[position] (float32; options: the table's settings and an int offset)."""
-    kw = decode(options)
-    if positions is not None:
-        kw["positions"] = _positions(positions, "positions")
+def _add_sinusoidal_impl(x, positions=None, **settings):
+    """x + PE[position] (float32; the table's settings and positions_offset, an int offset)."""
+    kw = _with_positions(_binding_kwargs("add_sinusoidal", settings), "positions", positions)
     return torch.from_numpy(_posenc.add_sinusoidal(_np(x, "x"), **kw))
 
 
+add_sinusoidal = _define("add_sinusoidal", _add_sinusoidal_impl,
+                         ["Tensor x", "Tensor? positions=None"], "Tensor")
+
+
 @add_sinusoidal.register_fake
-def _(x, positions, options):
+def _(x, *args, **settings):
     return x.new_empty(x.shape)
 
 
-add_sinusoidal.register_autograd(lambda ctx, dy: (dy, None, None),
-                                 setup_context=lambda ctx, inputs, output: None)
+add_sinusoidal.register_autograd(lambda ctx, dy: (dy, None),
+                                 setup_context=lambda ctx, inputs, keyword_only_inputs,
+                                 output: None)
 
 
-@torch.library.custom_op("posenc::sinusoidal_encode", mutates_args=())
-def sinusoidal_encode(positions: Tensor, dim: int, options: str) -> Tensor:
+def _sinusoidal_encode_impl(positions, dim, **settings):
     """PE at the positions: float32 [*positions.shape, dim]."""
     ids = _np(positions, "positions").reshape(-1)
-    pe = _posenc.sinusoidal_encode(ids, dim, **decode(options))
+    pe = _posenc.sinusoidal_encode(ids, dim, **_binding_kwargs("sinusoidal_encode", settings))
     return torch.from_numpy(pe).reshape(tuple(positions.shape) + (dim,))
 
 
+sinusoidal_encode = _define("sinusoidal_encode", _sinusoidal_encode_impl,
+                            ["Tensor positions", "int dim"], "Tensor")
+
+
 @sinusoidal_encode.register_fake
-def _(positions, dim, options):
+def _(positions, dim, **settings):
     return positions.new_empty(tuple(positions.shape) + (dim,), dtype=torch.float32)
 
 
 # ---- eager calls -------------------------------------------------------------------------------
 # PyTorch's dispatch of a Python custom op costs about 0.1 ms a call. An eager call on plain CPU
 # tensors (no compiler, no tracing, dispatch or function mode, no profiler, no tensor subclass)
-# runs the same Python implementation directly, through an autograd.Function with the same formulas when gradients
-# are wanted; anything else (torch.compile, export, opcheck, FakeTensor) goes through the ops.
+# runs the same Python implementation directly, through an autograd.Function with the same
+# formulas when gradients are wanted; anything else (torch.compile, export, opcheck, FakeTensor)
+# goes through the ops.
 
 def _plain(*tensors):
     if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
@@ -628,12 +857,19 @@ def _plain(*tensors):
     return all(t is None or type(t) is torch.Tensor for t in tensors)
 
 
+def _mask_list(masks):
+    """The six mask tensors (or None) in the order of _MASKS from {name: tensor}."""
+    return [masks.get(n) for n in _MASKS]
+
+
 class _EagerAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, query_positions, key_positions, masks, options, *tables):
-        out, lse = attention_impl(q, k, v, list(tables), query_positions, key_positions, masks,
-                                  options)
-        ctx.options = options
+    def forward(ctx, q, k, v, table_names, query_positions, key_positions, masks, settings,
+                *tables):
+        out, lse = attention_impl(q, k, v, list(tables), table_names, query_positions,
+                                  key_positions, *masks, **settings)
+        ctx.settings = settings
+        ctx.table_names = table_names
         ctx.masks = masks
         ctx.save_for_backward(q, k, v, out, lse, query_positions, key_positions, *tables)
         ctx.mark_non_differentiable(lse)
@@ -643,68 +879,78 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, query_positions, key_positions, *tables = ctx.saved_tensors
         g = attention_backward_impl(q, k, v, out, lse, dout.contiguous(), tables,
-                                    query_positions, key_positions, ctx.masks, ctx.options)
-        return (g[0], g[1], g[2], None, None, None, None, *g[3:])
+                                    ctx.table_names, query_positions, key_positions, *ctx.masks,
+                                    **ctx.settings)
+        return (g[0], g[1], g[2], None, None, None, None, None, *g[3:])
 
 
-def call_attention(q, k, v, tables, query_positions, key_positions, options, masks=()):
-    """posenc::attention, or its implementation directly for an eager call (above)."""
-    masks = list(masks)
+def call_attention(q, k, v, tables, table_names, query_positions, key_positions, masks,
+                   settings):
+    """posenc::attention, or its implementation directly for an eager call (above). masks:
+    {name: tensor} of _MASKS; settings: the op's typed keyword arguments."""
+    masks = _mask_list(masks)
     if not _plain(q, k, v, query_positions, key_positions, *tables, *masks):
-        return attention(q, k, v, tables, query_positions, key_positions, masks, options)
+        return attention(q, k, v, tables, table_names, query_positions, key_positions, *masks,
+                         **settings)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tables)):
-        return _EagerAttention.apply(q, k, v, query_positions, key_positions, masks, options,
-                                     *tables)
-    return attention_impl(q, k, v, tables, query_positions, key_positions, masks, options)
+        return _EagerAttention.apply(q, k, v, table_names, query_positions, key_positions, masks,
+                                     settings, *tables)
+    return attention_impl(q, k, v, tables, table_names, query_positions, key_positions, *masks,
+                          **settings)
 
 
-def call_attention_half(q, k, v, tables, query_positions, key_positions, options, masks=()):
-    masks = list(masks)
+def call_attention_half(q, k, v, tables, table_names, query_positions, key_positions, masks,
+                        settings):
+    masks = _mask_list(masks)
     if not _plain(q, k, v, query_positions, key_positions, *tables, *masks):
-        return attention_half(q, k, v, tables, query_positions, key_positions, masks, options)
-    return attention_half_impl(q, k, v, tables, query_positions, key_positions, masks, options)
+        return attention_half(q, k, v, tables, table_names, query_positions, key_positions,
+                              *masks, **settings)
+    return attention_half_impl(q, k, v, tables, table_names, query_positions, key_positions,
+                               *masks, **settings)
 
 
-def call_attention_paged(q, k_pages, v_pages, block_table, seq_lens, tables, query_positions,
-                         options):
+def call_attention_paged(q, k_pages, v_pages, block_table, seq_lens, tables, table_names,
+                         query_positions, settings):
     if not _plain(q, k_pages, v_pages, block_table, seq_lens, query_positions, *tables):
-        return attention_paged(q, k_pages, v_pages, block_table, seq_lens, tables,
-                               query_positions, options)
-    return attention_paged_impl(q, k_pages, v_pages, block_table, seq_lens, tables,
-                                query_positions, options)
+        return attention_paged(q, k_pages, v_pages, block_table, seq_lens, tables, table_names,
+                               query_positions, **settings)
+    return attention_paged_impl(q, k_pages, v_pages, block_table, seq_lens, tables, table_names,
+                                query_positions, **settings)
 
 
-def call_rope_append(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions, options):
+def call_rope_append(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions,
+                     settings):
     if not _plain(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions):
         return rope_append(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions,
-                           options)
+                           **settings)
     return rope_append_impl(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions,
-                            options)
+                            **settings)
 
 
 class _EagerRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, positions, options):
-        ctx.options = options
+    def forward(ctx, x, positions, settings):
+        ctx.settings = settings
         ctx.save_for_backward(positions)
-        return rope_impl(x, positions, options)
+        return rope_impl(x, positions, **settings)
 
     @staticmethod
     def backward(ctx, dy):
         (positions,) = ctx.saved_tensors
-        return rope_impl(dy.contiguous(), positions, _reverse_rotation(ctx.options)), None, None
+        dx = rope_impl(dy.contiguous(), positions, **_reverse_rotation(ctx.settings))
+        return dx, None, None
 
 
-def call_rope(x, positions, options):
+def call_rope(x, positions, settings):
     """posenc::rope, or its implementation directly for an eager call."""
     if not _plain(x, positions):
-        return rope(x, positions, options)
+        return rope(x, positions, **settings)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _EagerRope.apply(x, positions, options)
-    return rope_impl(x, positions, options)
+        return _EagerRope.apply(x, positions, settings)
+    return rope_impl(x, positions, **settings)
 
 
-def call_rope_half(x, positions, options):
+def call_rope_half(x, positions, settings):
     if not _plain(x, positions):
-        return rope_half(x, positions, options)
-    return rope_half_impl(x, positions, options)
+        return rope_half(x, positions, **settings)
+    return rope_half_impl(x, positions, **settings)

@@ -288,8 +288,8 @@ Call parse(const std::string& fn, const pb::handle& q, const pb::handle& k, cons
       params = pb::reinterpret_borrow<pb::object>(value);
     } else if (name == "config") {
       c.model = model_config_arg(value);
-      c.settings.config_name =
-          pb::isinstance<pb::str>(value) ? value.cast<std::string>() : std::string("config");
+      // Messages name the config by its path (a ModelConfig: the path it was read from).
+      c.settings.config_name = c.model->source.empty() ? std::string("config") : c.model->source;
     } else if (is_setting_keyword(name)) {
       settings.emplace_back(name, pb::reinterpret_borrow<pb::object>(value));
     } else {

@@ -259,6 +259,13 @@ void bind_model_configs(pb::module_& m) {
       arg("config"),
       "read_model_config(config) -> ModelConfig\n\nA Hugging Face config.json (a path, or the "
       "parsed dict), read strictly: unknown or contradictory positional keys raise IoError.");
+  // The torch ops' form of a config: its config.json text and the name of its source.
+  m.def(
+      "_model_config_from_json",
+      [](const std::string& text, const std::string& source) {
+        return parse_model_config(text, source);
+      },
+      arg("text"), arg("source") = "config");
   m.def(
       "describe", [](const pb::object& config) { return describe(model_config_arg(config)); },
       arg("config"),

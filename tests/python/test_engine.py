@@ -230,12 +230,10 @@ def test_varlen_torch_gradients_and_compile():
     for a, b in zip(args, args2):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
     # The ops directly: opcheck with the mask tensors.
-    kw = {"scheme": "none", "causal": True, "\x00names": [],
-          "\x00masks": ["cu_seqlens_q", "cu_seqlens_k"]}
-    options = posenc._ops.encode(kw)
     qd, kd, vd = (x.detach() for x in args[:3])
-    torch.library.opcheck(torch.ops.posenc.attention.default,
-                          (qd, kd, vd, [], None, None, [cu_qt, cu_kt], options))
+    torch.library.opcheck(torch.ops.posenc.attention.default, (qd, kd, vd, [], []),
+                          {"cu_seqlens_q": cu_qt, "cu_seqlens_k": cu_kt, "scheme": "none",
+                           "causal": True})
 
 
 def test_varlen_bad_arguments():

@@ -508,18 +508,19 @@ def attention_calls(draw):
     elif front == "torch":
         call.run = lambda: pt.attention(*shown, scheme, **call.kw)
     else:
-        def run_op():  # the op itself: int offsets travel in the options, ids as tensors
+        def run_op():  # the op itself: typed arguments (int offsets as <name>_offset, ids as
+            # tensors), each scalar through the bindings' checker (posenc._ops.typed)
             kw = {n: x for n, x in call.kw.items() if n != "params"}
             pos = [kw.pop(n, None) for n in ("query_positions", "key_positions")]
             for n, p in zip(("query_positions", "key_positions"), pos):
                 if isinstance(p, (int, np.integer)):
-                    kw[n] = int(p)
+                    kw[n] = p
             pos = [torch.from_numpy(p) if isinstance(p, np.ndarray) else
                    p if isinstance(p, torch.Tensor) else None for p in pos]
             names = sorted(call.kw.get("params", {}))
-            opts = _ops.encode({**kw, "scheme": scheme, "\x00names": names})
+            typed = _ops.typed("attention_half", {**kw, "scheme": scheme}, "attention_half")
             return torch.ops.posenc.attention_half(*shown, [call.kw["params"][n] for n in names],
-                                                   *pos, [], opts)
+                                                   names, *pos, **typed)
         call.run = run_op
     e = dict(scheme=scheme, skw=skw, rkw=rkw)
     call.expected = lambda: expect_attention(call, e, [rounded(m, comp) for m in meant],

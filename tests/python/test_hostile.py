@@ -194,11 +194,9 @@ def test_complex_and_mixed_half_inputs_are_refused():
     with pytest.raises(TypeError, match="q: expected a floating-point tensor"):
         pt.attention(t.to(torch.complex64), t, t)
     with pytest.raises(TypeError, match="k and v must share one dtype"):
-        torch.ops.posenc.attention_half(t.bfloat16(), t.bfloat16(), t.half(), [], None, None, [],
-                                        "{}")
+        torch.ops.posenc.attention_half(t.bfloat16(), t.bfloat16(), t.half(), [], [])
     with pytest.raises(TypeError, match="q must be"):
-        torch.ops.posenc.attention_half(t.half(), t.bfloat16(), t.bfloat16(), [], None, None, [],
-                                        "{}")
+        torch.ops.posenc.attention_half(t.half(), t.bfloat16(), t.bfloat16(), [], [])
     # A float16 array read as bf16 bits.
     with pytest.raises(TypeError, match="float16 array for dtype='bfloat16'"):
         posenc._posenc._attention_half(q.astype(np.float16), q.astype(np.float16),
@@ -297,17 +295,121 @@ def test_nan_with_block_masks_names_the_input(masks):
             posenc.attention(qn, q, q, **kw)
 
 
-# ---- the torch ops' options ---------------------------------------------------------------------
+# ---- the torch ops' typed arguments ------------------------------------------------------------
 
-def test_op_options_errors_name_options_and_unnamed_tensors():
+def test_op_argument_errors_name_the_argument_and_unnamed_tables():
     t = torch.randn(1, 3, 2, 4)
-    with pytest.raises(ValueError, match="options: not a Python dict literal"):
-        torch.ops.posenc.attention(t, t, t, [], None, None, [], "{bad")
-    with pytest.raises(ValueError, match="masks: 1 tensors, but options name 0"):
-        torch.ops.posenc.attention(t, t, t, [], None, None, [torch.ones(1, 3, 3, dtype=torch.bool)],
-                                   "{}")
-    with pytest.raises(ValueError, match="tables: 1 tensors, but options name 0"):
-        torch.ops.posenc.attention(t, t, t, [torch.zeros(2)], None, None, [], "{}")
+    ops = torch.ops.posenc
+    # A table without a name, a name without a table, one name twice.
+    with pytest.raises(ValueError, match=r"tables, table_names: 1 tensors and 0 names"):
+        ops.attention(t, t, t, [torch.zeros(2)], [])
+    with pytest.raises(ValueError, match=r"0 tensors and 1 names \['slopes'\]"):
+        ops.attention(t, t, t, [], ["slopes"])
+    with pytest.raises(ValueError, match="table_names: 'slopes' is given twice"):
+        ops.attention(t, t, t, [torch.zeros(2)] * 2, ["slopes"] * 2, scheme="alibi")
+    # A wrong-typed argument: the schema refuses it, naming the argument (torch's schema takes
+    # an int for a bool and a bool for an int; posenc.torch's calls refuse those, below).
+    for kw, name in (({"causal": "yes"}, "causal"), ({"window": 2.5}, "window"),
+                     ({"scale": "big"}, "scale"), ({"scheme": 3}, "scheme"),
+                     ({"global_positions": [1.5]}, "global_positions"),
+                     ({"config": {"model_type": "llama"}}, "config")):
+        with pytest.raises((TypeError, RuntimeError), match=name):
+            ops.attention(t, t, t, [], [], **kw)
+    with pytest.raises((TypeError, RuntimeError), match="causl"):
+        ops.attention(t, t, t, [], [], causl=True)
+    with pytest.raises((TypeError, RuntimeError), match="table_names"):
+        ops.attention(t, t, t, [], [3])
+    # Ranges are the NumPy function's: ValueError naming the argument.
+    with pytest.raises(ValueError, match="window"):
+        ops.attention(t, t, t, [], [], window=0)
+    with pytest.raises(ValueError, match="scheme"):
+        ops.attention(t, t, t, [], [], scheme="nope")
+    # An offset and ids of the same positions, frequencies without their inv_freq.
+    with pytest.raises(ValueError, match="query_positions, query_positions_offset"):
+        ops.attention(t, t, t, [], [], torch.arange(3), query_positions_offset=2)
+    with pytest.raises(ValueError, match="freqs_inv_freq: required"):
+        ops.rope(t, freqs_attention_factor=1.0)
+    # A rope_scaling that is not JSON text, a config that is not config.json text.
+    with pytest.raises(ValueError, match="scaling: expected a rope_scaling dict as JSON text"):
+        ops.rope(t, scaling="{bad")
+    with pytest.raises(ValueError, match="config: expected a config.json as JSON text"):
+        ops.attention(t, t, t, [], [], config="{bad")
+    with pytest.raises(ValueError, match="config: expected a config.json as JSON text"):
+        ops.attention(t, t, t, [], [], config='"tests/configs/llama-2-7b.json"')  # a path
+    # posenc.torch checks each scalar before the op (the bindings' checker), naming it.
+    with pytest.raises(TypeError, match="scale: expected a number"):
+        pt.attention(t, t, t, scale="big")
+    with pytest.raises(TypeError, match=r"attention\(\) got an unexpected keyword argument"):
+        pt.attention(t, t, t, causl=True)
+    with pytest.raises(ValueError, match=r"scaling\['factor'\]: must be finite"):
+        pt.rope(t, scaling={"rope_type": "linear", "factor": float("inf")})
+    with pytest.raises(TypeError, match="freqs: expected a posenc.RopeFrequencies"):
+        pt.rope(t, freqs=[1.0, 0.5])
+    with pytest.raises(TypeError, match="causal: expected True or False"):
+        pt.attention(t, t, t, causal=1)
+    with pytest.raises(TypeError, match="window: expected an integer"):
+        pt.attention(t, t, t, window=True)
+    # The same checks in a compiled call, made while tracing: the TypeError itself (with
+    # fullgraph=True, torch.compile's error for an exception raised in the traced code, quoting
+    # it).
+    for fullgraph, error in ((False, TypeError), (True, RuntimeError)):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: pt.attention(x, x, x, causal=1), backend="eager",
+                                 fullgraph=fullgraph)
+        with pytest.raises(error, match="causal: expected True or False"):
+            compiled(t)
+
+
+def schema_type(t):
+    """An argument type as the schema language writes it (int[]?, Tensor, ...)."""
+    t = str(t)
+    optional = t.startswith("Optional[")
+    t = t[len("Optional["):-1] if optional else t
+    if t.startswith("List["):
+        t = t[len("List["):-1] + "[]"
+    return t + "?" * optional
+
+
+def test_op_schemas_are_typed():
+    # Every posenc op takes tensors and typed arguments: no options string, nothing decoded by
+    # ast, no sentinel keys, no registry of objects.
+    import inspect
+    import re
+
+    from posenc import _ops
+    names = [n for n in dir(torch.ops.posenc)
+             if isinstance(getattr(torch.ops.posenc, n), torch._ops.OpOverloadPacket)]
+    assert {"attention", "attention_backward", "attention_half", "attention_paged", "rope_append",
+            "rope", "rope_half", "rerotate_rope", "add_learned", "learned_backward",
+            "add_sinusoidal", "sinusoidal_encode", "attention_merge"} <= set(names)
+    allowed = {"Tensor", "Tensor?", "Tensor[]", "int", "int?", "float", "float?", "bool", "bool?",
+               "str", "str?", "int[]?", "float[]?", "float[]", "str[]"}
+    for n in names:
+        schema = getattr(torch.ops.posenc, n).default._schema
+        for a in schema.arguments:
+            assert a.name != "options", (n, str(schema))
+            assert schema_type(a.type) in allowed, (n, a.name, str(a.type))
+    source = inspect.getsource(_ops)
+    assert not re.search(r"^\s*(import ast|from ast )", source, re.M)
+    assert "literal_eval" not in source and "\\x00" not in source and "_OBJECTS" not in source
+    for gone in ("encode", "decode", "with_option", "register_object"):
+        assert not hasattr(_ops, gone), gone
+    # Every scheme setting of the registry is an argument of the attention op, of its type.
+    schema = {a.name: schema_type(a.type)
+              for a in torch.ops.posenc.attention.default._schema.arguments}
+    kinds = {"float": "float?", "int": "int?", "bool": "bool?", "choice": "str?",
+             "rope_scaling": "str?"}
+    for s in posenc.schemes():
+        for setting in s["settings"]:
+            if setting["type"] == "rope_frequencies":
+                for part, t in (("inv_freq", "float[]?"), ("attention_factor", "float?"),
+                                ("angles", "str?")):
+                    assert schema[f"{setting['keyword']}_{part}"] == t, setting
+            else:
+                assert schema[setting["keyword"]] == kinds[setting["type"]], setting
+    # The signature the module's docstring shows is the op's.
+    rope = str(torch.ops.posenc.rope.default._schema)
+    assert re.sub(r"\s+", " ", rope) in re.sub(r"\s+", " ", _ops.__doc__)
 
 
 def test_results_of_broadcast_inputs_are_bounded_before_allocation(monkeypatch):
@@ -455,8 +557,8 @@ def test_torch_takes_numpy_masks_of_any_strides_and_numpy_offsets():
                                   posenc.attention(x, x, x, query_positions=3, key_positions=3))
 
 
-def test_op_options_cache_keeps_the_types():
-    # causal=1 and causal=True hash alike; the options of one are not reused for the other.
+def test_op_arguments_keep_the_types():
+    # causal=1 and causal=True compare equal, but only True is a bool: the checker refuses 1.
     t = torch.randn(1, 3, 1, 4)
     pt.attention(t, t, t, causal=True)
     with pytest.raises(TypeError, match="causal: expected True or False"):

@@ -210,19 +210,16 @@ def test_torch_rope_append_in_place(dtype):
 
 def test_opcheck_paged_ops():
     ops = torch.ops.posenc
-    from posenc import _ops
     kp, vp, table, seq_lens, _, _ = torch_cache()
     q = torch.randn(2, 1, 4, 16, generator=torch.Generator().manual_seed(3))
-    options = _ops.encode({"scheme": "rope", "causal": True, "\x00names": []})
+    settings = {"scheme": "rope", "causal": True}
     torch.library.opcheck(ops.attention_paged.default,
-                          (q, kp, vp, table, seq_lens, [], None, options))
+                          (q, kp, vp, table, seq_lens, [], [], None), settings)
     torch.library.opcheck(ops.attention_paged.default,
-                          (q.bfloat16(), kp.bfloat16(), vp.bfloat16(), table, seq_lens, [],
-                           torch.tensor([[20], [8]]), options))
+                          (q.bfloat16(), kp.bfloat16(), vp.bfloat16(), table, seq_lens, [], [],
+                           torch.tensor([[20], [8]])), settings)
     kn = torch.randn(2, 3, 2, 16, generator=torch.Generator().manual_seed(4))
     torch.library.opcheck(ops.rope_append.default,
-                          (kn, kn, kp.clone(), vp.clone(), table, seq_lens, None,
-                           _ops.encode({"base": 100.0})))
+                          (kn, kn, kp.clone(), vp.clone(), table, seq_lens, None), {"base": 100.0})
     torch.library.opcheck(ops.rope_append.default,
-                          (kn, None, kp.clone(), None, table, seq_lens,
-                           torch.tensor([5, 6, 7]), _ops.encode({})))
+                          (kn, None, kp.clone(), None, table, seq_lens, torch.tensor([5, 6, 7])))

@@ -2,6 +2,10 @@
 torch.compile (fullgraph, dynamic shapes) and torch.export of a decoder block for every scheme,
 the device check, and the no-copy path to the kernels."""
 
+import json
+import os
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -44,67 +48,72 @@ def attention_args(scheme, dtype=torch.float32, seed=0, positions=False):
     tables = tables_for(scheme, h, d, g, dtype)
     names = sorted(tables)
     kw = dict(SETTINGS.get(scheme, {}), scheme=scheme, causal=True)
-    kw["\x00names"] = names
     qp = kp = None
     if positions:
         qp = torch.tensor([[3, 4, 5, 6, 7], [9, 10, 11, 12, 13]])
         kp = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [7, 8, 9, 10, 11, 12, 13]])
-    return (q, k, v, [tables[n] for n in names], qp, kp, [], _ops.encode(kw))
+    return (q, k, v, [tables[n] for n in names], names, qp, kp), kw
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_opcheck_attention(scheme, dtype):
-    args = attention_args(scheme, dtype, positions=scheme in ("rope", "t5"))
-    torch.library.opcheck(ops.attention.default, args)
-    q, k, v, tables, qp, kp, masks, options = args
-    out, lse = ops.attention(*args)
+    args, kw = attention_args(scheme, dtype, positions=scheme in ("rope", "t5"))
+    torch.library.opcheck(ops.attention.default, args, kw)
+    q, k, v, tables, names, qp, kp = args
+    out, lse = ops.attention(*args, **kw)
     dout = torch.randn_like(out)
     bargs = (q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dout,
-             [t.detach() for t in tables], qp, kp, masks, options)
-    torch.library.opcheck(ops.attention_backward.default, bargs)
+             [t.detach() for t in tables], names, qp, kp)
+    torch.library.opcheck(ops.attention_backward.default, bargs, kw)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_attention_op_gradients_match_the_float64_reference(scheme):
-    q, k, v, tables, qp, kp, masks, options = attention_args(scheme, torch.float64, seed=3)
+    (q, k, v, tables, names, qp, kp), kw = attention_args(scheme, torch.float64, seed=3)
     assert torch.autograd.gradcheck(
-        lambda q, k, v, *t: ops.attention(q, k, v, list(t), qp, kp, masks, options)[0],
+        lambda q, k, v, *t: ops.attention(q, k, v, list(t), names, qp, kp, **kw)[0],
         (q, k, v, *tables), atol=1e-7, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_opcheck_attention_half(scheme, dtype):
-    q, k, v, tables, qp, kp, masks, options = attention_args(scheme)
+    (q, k, v, tables, names, qp, kp), kw = attention_args(scheme)
     half = [x.detach().to(dtype) for x in (q, k, v)]
     tables = [t.detach() for t in tables]
-    torch.library.opcheck(ops.attention_half.default, (*half, tables, qp, kp, masks, options))
+    torch.library.opcheck(ops.attention_half.default, (*half, tables, names, qp, kp), kw)
     # The mixed kernel: float32 q, half k and v.
     torch.library.opcheck(ops.attention_half.default,
-                          (q.detach(), half[1], half[2], tables, qp, kp, masks, options))
+                          (q.detach(), half[1], half[2], tables, names, qp, kp), kw)
 
 
 def test_opcheck_rope_and_rerotation():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 6, 3, 16, generator=g, requires_grad=True)
     pos = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 9, 11, 13, 15, 17]])
-    for kw in ({"base": 100.0}, {"style": "interleaved", "rotary_dim": 8},
-               {"scaling": {"rope_type": "dynamic", "factor": 2.0,
-                            "original_max_position_embeddings": 8}}):
-        for positions in (None, pos):
-            torch.library.opcheck(ops.rope.default, (x, positions, _ops.encode(kw)))
+    scaling = '{"factor": 2.0, "original_max_position_embeddings": 8, "rope_type": "dynamic"}'
+    for kw in ({"base": 100.0}, {"style": "interleaved", "rotary_dim": 8}, {"scaling": scaling},
+               {"positions_offset": 3}):
+        for positions in (None, pos) if "positions_offset" not in kw else (None,):
+            torch.library.opcheck(ops.rope.default, (x, positions), kw)
     x64 = x.detach().double().requires_grad_()
-    torch.library.opcheck(ops.rope.default, (x64, pos, _ops.encode({"inverse": True})))
+    torch.library.opcheck(ops.rope.default, (x64, pos), {"inverse": True})
     for dtype in (torch.bfloat16, torch.float16):
-        torch.library.opcheck(ops.rope_half.default,
-                              (x.detach().to(dtype), pos, _ops.encode({"base": 500.0})))
+        torch.library.opcheck(ops.rope_half.default, (x.detach().to(dtype), pos), {"base": 500.0})
     short = posenc.rope_frequencies(16)
     long = posenc.rope_frequencies(16, scaling={"rope_type": "dynamic", "factor": 2.0,
                                                 "original_max_position_embeddings": 8},
                                    seq_len=32)
-    options = _ops.encode({"from_freqs": short, "to_freqs": long, "style": "half"})
-    torch.library.opcheck(ops.rerotate_rope.default, (x, pos, options))
+    torch.library.opcheck(ops.rope.default, (x, pos), {
+        "freqs_inv_freq": list(long.inv_freq), "freqs_attention_factor": long.attention_factor,
+        "freqs_angles": long.angles})
+    kw = {f"{which}_{part}": getattr(f, part) for which, f in (("from_freqs", short),
+                                                                ("to_freqs", long))
+          for part in ("attention_factor", "angles")}
+    kw.update(from_freqs_inv_freq=list(short.inv_freq), to_freqs_inv_freq=list(long.inv_freq),
+              style="half")
+    torch.library.opcheck(ops.rerotate_rope.default, (x, pos), kw)
 
 
 def test_opcheck_absolute_positions_and_merge():
@@ -112,15 +121,13 @@ def test_opcheck_absolute_positions_and_merge():
     x = torch.randn(2, 5, 8, generator=g, requires_grad=True)
     table = torch.randn(12, 8, generator=g, requires_grad=True)
     ids = torch.tensor([[0, 1, 2, 3, 4], [11, 3, 3, 0, 7]])
-    torch.library.opcheck(ops.add_learned.default, (x, table, ids, _ops.encode({})))
-    torch.library.opcheck(ops.add_learned.default, (x, table, None, _ops.encode({"positions": 4})))
-    torch.library.opcheck(ops.learned_backward.default,
-                          (x.detach(), ids, 12, _ops.encode({})))
+    torch.library.opcheck(ops.add_learned.default, (x, table, ids))
+    torch.library.opcheck(ops.add_learned.default, (x, table, None), {"positions_offset": 4})
+    torch.library.opcheck(ops.learned_backward.default, (x.detach(), ids, 12))
     cfg = {"base": 1e4, "layout": "concat", "denominator": "dim", "origin": 0, "odd_dim": "error"}
-    torch.library.opcheck(ops.add_sinusoidal.default, (x, ids, _ops.encode(cfg)))
-    torch.library.opcheck(ops.add_sinusoidal.default,
-                          (x, None, _ops.encode({**cfg, "positions": 3})))
-    torch.library.opcheck(ops.sinusoidal_encode.default, (ids, 8, _ops.encode(cfg)))
+    torch.library.opcheck(ops.add_sinusoidal.default, (x, ids), cfg)
+    torch.library.opcheck(ops.add_sinusoidal.default, (x, None), {**cfg, "positions_offset": 3})
+    torch.library.opcheck(ops.sinusoidal_encode.default, (ids, 8), cfg)
     # attention_merge of two partial attentions over disjoint key sets.
     q = torch.randn(1, 4, 2, 8, generator=g)
     k = torch.randn(1, 9, 2, 8, generator=g)
@@ -159,18 +166,18 @@ def test_attention_merge_gradient_matches_autograd_of_the_formula():
 def test_eager_calls_and_the_operators_agree(scheme):
     # Eager calls on plain tensors skip the dispatcher (posenc._ops.call_attention); the values
     # and gradients are the operator's, bit for bit.
-    q, k, v, tables, qp, kp, masks, options = attention_args(scheme, positions=True)
+    (q, k, v, tables, names, qp, kp), kw = attention_args(scheme, positions=True)
     inputs = [q, k, v, *tables]
-    out1, lse1 = _ops.call_attention(q, k, v, tables, qp, kp, options)
+    out1, lse1 = _ops.call_attention(q, k, v, tables, names, qp, kp, {}, kw)
     g1 = torch.autograd.grad(out1.square().sum(), inputs)
-    out2, lse2 = ops.attention(q, k, v, tables, qp, kp, masks, options)
+    out2, lse2 = ops.attention(q, k, v, tables, names, qp, kp, **kw)
     g2 = torch.autograd.grad(out2.square().sum(), inputs)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
     x = q.detach().clone().requires_grad_()
-    r1 = _ops.call_rope(x, qp, _ops.encode({"base": 50.0}))
+    r1 = _ops.call_rope(x, qp, {"base": 50.0})
     (d1,) = torch.autograd.grad(r1.sum(), x)
-    r2 = ops.rope(x, qp, _ops.encode({"base": 50.0}))
+    r2 = ops.rope(x, qp, base=50.0)
     (d2,) = torch.autograd.grad(r2.sum(), x)
     assert torch.equal(r1, r2) and torch.equal(d1, d2)
 
@@ -319,3 +326,71 @@ def test_decoder_block_exports(scheme):
     for n in (9, 17):
         x = torch.randint(0, 40, (2, n))
         assert torch.allclose(exported.module()(x), model(x), atol=1e-6)
+
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "max_position_embeddings": 16, "rope_theta": 500.0,
+              "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+
+LOAD_AND_RUN = """
+import sys
+import torch
+import posenc.torch  # registers the posenc ops
+program = torch.export.load(sys.argv[1])
+q, k, v = torch.load(sys.argv[2])
+torch.save(program.module()(q, k, v), sys.argv[3])
+"""
+
+
+def test_an_exported_model_made_from_a_config_runs_in_another_process(tmp_path):
+    # The config travels in the graph as its config.json text: the saved program needs nothing
+    # of the process that made it.
+    import subprocess
+    import sys
+
+    class Core(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = pt.PositionalAttention(config=posenc.read_model_config(TINY_LLAMA),
+                                               causal=True)
+
+        def forward(self, q, k, v):
+            return self.attn(q, k, v)
+
+    model = Core().eval()
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 40, 2, 16, generator=g)  # 40 > 16 tokens: dynamic NTK scales the angles
+    k, v = torch.randn(1, 40, 1, 16, generator=g), torch.randn(1, 40, 1, 16, generator=g)
+    exported = torch.export.export(model, (q, k, v))
+    calls = [n for n in exported.graph.nodes if n.target == ops.attention.default]
+    assert len(calls) == 1 and calls[0].kwargs["config"] == model.attn.positions.settings()[
+        "config"].json
+    torch.export.save(exported, tmp_path / "model.pt2")
+    torch.save((q, k, v), tmp_path / "inputs.pt")
+    subprocess.run([sys.executable, "-c", LOAD_AND_RUN, str(tmp_path / "model.pt2"),
+                    str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")], check=True,
+                   timeout=180)
+    got = torch.load(tmp_path / "out.pt")
+    want = model(q, k, v)
+    assert torch.equal(got, want)
+    # Not the rotation of the unscaled frequencies: the config's scaling reached the op.
+    plain = pt.attention(q, k, v, "rope", causal=True, base=500.0)
+    assert not torch.allclose(got, plain, atol=1e-4)
+
+
+def test_messages_name_the_config_by_its_path():
+    # The op carries the config's text and the path it was read from: a conflict names the file,
+    # through the op as through the NumPy function.
+    path = os.path.join(os.environ.get("POSENC_TEST_CONFIGS_DIR", "tests/configs"),
+                        "llama-2-7b.json")
+    cfg = posenc.read_model_config(path)
+    assert cfg.source == path and json.loads(cfg.json)["model_type"] == "llama"
+    q = torch.zeros(1, 3, 32, 128)
+    for config in (path, cfg):
+        with pytest.raises(ValueError, match=re.escape(path)):
+            pt.attention(q, q, q, "alibi", config=config)
+        with pytest.raises(ValueError, match=re.escape(path)):
+            posenc.attention(q.numpy(), q.numpy(), q.numpy(), "alibi", config=config)
+    # A dict has no path: "config".
+    with pytest.raises(ValueError, match="conflicts with config"):
+        pt.attention(q, q, q, "alibi", config=json.loads(cfg.json))

@@ -2,15 +2,18 @@
 docs/architecture.md ("How to add a scheme") lists, builds the command-line tool there and checks
 that the scheme works everywhere the registry reaches without further edits: `posenc attention`'s
 --scheme and its --toy-slope flag (help, type and range checks, refusal for another scheme), the
-fused float32 path and the float64 reference.
+fused float32 path and the float64 reference; in Python `posenc.schemes()`, the `toy_slope`
+keyword of `posenc.attention` (type and range checks), the torch op's typed `toy_slope` argument
+and `posenc.torch.attention`'s forward and backward.
 
 The toy is a bias -slope |pos_q - pos_k| with one slope for every head (the distance-bias kernel
 form that ALiBi and T5 use): its results must equal ALiBi's with that slope on every head.
 
     python3 tests/toy_scheme/check.py [--keep DIR]
 
-Needs cmake, a C++ compiler and NumPy. It builds the library and the CLI only, unoptimized (about
-2 minutes on 2 cores; ccache is used when present, as the project's build does).
+Needs cmake, a C++ compiler, NumPy, PyTorch and pybind11 (the interpreter running it must have
+them). It builds the library, the CLI and the Python extension, unoptimized (about 3 minutes on 2
+cores; ccache is used when present, as the project's build does).
 """
 
 import argparse
@@ -58,6 +61,49 @@ EDITS = [
 ]
 NEW_FILES = {"include/posenc/toy.h": "toy.h", "src/schemes/toy.cc": "toy.cc",
              "src/schemes/toy_term.h": "toy_term.h"}
+
+
+PYTHON_CHECK = r"""
+import numpy as np
+import torch
+
+import posenc
+import posenc.torch
+
+toy = next(s for s in posenc.schemes() if s["name"] == "toy")
+(slope,) = toy["settings"]
+assert (slope["keyword"], slope["type"], slope["min"], slope["min_exclusive"],
+        slope["default"]) == ("toy_slope", "float", 0.0, True, "0.5"), slope
+rng = np.random.default_rng(3)
+q, k, v = (rng.standard_normal(s) for s in ((2, 5, 3, 8), (2, 9, 3, 8), (2, 9, 3, 8)))
+got = posenc.attention(q, k, v, "toy", toy_slope=0.375, causal=True)
+want = posenc.attention(q, k, v, "alibi", params={"slopes": np.full(3, 0.375)}, causal=True)
+assert np.abs(got - want).max() <= 1e-12
+for bad, error in ((0.0, ValueError), (float("nan"), ValueError), ("1", TypeError),
+                   (True, TypeError)):
+    try:
+        posenc.attention(q, k, v, "toy", toy_slope=bad)
+    except error as e:
+        assert "toy_slope" in str(e), e
+    else:
+        raise AssertionError(f"toy_slope={bad!r} accepted")
+try:
+    posenc.attention(q, k, v, "alibi", toy_slope=1.0)
+except TypeError as e:
+    assert "'toy_slope' does not apply to scheme 'alibi'" in str(e), e
+else:
+    raise AssertionError("toy_slope accepted for alibi")
+assert "float? toy_slope=None" in str(torch.ops.posenc.attention.default._schema)
+tq, tk, tv = (torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in (q, k, v))
+out = posenc.torch.attention(tq, tk, tv, "toy", toy_slope=0.375, causal=True)
+dout = rng.standard_normal(out.shape)
+out.backward(torch.tensor(dout, dtype=torch.float32))
+ref = posenc.attention_grad(q, k, v, dout, "toy", toy_slope=0.375, causal=True)
+assert np.abs(out.detach().numpy() - got).max() <= 2e-6
+for name, t in (("dq", tq), ("dk", tk), ("dv", tv)):
+    assert np.abs(t.grad.numpy() - ref[name]).max() <= 1e-5, name
+print("toy scheme: Python keyword, checks, torch op argument and gradients OK")
+"""
 
 
 def documented_files():
@@ -128,12 +174,14 @@ def main():
     build = os.path.join(work, "build")
     # Unoptimized: the check is what compiles and what it computes, not speed (a quarter of the
     # Release build's time).
+    pybind11_dir = run([sys.executable, "-m", "pybind11", "--cmakedir"]).stdout.strip()
     cfg = ["cmake", "-S", copy, "-B", build, "-DCMAKE_BUILD_TYPE=Debug",
-           "-DCMAKE_CXX_FLAGS_DEBUG=-O0", "-DPOSENC_BUILD_TESTS=OFF", "-DPOSENC_BUILD_PYTHON=OFF",
+           "-DCMAKE_CXX_FLAGS_DEBUG=-O0", "-DPOSENC_BUILD_TESTS=OFF", "-DPOSENC_BUILD_PYTHON=ON",
+           f"-DPython_EXECUTABLE={sys.executable}", f"-Dpybind11_DIR={pybind11_dir}",
            "-DPOSENC_BUILD_BENCHMARKS=OFF"]
     if shutil.which("ninja"):
         cfg += ["-G", "Ninja"]
-    for step in (cfg, ["cmake", "--build", build, "--target", "posenc_cli", "-j",
+    for step in (cfg, ["cmake", "--build", build, "--target", "posenc_python_stage", "-j",
                        str(os.cpu_count() or 2)]):
         r = run(step)
         assert r.returncode == 0, f"{' '.join(step)}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
@@ -179,6 +227,12 @@ def main():
         assert r.returncode == 2 and needle in r.stderr, (bad, r.returncode, r.stderr)
     print(f"toy scheme: CLI fused vs float64 {np.abs(toy - toy64).max():.2e}, float64 vs ALiBi "
           f"{np.abs(toy64 - alibi64).max():.2e}; flag checks OK")
+
+    # 4. Python: the registry's metadata, the keyword and its checks, the torch op's argument.
+    env = dict(os.environ, PYTHONPATH=os.path.join(build, "python", "stage"))
+    r = run([sys.executable, "-c", PYTHON_CHECK], env=env, cwd=work)
+    assert r.returncode == 0, f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    print(r.stdout.strip())
     if not args.keep:
         shutil.rmtree(work)
 

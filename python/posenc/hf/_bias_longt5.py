@@ -40,13 +40,23 @@ def _model_module(module):
 
 
 def _prepared(scheme, table, **kwargs):
-    """The op-level arguments of one posenc attention call: (options, query positions, key
-    positions, masks); table is named relative_attention_bias (or None: no table)."""
-    kw, (qpos, kpos) = pt._split_positions(kwargs, "query_positions", "key_positions")
-    masks = pt._split_masks(kw)
-    kw["scheme"] = scheme
-    kw["\x00names"] = ["relative_attention_bias"] if table is not None else []
-    return _ops.encode(kw), qpos, kpos, masks
+    """The op-level arguments of one posenc attention call but its tensors q, k, v and tables:
+    (table names, query positions, key positions, {mask name: tensor}, typed settings); table is
+    named relative_attention_bias (or None: no table)."""
+    _, _, qpos, kpos, masks, settings = pt._prepared(kwargs, scheme)
+    names = ["relative_attention_bias"] if table is not None else []
+    return names, qpos, kpos, masks, settings
+
+
+def _forward(q, k, v, table, part):
+    names, qpos, kpos, masks, settings = part
+    return _ops.attention_impl(q, k, v, [table], names, qpos, kpos, **masks, **settings)
+
+
+def _backward(q, k, v, out, lse, dout, table, part):
+    names, qpos, kpos, masks, settings = part
+    return _ops.attention_backward_impl(q, k, v, out, lse, dout, [table], names, qpos, kpos,
+                                        **masks, **settings)
 
 
 class _UnionAttention(torch.autograd.Function):
@@ -58,10 +68,8 @@ class _UnionAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, part_a, part_b, q, k_a, v_a, t_a, k_b, v_b, t_b):
-        out_a, lse_a = _ops.attention_impl(q, k_a, v_a, [t_a], part_a[1], part_a[2], part_a[3],
-                                           part_a[0])
-        out_b, lse_b = _ops.attention_impl(q, k_b, v_b, [t_b], part_b[1], part_b[2], part_b[3],
-                                           part_b[0])
+        out_a, lse_a = _forward(q, k_a, v_a, t_a, part_a)
+        out_b, lse_b = _forward(q, k_b, v_b, t_b, part_b)
         la, lb = lse_a.double(), lse_b.double()
         lse = torch.logaddexp(la, lb)
         shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
@@ -78,10 +86,8 @@ class _UnionAttention(torch.autograd.Function):
         q, k_a, v_a, t_a, k_b, v_b, t_b, out, lse = ctx.saved_tensors
         part_a, part_b = ctx.parts
         dout = dout.contiguous()
-        ga = _ops.attention_backward_impl(q, k_a, v_a, out, lse, dout, [t_a], part_a[1],
-                                          part_a[2], part_a[3], part_a[0])
-        gb = _ops.attention_backward_impl(q, k_b, v_b, out, lse, dout, [t_b], part_b[1],
-                                          part_b[2], part_b[3], part_b[0])
+        ga = _backward(q, k_a, v_a, out, lse, dout, t_a, part_a)
+        gb = _backward(q, k_b, v_b, out, lse, dout, t_b, part_b)
         return (None, None, ga[0] + gb[0], ga[1], ga[2], ga[3], gb[1], gb[2], gb[3])
 
 

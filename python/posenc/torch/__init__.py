@@ -68,8 +68,8 @@ def _widen(t):
 
 
 def _tensor_arg(value, what):
-    """A positions argument: a tensor (an int64 CPU tensor for the op), or None / an int (kept in
-    the options)."""
+    """A positions argument: a tensor (an int64 CPU tensor for the op), or None / an int (an int
+    offset: a keyword argument of the op)."""
     if value is None or isinstance(value, (int, np.integer)):
         return None
     if isinstance(value, torch.Tensor):
@@ -126,9 +126,8 @@ def _split_positions(kwargs, *names):
 
 
 def _split_masks(kw):
-    """Moves the mask keywords' values out of kw: (names, tensors); their names go to the options
-    as "\x00masks"."""
-    names, tensors = [], []
+    """Moves the mask keywords' values out of kw: {name: tensor} (the ops' mask arguments)."""
+    masks = {}
     for n in _MASK_KEYWORDS:
         value = kw.pop(n, None)
         if value is None:
@@ -137,11 +136,8 @@ def _split_masks(kw):
             _require_cpu(value, n)
         else:
             value = _as_tensor(value, n)
-        names.append(n)
-        tensors.append(value)
-    if names:
-        kw["\x00masks"] = names
-    return tensors
+        masks[n] = value
+    return masks
 
 
 def _split_params(params):
@@ -156,8 +152,24 @@ def _split_params(params):
     raise TypeError("params: a dict {name: tensor}")
 
 
-def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_options=None,
-              **kwargs):
+def _prepared(kwargs, scheme=None, params=None, base=None):
+    """An attention call's arguments as its op takes them: (table_names, tables, query
+    positions, key positions, {mask name: tensor}, typed settings). base: typed settings made
+    earlier (a module's, outside any compiled region) that kwargs extend or override."""
+    kw, (qpos, kpos) = _split_positions(kwargs, "query_positions", "key_positions")
+    masks = _split_masks(kw)
+    if scheme is not None:
+        kw["scheme"] = scheme
+    names, tables = _split_params(params)
+    for n, t in zip(names, tables):
+        _require_cpu(t, n)
+    settings = _ops.typed("attention", kw, "attention")
+    if base:
+        settings = {**base, **settings}
+    return list(names), list(tables), qpos, kpos, masks, settings
+
+
+def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_args=None, **kwargs):
     """Attention with a positional scheme, differentiable (see posenc.attention for keywords).
 
     params: {name: tensor} (docs/attention.md, Parameter names); tables with requires_grad get
@@ -178,7 +190,7 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_opti
     and cu_seqlens_k (int tensors [num_seqs + 1]) give out [total_q, heads_q, v_dim] and lse
     [heads_q, total_q]; positions restart in each sequence. Block masks: query_documents,
     key_documents, prefix, global_positions, mask (see posenc.attention). Mask tensors travel to
-    the op as its `masks` argument (no gradient).
+    the op as its arguments of those names (no gradient).
     """
     for bad in ("out", "lse"):
         if bad in kwargs:
@@ -188,15 +200,7 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_opti
     _real_tensors((q, "q"), (k, "k"), (v, "v"))
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
         _require_cpu(t, what)
-    kw, (qpos, kpos) = _split_positions(kwargs, "query_positions", "key_positions")
-    masks = _split_masks(kw)
-    if scheme is not None:
-        kw["scheme"] = scheme
-    names, tables = _split_params(params)
-    for n, t in zip(names, tables):
-        _require_cpu(t, n)
-    kw["\x00names"] = list(names)
-    options = _ops.encode(kw, _base_options)
+    names, tables, qpos, kpos, masks, settings = _prepared(kwargs, scheme, params, _base_args)
     tables = [_widen(t) for t in tables]
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or any(t.requires_grad for t in tables))
@@ -204,12 +208,12 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_opti
     if (not grad and not return_lse and k.dtype in _HALF and v.dtype == k.dtype
             and q.dtype in (k.dtype, torch.float32)):
         tables = [t.float() if t.dtype != torch.float32 else t for t in tables]
-        return _ops.call_attention_half(q, k, v, tables, qpos, kpos, options, masks)
+        return _ops.call_attention_half(q, k, v, tables, names, qpos, kpos, masks, settings)
     out_dtype = q.dtype
     dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     q, k, v = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v))
     tables = [t if t.dtype == dtype else t.to(dtype) for t in tables]
-    out, lse = _ops.call_attention(q, k, v, tables, qpos, kpos, options, masks)
+    out, lse = _ops.call_attention(q, k, v, tables, names, qpos, kpos, masks, settings)
     if half_q:
         out = out.to(out_dtype)  # rounded once (autograd casts the gradient back to float32)
     lse = lse.detach()
@@ -234,11 +238,11 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, scheme=None, *, 
     if scheme is not None:
         kw["scheme"] = scheme
     names, tables = _split_params(params)
-    kw["\x00names"] = list(names)
-    options = _ops.encode(kw)
+    settings = _ops.typed("attention_paged", kw, "attention_paged")
     tables = [t.float() if t.dtype != torch.float32 else t for t in tables]
     table, lens = _int_tensor(block_table, "block_table"), _int_tensor(seq_lens, "seq_lens")
-    return _ops.call_attention_paged(q, k_pages, v_pages, table, lens, tables, qpos, options)
+    return _ops.call_attention_paged(q, k_pages, v_pages, table, lens, tables, list(names), qpos,
+                                     settings)
 
 
 def rope_append(k_new, k_pages, block_table, seq_lens, *, v_new=None, v_pages=None,
@@ -250,15 +254,13 @@ def rope_append(k_new, k_pages, block_table, seq_lens, *, v_new=None, v_pages=No
                     (v_pages, "v_pages")):
         if t is not None:
             _require_cpu(t, what)
-    kw = dict(kwargs)
-    pos = _tensor_arg(positions, "positions")
-    if pos is None and positions is not None:
-        kw["positions"] = positions
+    kw, (pos,) = _split_positions({**kwargs, "positions": positions}, "positions")
+    settings = _ops.typed("rope_append", kw, "rope_append")
     table, lens = _int_tensor(block_table, "block_table"), _int_tensor(seq_lens, "seq_lens")
-    _ops.call_rope_append(k_new, v_new, k_pages, v_pages, table, lens, pos, _ops.encode(kw))
+    _ops.call_rope_append(k_new, v_new, k_pages, v_pages, table, lens, pos, settings)
 
 
-def rope(x, freqs=None, *, _base_options=None, **kwargs):
+def rope(x, freqs=None, *, _base_args=None, **kwargs):
     """RoPE of x [batch, seq, heads, head_dim] (or [seq, heads, head_dim]), differentiable: the
     keywords of posenc.apply_rope (style, positions, inverse, rotary_dim, base, scaling, seq_len,
     angles, config). The backward is the inverse rotation (its exact transpose). float32 runs
@@ -275,14 +277,16 @@ def rope(x, freqs=None, *, _base_options=None, **kwargs):
     kw, (positions,) = _split_positions(kwargs, "positions")
     if freqs is not None:
         kw["freqs"] = freqs
-    options = _ops.encode(kw, _base_options)
+    settings = _ops.typed("rope", kw, "rope")
+    if _base_args:
+        settings = {**_base_args, **settings}
     if x.dtype in _HALF:
         if not (torch.is_grad_enabled() and x.requires_grad):
-            return _ops.call_rope_half(x, positions, options)
-        return _ops.call_rope(x.float(), positions, options).to(x.dtype)
+            return _ops.call_rope_half(x, positions, settings)
+        return _ops.call_rope(x.float(), positions, settings).to(x.dtype)
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
-    return _ops.call_rope(x, positions, options)
+    return _ops.call_rope(x, positions, settings)
 
 
 apply_rope = rope
@@ -295,9 +299,10 @@ def rerotate_rope(k, from_freqs, to_freqs, *, style="half", positions=None):
     _require_cpu(k, "k")
     kw, (pos,) = _split_positions({"positions": positions}, "positions")
     kw.update(from_freqs=from_freqs, to_freqs=to_freqs, style=style)
+    settings = _ops.typed("rerotate_rope", kw, "rerotate_rope")
     if k.dtype not in (torch.float32, torch.float64):
-        return _ops.rerotate_rope(k.float(), pos, _ops.encode(kw)).to(k.dtype)
-    return _ops.rerotate_rope(k, pos, _ops.encode(kw))
+        return _ops.rerotate_rope(k.float(), pos, **settings).to(k.dtype)
+    return _ops.rerotate_rope(k, pos, **settings)
 
 
 def attention_merge(out_a, lse_a, out_b, lse_b):
@@ -319,7 +324,8 @@ def add_learned(x, table, positions=None):
     _require_cpu(x, "x")
     _require_cpu(table, "table")
     kw, (pos,) = _split_positions({"positions": positions}, "positions")
-    y = _ops.add_learned(x.float(), table.float(), pos, _ops.encode(kw))
+    y = _ops.add_learned(x.float(), table.float(), pos, **_ops.typed("add_learned", kw,
+                                                                     "add_learned"))
     return y.to(x.dtype)
 
 
@@ -332,11 +338,13 @@ def add_sinusoidal(x, positions=None, *, base=1e4, layout="interleaved", denomin
     cfg = dict(base=base, layout=layout, denominator=denominator, origin=origin, odd_dim=odd_dim)
     kw, (pos,) = _split_positions({"positions": positions}, "positions")
     if x.dtype == torch.float32:
-        return _ops.add_sinusoidal(x, pos, _ops.encode({**cfg, **kw}))
+        return _ops.add_sinusoidal(x, pos, **_ops.typed("add_sinusoidal", {**cfg, **kw},
+                                                        "add_sinusoidal"))
     if pos is None:
         start = origin if positions is None else int(positions)
         pos = torch.arange(start, start + x.shape[-2], dtype=torch.int64)
-    pe = _ops.sinusoidal_encode(pos.to(torch.int64), x.shape[-1], _ops.encode(cfg))
+    pe = _ops.sinusoidal_encode(pos.to(torch.int64), x.shape[-1],
+                                **_ops.typed("sinusoidal_encode", cfg, "add_sinusoidal"))
     return x + pe.to(x.dtype)
 
 
@@ -356,8 +364,9 @@ class _Scheme(nn.Module):
         super().__init__()
         self._settings = {}
 
-    # The settings and, made when they are set, their options string (posenc._ops.encode): the
-    # forward passes that string, so a compiled graph holds the settings as constants.
+    # The settings and, made when they are set, the typed op arguments they give
+    # (posenc._ops.typed): the forward passes those, so a compiled graph holds the settings as
+    # constants and no setting is converted inside it.
     @property
     def _settings(self):
         return self.__dict__["_settings_dict"]
@@ -365,7 +374,8 @@ class _Scheme(nn.Module):
     @_settings.setter
     def _settings(self, value):
         self.__dict__["_settings_dict"] = dict(value)
-        self.__dict__["_settings_options"] = _ops.encode(self.settings())
+        self.__dict__["_settings_args"] = _ops.typed("attention", self.settings(),
+                                                     type(self).__name__)
 
     def settings(self):
         """Keyword arguments for posenc attention (scheme settings, not tables)."""
@@ -381,7 +391,7 @@ class _Scheme(nn.Module):
         tables = self.tables()
         tables.update(params or {})
         return attention(q, k, v, self.scheme, params=tables or None,
-                         _base_options=self.__dict__["_settings_options"], **kwargs)
+                         _base_args=self.__dict__["_settings_args"], **kwargs)
 
     def extra_repr(self):
         return ", ".join(f"{k}={v!r}" for k, v in self._settings.items())
@@ -418,11 +428,11 @@ class Rope(_Scheme):
                 s["scaling"] = dict(scaling)
             self._settings = s
         # apply_rope's keywords for rotate(): a config's style named (attention takes it from the
-        # config); encoded now, outside any compiled region.
+        # config); made into the op's typed arguments now, outside any compiled region.
         s = self.settings()
         if "config" in s:
             s["style"] = s["config"].rope["style"]
-        self.__dict__["_rotate_options"] = _ops.encode(s)
+        self.__dict__["_rotate_args"] = _ops.typed("rope", s, "Rope")
 
     @classmethod
     def from_config(cls, config, **kwargs):
@@ -435,7 +445,7 @@ class Rope(_Scheme):
             raise ValueError(f"x: head_dim {x.shape[-1]}, this Rope was made for "
                              f"{self.head_dim}")
         return rope(x, positions=positions, inverse=inverse,
-                    _base_options=self.__dict__["_rotate_options"])
+                    _base_args=self.__dict__["_rotate_args"])
 
     @classmethod
     def _for_attention(cls, cfg, heads, head_dim, options):
@@ -613,7 +623,8 @@ class SinusoidalPositions(nn.Module):
     def encodings(self, positions):
         """PE at the given positions: float32 [n, dim]."""
         pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
-        return _ops.sinusoidal_encode(pos, self.dim, _ops.encode(self._cfg))
+        return _ops.sinusoidal_encode(pos, self.dim, **_ops.typed("sinusoidal_encode", self._cfg,
+                                                                  "SinusoidalPositions"))
 
     def forward(self, x, positions=None):
         """x [batch, seq, dim] or [seq, dim]; positions None (origin, origin + 1, ...), an int

@@ -1,8 +1,8 @@
 """Keyword sets of posenc.torch.attention shared by posenc.torch, posenc.torch.flex and
 posenc.torch.distributed."""
 
-# Keywords whose values are integer / boolean arrays: they travel to the ops as tensors (the
-# `masks` argument), named in the options.
+# Keywords whose values are integer / boolean arrays: they travel to the ops as tensors, each the
+# op argument of its name (posenc._ops._MASKS).
 MASK_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "query_documents", "key_documents", "prefix",
                  "mask")
 

@@ -1,5 +1,5 @@
 """The plan of a call: the ranks exchange shapes and fingerprints of their arguments, agree on
-them, and each builds the layout, the whole sequence's positions and masks, the options and the
+them, and each builds the layout, the whole sequence's positions and masks, the settings and the
 blocks a mask hides entirely (everything the forward and the backward need)."""
 
 import datetime
@@ -104,7 +104,7 @@ def _resolve_config(kw):
 
 
 class _Plan:
-    """The call's layout, positions, masks, options and tables, agreed between the ranks (plain
+    """The call's layout, positions, masks, settings and tables, agreed between the ranks (plain
     attributes, set by _make_plan and _finish_plan)."""
 
 
@@ -123,7 +123,7 @@ def _local_checks(q, k, v, strategy, layout, kwargs):
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: '{strategy}' (ring or all_to_all)")
     _check_layout(layout)
-    for bad in ("out", "lse", "_base_options"):
+    for bad in ("out", "lse", "_base_args"):
         if bad in kwargs:
             raise TypeError(f"context_parallel_attention() got an unexpected keyword argument "
                             f"'{bad}'")
@@ -160,8 +160,9 @@ def _make_plan(q, k, v, scheme, params, group, strategy, layout, kwargs, timeout
         whole = ("query_positions", "key_positions") + _MASK_TENSORS
         settings = {n: kwargs[n] for n in sorted(kwargs)
                     if n not in whole + ("config", "num_threads")}
+        typed = _ops.typed("attention", settings, "context_parallel_attention")
         meta[14] = _crc(repr((scheme, strategy, layout, sorted(params or {}),
-                              _ops.encode(settings))))
+                              sorted(typed.items()))))
         cfg = kwargs.get("config")
         meta[15] = _crc(cfg if isinstance(cfg, str) else repr(type(cfg).__name__))
         meta[16] = _crc(*[params[n] for n in sorted(params or {})])
@@ -239,7 +240,7 @@ def _cross_check(m, layout, world):
 
 
 def _finish_plan(p, q, scheme, params, kwargs):
-    """Positions, masks, options and tables (after the ranks agreed on the shapes)."""
+    """Positions, masks, settings and tables (after the ranks agreed on the shapes)."""
     kw = dict(kwargs)
     kw.pop("allow_fully_masked", None)
     p.allow_fully_masked = bool(kwargs.get("allow_fully_masked", False))
@@ -291,23 +292,22 @@ def _finish_plan(p, q, scheme, params, kwargs):
     if scheme is not None:
         kw["scheme"] = scheme
     p.kw = kw
+    p.settings = _ops.typed("attention", kw, "context_parallel_attention")
     p.params = dict(params or {})
     p.names = sorted(p.params)
     p.mask_names = [n for n in _MASK_TENSORS if n in masks]
     p.dtype = q.dtype
 
 
-def _options(p, names, mask_names, allow=True):
-    kw = dict(p.kw)
-    kw["allow_fully_masked"] = allow or p.allow_fully_masked
-    kw["\x00names"] = list(names)
-    if mask_names:
-        kw["\x00masks"] = list(mask_names)
-    return _ops.encode(kw)
+def _settings(p, allow=True):
+    """The attention op's typed keyword arguments of a block (allow: a block may hide a row's
+    every key; the merge of the blocks sees the rows that none shows)."""
+    return {**p.settings, "allow_fully_masked": allow or p.allow_fully_masked}
 
 
 def _block_masks(p, qa, qb, ka, kb):
-    out = []
+    """{name: mask tensor} of a block."""
+    out = {}
     for n in p.mask_names:
         t = p.masks[n]
         if n == "query_documents":
@@ -316,7 +316,7 @@ def _block_masks(p, qa, qb, ka, kb):
             t = t[:, ka:kb].contiguous()
         elif n == "mask":
             t = t[:, qa:qb, ka:kb].contiguous()
-        out.append(t)
+        out[n] = t
     return out
 
 

@@ -8,7 +8,7 @@ import torch
 
 from ... import _ops, _posenc
 from ._comm import _STATS, _TAG_DKV, _TAG_KV, _Timer, _agree, _next, _prev
-from ._plan import _block_hidden, _block_masks, _options, _pos_slice, _visible_pairs
+from ._plan import _block_hidden, _block_masks, _pos_slice, _settings, _visible_pairs
 
 
 # A finite sink that contributes nothing (exp(-1e30 - s) == 0): lets a config whose layers
@@ -103,7 +103,7 @@ def _ring_tables(p):
 def _ring_forward(p, q, k, v):
     c = p.c
     names, tables = _ring_tables(p)
-    opts = _options(p, names, p.mask_names)
+    settings = _settings(p)
     qsegs = _local_q_segs(p)
     acc = [None] * len(qsegs)
     error = None
@@ -126,9 +126,9 @@ def _ring_forward(p, q, k, v):
                             continue
                         with _Timer("compute_s"):
                             o, lse = _ops.attention_impl(
-                                q[:, la:lb], ks[:, ka_l:kb_l], vs[:, ka_l:kb_l], tables,
+                                q[:, la:lb], ks[:, ka_l:kb_l], vs[:, ka_l:kb_l], tables, names,
                                 _pos_slice(p.qpos, qa, qb), _pos_slice(p.kpos, ka, kb),
-                                _block_masks(p, qa, qb, ka, kb), opts)
+                                **_block_masks(p, qa, qb, ka, kb), **settings)
                             acc[i] = (o, lse) if acc[i] is None else _merge(*acc[i], o, lse)
                         _STATS["blocks_computed"] += 1
                         _STATS["visible_pairs"] += _visible_pairs(p, qa, qb, ka, kb)
@@ -186,7 +186,7 @@ def _local_to_global(p, i):
 def _ring_backward(p, q, k, v, out, lse, dout):
     c = p.c
     names, tables = _ring_tables(p)
-    opts = _options(p, names, p.mask_names)
+    settings = _settings(p)
     qsegs = _local_q_segs(p)
     dq = torch.zeros_like(q)
     tgrads = {n: torch.zeros(p.tables[n].shape, dtype=torch.float64) for n in p.names}
@@ -219,9 +219,9 @@ def _ring_backward(p, q, k, v, out, lse, dout):
                             g = _ops.attention_backward_impl(
                                 q[:, la:lb], ks[:, ka_l:kb_l], vs[:, ka_l:kb_l],
                                 out[:, la:lb], lse[:, :, la:lb].contiguous(),
-                                dout[:, la:lb].contiguous(), tables,
+                                dout[:, la:lb].contiguous(), tables, names,
                                 _pos_slice(p.qpos, qa, qb), _pos_slice(p.kpos, ka, kb),
-                                _block_masks(p, qa, qb, ka, kb), opts)
+                                **_block_masks(p, qa, qb, ka, kb), **settings)
                             dq[:, la:lb] += g[0]
                             dks[:, ka_l:kb_l] += g[1]
                             dvs[:, ka_l:kb_l] += g[2]

@@ -7,7 +7,7 @@ import torch
 from ... import _ops, _posenc
 from ..._tables import TABLE_HEAD_AXIS as _TABLE_HEAD_AXIS
 from ._comm import _STATS, _TAG_A2A, _Timer, _agree, _all_to_all
-from ._plan import _options, _visible_pairs
+from ._plan import _settings, _visible_pairs
 
 
 def _head_ranges(p):
@@ -117,13 +117,14 @@ def _a2a_forward(p, q, k, v):
     vh = _seq_gather(p, vp, p.lk, kseg, p.Dv, hk)
     tables = _a2a_tables(p, lo, hi)
     names = sorted(tables)
-    opts = _options(p, names, p.mask_names, allow=p.allow_fully_masked)
+    settings = _settings(p, allow=p.allow_fully_masked)
+    masks = {n: p.masks[n] for n in p.mask_names}
     error = None
     oh = lh = None
     try:
         with _Timer("compute_s"):
-            oh, lh = _ops.attention_impl(qh, kh, vh, [tables[n] for n in names], p.qpos, p.kpos,
-                                         [p.masks[n] for n in p.mask_names], opts)
+            oh, lh = _ops.attention_impl(qh, kh, vh, [tables[n] for n in names], names, p.qpos,
+                                         p.kpos, **masks, **settings)
         _STATS["blocks_computed"] += 1
         _STATS["visible_pairs"] += _visible_pairs(p, 0, p.Lq, 0, p.Lk) * hq // p.Hq
     except Exception as e:
@@ -146,13 +147,13 @@ def _a2a_forward(p, q, k, v):
         n = p.B * lq * (rhi - rlo) * p.Dv
         out[:, :, rlo:rhi] = flat[:n].view(p.B, lq, rhi - rlo, p.Dv)
         lse[:, rlo:rhi] = flat[n:].view(p.B, rhi - rlo, lq).to(lse.dtype)
-    saved = (qh, kh, vh, oh, lh, tables, names, opts)
+    saved = (qh, kh, vh, oh, lh, tables, names, settings)
     return out, lse, saved
 
 
 def _a2a_backward(p, saved, dout):
     c = p.c
-    qh, kh, vh, oh, lh, tables, names, opts = saved
+    qh, kh, vh, oh, lh, tables, names, settings = saved
     hr = _head_ranges(p)
     lo, hi = hr[c.rank][:2]
     hq = hi - lo
@@ -165,8 +166,9 @@ def _a2a_backward(p, saved, dout):
     try:
         with _Timer("compute_s"):
             g = _ops.attention_backward_impl(qh, kh, vh, oh, lh, douth,
-                                             [tables[n] for n in names], p.qpos, p.kpos,
-                                             [p.masks[n] for n in p.mask_names], opts)
+                                             [tables[n] for n in names], names, p.qpos, p.kpos,
+                                             **{n: p.masks[n] for n in p.mask_names},
+                                             **settings)
     except Exception as e:
         error = e
         g = [torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)] + \
