@@ -505,6 +505,17 @@ def test_rope_frequencies_walks_every_layer_nope_included(configs_dir):
     assert [l["rope_theta"] for l in gemma.layers[:6]] == [1e4] * 5 + [1e6]
 
 
+def _scheme_tables(rng):
+    """Parameter tables of each scheme that needs them, for q [1, 3, 2, 8]."""
+    return {"t5": {"relative_attention_bias": rng.standard_normal((32, 2)).astype(np.float32)},
+            "xl": {"r_w_bias": np.zeros((2, 8), np.float32),
+                   "r_r_bias": np.zeros((2, 8), np.float32),
+                   "r_net": rng.standard_normal((16, 6)).astype(np.float32)},
+            "deberta": {"pos_key": rng.standard_normal((8, 2, 8)).astype(np.float32),
+                        "pos_query": rng.standard_normal((8, 2, 8)).astype(np.float32)},
+            "shaw": {"rel_k": rng.standard_normal((5, 8)).astype(np.float32)}}
+
+
 def test_scheme_registry_is_the_one_list():
     infos = posenc.schemes()
     assert posenc.SCHEMES == tuple(s["name"] for s in infos) == (
@@ -537,13 +548,7 @@ def test_scheme_registry_is_the_one_list():
               "deberta_p2c": "model", "deberta_float64_log": False, "num_buckets": 32,
               "max_distance": 128, "bidirectional": True,
               "scaling": {"rope_type": "linear", "factor": 2.0}}
-    rng = np.random.default_rng(1)
-    tables = {"t5": {"relative_attention_bias": rng.standard_normal((32, 2)).astype(np.float32)},
-              "xl": {"r_w_bias": np.zeros((2, 8), np.float32),
-                     "r_r_bias": np.zeros((2, 8), np.float32),
-                     "r_net": rng.standard_normal((16, 6)).astype(np.float32)},
-              "deberta": {"pos_key": rng.standard_normal((8, 2, 8)).astype(np.float32),
-                          "pos_query": rng.standard_normal((8, 2, 8)).astype(np.float32)}}
+    tables = _scheme_tables(np.random.default_rng(1))
     for s in infos:
         for k in s["settings"]:
             if k["keyword"] in ("freqs",):
@@ -582,14 +587,7 @@ def test_scheme_settings_are_checked_by_their_declared_type_and_range():
     # Every setting of every scheme, from the registry's declaration alone: a value of the wrong
     # kind is a TypeError, one outside the range or choices a ValueError, both naming it.
     q = np.zeros((1, 3, 2, 8), np.float32)
-    rng = np.random.default_rng(2)
-    tables = {"t5": {"relative_attention_bias": rng.standard_normal((32, 2)).astype(np.float32)},
-              "xl": {"r_w_bias": np.zeros((2, 8), np.float32),
-                     "r_r_bias": np.zeros((2, 8), np.float32),
-                     "r_net": rng.standard_normal((16, 6)).astype(np.float32)},
-              "deberta": {"pos_key": rng.standard_normal((8, 2, 8)).astype(np.float32),
-                          "pos_query": rng.standard_normal((8, 2, 8)).astype(np.float32)},
-              "shaw": {"rel_k": rng.standard_normal((5, 8)).astype(np.float32)}}
+    tables = _scheme_tables(np.random.default_rng(2))
     checked = 0
     for s in posenc.schemes():
         for k in s["settings"]:
