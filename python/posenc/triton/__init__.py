@@ -1,0 +1,136 @@
+"""posenc.triton: fused attention with a positional scheme, in Triton.
+
+``attention(q, k, v, scheme, ...)`` computes posenc's attention (docs/attention.md) with fused
+Triton kernels, forward and backward (FlashAttention-2 recomputation from the forward's
+log-sum-exp), for the schemes none, RoPE, ALiBi and T5, with causal, sliding-window and chunked
+masks, explicit positions, GQA / MQA, soft-capping and attention sinks; float32, float16 and
+bfloat16 tensors, float32 arithmetic inside. It is differentiable with respect to q, k, v, sinks,
+ALiBi slopes and T5's relative_attention_bias (tensors with requires_grad), and to lse.
+
+Kernels run on CUDA tensors. With the environment variable TRITON_INTERPRET=1 set before this
+package is imported, Triton's interpreter runs the same kernels on CPU tensors through NumPy
+(slowly): that is how they are tested without a GPU. See docs/gpu.md.
+"""
+
+import torch
+
+import posenc
+
+from . import _backward, _forward, _prepare
+
+__all__ = ["attention"]
+
+INTERPRETED = _forward.INTERPRETED
+
+
+def _fully_masked_error(lse, plan):
+    """The error posenc.attention raises for the first query row that sees no key."""
+    b, _, i = (int(x) for x in torch.nonzero(torch.isneginf(lse))[0])
+    pos = int(plan.query_pos[b if plan.query_pos.shape[0] > 1 else 0, i])
+    return posenc.InvalidValueError(
+        f"attention: query {i} (batch {b}, position {pos}) sees no key under the mask; "
+        "allow_fully_masked gives 0 for such rows")
+
+
+class _Attention(torch.autograd.Function):
+    """The forward and backward kernels as one autograd function. Inputs with gradients:
+    q, k, v, sinks, ALiBi slopes, T5's table; outputs: out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, slopes, table, plan):
+        keep32 = q.dtype != torch.float32 and any(ctx.needs_input_grad[:6])
+        out = torch.empty((plan.batch, plan.seq_q, plan.heads_q, plan.v_dim),
+                          dtype=torch.float32 if keep32 else q.dtype, device=q.device)
+        lse = torch.empty((plan.batch, plan.heads_q, plan.seq_q), dtype=torch.float32,
+                          device=q.device)
+        _forward.forward(q, k, v, plan, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        ctx.param_dtypes = [None if t is None else t.dtype for t in (sinks, slopes, table)]
+        ctx.set_materialize_grads(False)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        if dout is None:
+            dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
+        elif dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        need = ctx.needs_input_grad
+        dq, dk, dv, dsinks, dtable = _backward.backward(
+            q, k, v, out, lse, dout, dlse, plan,
+            (need[0], need[1], need[2], need[3], need[4] or need[5]))
+        sinks_dtype, slopes_dtype, table_dtype = ctx.param_dtypes
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+                dsinks.to(sinks_dtype) if need[3] else None,
+                dtable.to(slopes_dtype) if need[4] else None,
+                dtable.to(table_dtype) if need[5] else None, None)
+
+
+def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, chunk=None,
+              softcap=None, sinks=None, query_positions=None, key_positions=None, slopes=None,
+              max_bias=None, relative_attention_bias=None, num_buckets=None, max_distance=None,
+              bidirectional=None, rope=None, rope_style=None, allow_fully_masked=False,
+              return_lse=False, block_m=None, block_n=None):
+    """Attention with a positional scheme in fused Triton kernels; posenc.attention's semantics.
+
+    q [batch, seq_q, heads_q, head_dim], k [batch, seq_k, heads_kv, head_dim], v [batch, seq_k,
+    heads_kv, v_dim] (v_dim <= head_dim <= 256), one dtype: float32, float16 or bfloat16, on one
+    CUDA device (CPU under TRITON_INTERPRET=1). heads_kv divides heads_q; query head h reads kv
+    head h // (heads_q / heads_kv). Returns out [batch, seq_q, heads_q, v_dim] in q's dtype, and
+    with return_lse=True also lse, float32 [batch, heads_q, seq_q], the log-sum-exp of each
+    row's scores (sink included). Arithmetic is float32; out is rounded once to its dtype.
+
+    scheme: 'none', 'rope', 'alibi' or 't5'. Each score is scale * (q_i . k_j) plus the
+    scheme's bias, then soft-capped, then masked (docs/attention.md, "Score order"):
+
+    - 'rope': q and k rotated at their positions. rope: a posenc.RopeFrequencies (default
+      posenc.rope_frequencies(head_dim): base 1e4, every dim rotated); its rotary_dim, attention
+      factor and angle mode apply. rope_style: 'half' (default, pairs (i, i + R/2)) or
+      'interleaved' (pairs (2i, 2i + 1)).
+    - 'alibi': bias -m_h |pos_q - pos_k|. slopes: a tensor [heads_q] (a parameter: it gets a
+      gradient when it requires one); default posenc.alibi_slopes(heads_q, max_bias=max_bias),
+      max_bias 8.
+    - 't5': bias relative_attention_bias[bucket(pos_k - pos_q), h] with the table [num_buckets,
+      heads_q] (required; num_buckets, when given, must match its rows), max_distance 128,
+      bidirectional default not causal. T5 models need scale=1.
+
+    scale: default 1 / sqrt(head_dim). causal: key visible iff pos_k <= pos_q. window w: iff
+    |pos_k - pos_q| < w. chunk c: iff pos_k // c == pos_q // c. softcap C > 0: scores become
+    C * tanh(s / C) before the masks. sinks: a tensor [heads_q] of logits, one extra entry in
+    each row's softmax denominator with no value.
+
+    Positions: None (keys at j, queries at seq_k - seq_q + i, so seq_q <= seq_k), an int offset
+    (token i at offset + i), or integer ids [seq] or [batch, seq] (a tensor or array) in [0,
+    2^48].
+
+    A query row that sees no key raises posenc.InvalidValueError, as posenc.attention does
+    (checked after the kernel, which costs one device synchronization), unless
+    allow_fully_masked=True: then its output is 0 and its lse -inf. With sinks such a row is no
+    error: out 0, lse = sink.
+
+    block_m, block_n: the tiles of query rows and keys of every kernel (powers of two >= 16, both
+    or neither); by default each kernel's own, by dtype.
+
+    Gradients flow to q, k, v and to sinks, slopes and relative_attention_bias when they require
+    them (returned in each input's dtype; parameter gradients are summed in float64).
+    """
+    settings = {name: value for name, value in (
+        ("rope", rope), ("rope_style", rope_style), ("slopes", slopes), ("max_bias", max_bias),
+        ("relative_attention_bias", relative_attention_bias), ("num_buckets", num_buckets),
+        ("max_distance", max_distance), ("bidirectional", bidirectional)) if value is not None}
+    plan = _prepare.prepare(q, k, v, scheme, causal=causal, scale=scale, window=window,
+                            chunk=chunk, softcap=softcap, sinks=sinks,
+                            query_positions=query_positions, key_positions=key_positions,
+                            settings=settings, block_m=block_m, block_n=block_n)
+    if q.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"q: on {q.device}; posenc.triton runs on CUDA tensors (CPU tensors "
+                         "need TRITON_INTERPRET=1, set before triton is first imported)")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out, lse = _Attention.apply(q, k, v, sinks, slopes if scheme == "alibi" else None,
+                                relative_attention_bias if scheme == "t5" else None, plan)
+    if not allow_fully_masked and sinks is None and bool(torch.isneginf(lse).any()):
+        raise _fully_masked_error(lse, plan)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,287 @@
+"""Triton kernels of the attention backward (FlashAttention-2's recomputation).
+
+The probabilities are rebuilt tile by tile from q, k, the scheme and the forward's lse,
+P = exp(s - lse), and with D = rowsum(dout * out) (minus the incoming gradient of lse):
+
+    dP = dout . v        dS = P * (dP - D)        (times 1 - tanh^2 under a soft-cap)
+    dv = sum P^T dout    dk = scale * sum dS^T q    dq = scale * sum dS k
+
+Two kernels, so that no element is written by two programs: one program per (batch row, kv
+head, block of keys) accumulates dk and dv over every query head of its GQA group and every query
+block the masks leave visible; one program per (batch row, query head, block of queries)
+accumulates dq over the key tiles, and the bias gradients of its rows: ALiBi's
+-sum dS |rel| as one number per program, T5's sum of dS per bucket with atomic adds into the
+program's own row of buckets. The host adds those partial sums in float64. With RoPE, dq and dk
+are first the gradients of the rotated q and k (float32), then rotated back by the transpose of
+the rotation (``rope_back_kernel``). The sinks' gradient, dsink_h = -sum_i exp(sink_h - lse_i)
+D_i, needs only lse and D and is summed on the host.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _prepare
+from ._forward import (ALIBI, T5, EMULATE_BF16, dot, alibi_bias, block_range, head_slope,
+                       load_rotated, load_tile, rounded, scores, t5_bucket, tile_visible, visible)
+
+
+# ---- the gradient of each scheme's bias: one function per scheme -------------------------------
+
+@triton.jit
+def alibi_slope_grad(ds, rel):
+    """ALiBi: d(sum s)/d m_h = -sum dS |rel|, per row of the tile."""
+    return tl.sum(ds * alibi_bias(rel, 1.0), 1)
+
+
+@triton.jit
+def t5_table_grad(ds, rel, vis, DTable, Buckets, max_distance):
+    """T5: adds dS of every visible cell to its bucket in this program's row of DTable."""
+    tl.atomic_add(DTable + t5_bucket(rel, Buckets, max_distance), ds, mask=vis)
+
+
+@triton.jit
+def probabilities(s, t, vis, lse, dp, delta, HAS_SOFTCAP: tl.constexpr):
+    """(P, dS) of a tile: P = exp(s - lse) on visible cells, 0 elsewhere (rows without a visible
+    key have lse = -inf); dS = P (dP - D), times 1 - t^2 under a soft-cap (t = tanh of the
+    uncapped score over the cap)."""
+    p = tl.where(vis, tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None]), 0.0)
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return p, ds
+
+
+@triton.jit
+def attention_backward_kv_kernel(
+        Q, K, V, DO, Lse, Delta, DK, DV, QTileLo, QTileHi,
+        q_stride_b, q_stride_l, q_stride_h, k_stride_b, k_stride_l, k_stride_h,
+        v_stride_b, v_stride_l, v_stride_h, do_stride_b, do_stride_l, do_stride_h,
+        dk_stride_b, dk_stride_l, dk_stride_h, dv_stride_b, dv_stride_l, dv_stride_h,
+        heads_q, heads_kv,
+        QPos, KPos, qpos_stride_b, kpos_stride_b, Sinks, Table, table_stride_u, table_stride_h,
+        Buckets, max_distance, QCos, QSin, KCos, KSin, qcos_stride_b, kcos_stride_b,
+        seq_q, seq_k, group, head_dim, v_dim, scale, softcap, window, chunk,
+        SCHEME: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+        ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        EMULATE_BF16: tl.constexpr):
+    """dk and dv of BLOCK_N keys of one (batch row, kv head); grid (key blocks,
+    batch * heads_kv). With RoPE, dk is the gradient of the rotated k (DK float32)."""
+    b = (tl.program_id(1) // heads_kv).to(tl.int64)  # 64-bit offsets for large tensors
+    kv_head = tl.program_id(1) % heads_kv
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < seq_k
+    dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
+    kpos = tl.load(KPos + b * kpos_stride_b + cols, mask=col_ok, other=0)
+    klo, khi = block_range(kpos, col_ok)
+    k = load_rotated(K + b * k_stride_b + kv_head * k_stride_h, cols, col_ok, k_stride_l, dims,
+                     head_dim, KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
+                     ROTARY, INTERLEAVED, False)
+    v = load_tile(V + b * v_stride_b + kv_head * v_stride_h, cols, col_ok, v_stride_l, vdims,
+                  vdims < v_dim)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    q_tiles = tl.cdiv(seq_q, BLOCK_M)
+    for g in range(0, group):
+        head = kv_head * group + g
+        slope = head_slope(Table, head, table_stride_h, SCHEME)
+        row_base = (b * heads_q + head) * seq_q
+        for tile in range(0, q_tiles):
+            qlo = tl.load(QTileLo + b * q_tiles + tile)
+            qhi = tl.load(QTileHi + b * q_tiles + tile)
+            if tile_visible(qlo, qhi, klo, khi, window, chunk, CAUSAL, HAS_WINDOW, HAS_CHUNK):
+                rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = rows < seq_q
+                qpos = tl.load(QPos + b * qpos_stride_b + rows, mask=row_ok, other=0)
+                q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok,
+                                 q_stride_l, dims, head_dim, QCos + b * qcos_stride_b,
+                                 QSin + b * qcos_stride_b, ROTARY, INTERLEAVED, False)
+                do = load_tile(DO + b * do_stride_b + head * do_stride_h, rows, row_ok,
+                               do_stride_l, vdims, vdims < v_dim)
+                lse = tl.load(Lse + row_base + rows, mask=row_ok, other=0.0)
+                delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
+                vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, CAUSAL, HAS_WINDOW,
+                              HAS_CHUNK)
+                s, t = scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
+                              table_stride_u, table_stride_h, Buckets, max_distance, SCHEME,
+                              HAS_SOFTCAP, EMULATE_BF16)
+                dp = dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), EMULATE_BF16)
+                p, ds = probabilities(s, t, vis, lse, dp, delta, HAS_SOFTCAP)
+                dv = dot(tl.trans(p), do, dv, EMULATE_BF16)
+                dk = dot(tl.trans(ds), q, dk, EMULATE_BF16)
+
+    dk_ptr = DK + b * dk_stride_b + kv_head * dk_stride_h + cols[:, None] * dk_stride_l
+    tl.store(dk_ptr + dims[None, :], rounded(dk * scale, DK.dtype.element_ty, EMULATE_BF16),
+             mask=col_ok[:, None] & (dims < head_dim)[None, :])
+    dv_ptr = DV + b * dv_stride_b + kv_head * dv_stride_h + cols[:, None] * dv_stride_l
+    tl.store(dv_ptr + vdims[None, :], rounded(dv, DV.dtype.element_ty, EMULATE_BF16),
+             mask=col_ok[:, None] & (vdims < v_dim)[None, :])
+
+
+@triton.jit
+def attention_backward_q_kernel(
+        Q, K, V, DO, Lse, Delta, DQ, DTable, KTileLo, KTileHi,
+        q_stride_b, q_stride_l, q_stride_h, k_stride_b, k_stride_l, k_stride_h,
+        v_stride_b, v_stride_l, v_stride_h, do_stride_b, do_stride_l, do_stride_h,
+        dq_stride_b, dq_stride_l, dq_stride_h, heads_q, dtable_stride,
+        QPos, KPos, qpos_stride_b, kpos_stride_b, Sinks, Table, table_stride_u, table_stride_h,
+        Buckets, max_distance, QCos, QSin, KCos, KSin, qcos_stride_b, kcos_stride_b,
+        seq_q, seq_k, group, head_dim, v_dim, scale, softcap, window, chunk,
+        SCHEME: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+        ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, NEED_DTABLE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """dq of BLOCK_M query rows of one (batch row, query head), and with NEED_DTABLE the partial
+    bias gradient of those rows in DTable's row of this program (row stride dtable_stride);
+    grid (query blocks, batch * heads_q). With RoPE, dq is the gradient of the rotated q."""
+    b = (tl.program_id(1) // heads_q).to(tl.int64)  # 64-bit offsets for large tensors
+    head = tl.program_id(1) % heads_q
+    kv_head = head // group
+    program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_q
+    dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
+    qpos = tl.load(QPos + b * qpos_stride_b + rows, mask=row_ok, other=0)
+    qlo, qhi = block_range(qpos, row_ok)
+    q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok, q_stride_l, dims,
+                     head_dim, QCos + b * qcos_stride_b, QSin + b * qcos_stride_b,
+                     ROTARY, INTERLEAVED, False)
+    do = load_tile(DO + b * do_stride_b + head * do_stride_h, rows, row_ok, do_stride_l, vdims,
+                   vdims < v_dim)
+    row_base = (b * heads_q + head) * seq_q
+    lse = tl.load(Lse + row_base + rows, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
+    slope = head_slope(Table, head, table_stride_h, SCHEME)
+    k_base = K + b * k_stride_b + kv_head * k_stride_h
+    v_base = V + b * v_stride_b + kv_head * v_stride_h
+    dtable = DTable + program * dtable_stride
+    k_tiles = tl.cdiv(seq_k, BLOCK_N)
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    dslope = tl.zeros((BLOCK_M,), tl.float32)
+    for tile in range(0, k_tiles):
+        klo = tl.load(KTileLo + b * k_tiles + tile)
+        khi = tl.load(KTileHi + b * k_tiles + tile)
+        if tile_visible(qlo, qhi, klo, khi, window, chunk, CAUSAL, HAS_WINDOW, HAS_CHUNK):
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < seq_k
+            kpos = tl.load(KPos + b * kpos_stride_b + cols, mask=col_ok, other=0)
+            k = load_rotated(k_base, cols, col_ok, k_stride_l, dims, head_dim,
+                             KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
+                             ROTARY, INTERLEAVED, False)
+            v = load_tile(v_base, cols, col_ok, v_stride_l, vdims, vdims < v_dim)
+            vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, CAUSAL, HAS_WINDOW,
+                          HAS_CHUNK)
+            s, t = scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
+                          table_stride_u, table_stride_h, Buckets, max_distance, SCHEME,
+                          HAS_SOFTCAP, EMULATE_BF16)
+            dp = dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), EMULATE_BF16)
+            _, ds = probabilities(s, t, vis, lse, dp, delta, HAS_SOFTCAP)
+            dq = dot(ds, k, dq, EMULATE_BF16)
+            if NEED_DTABLE:
+                rel = kpos[None, :] - qpos[:, None]
+                if SCHEME == ALIBI:
+                    dslope += alibi_slope_grad(ds, rel)
+                if SCHEME == T5:
+                    t5_table_grad(ds, rel, vis, dtable, Buckets, max_distance)
+
+    dq_ptr = DQ + b * dq_stride_b + head * dq_stride_h + rows[:, None] * dq_stride_l
+    tl.store(dq_ptr + dims[None, :], rounded(dq * scale, DQ.dtype.element_ty, EMULATE_BF16),
+             mask=row_ok[:, None] & (dims < head_dim)[None, :])
+    if NEED_DTABLE and SCHEME == ALIBI:
+        tl.store(dtable, tl.sum(dslope, 0))
+
+
+@triton.jit
+def rope_back_kernel(X, Y, x_stride_b, x_stride_l, x_stride_h, y_stride_b, y_stride_l,
+                     y_stride_h, heads, seq, head_dim, Cos, Sin, cos_stride_b,
+                     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_L: tl.constexpr,
+                     BLOCK_D: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """Y = the gradient X of rotated rows mapped back through the rotation (its transpose:
+    rotation by minus the angle, attention factor included), rounded to Y's dtype; grid
+    (row blocks, batch * heads)."""
+    b = (tl.program_id(1) // heads).to(tl.int64)  # 64-bit offsets for large tensors
+    head = tl.program_id(1) % heads
+    rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    row_ok = rows < seq
+    dims = tl.arange(0, BLOCK_D)
+    x = load_rotated(X + b * x_stride_b + head * x_stride_h, rows, row_ok, x_stride_l, dims,
+                     head_dim, Cos + b * cos_stride_b, Sin + b * cos_stride_b, ROTARY,
+                     INTERLEAVED, True)
+    y_ptr = Y + b * y_stride_b + head * y_stride_h + rows[:, None] * y_stride_l + dims[None, :]
+    tl.store(y_ptr, rounded(x, Y.dtype.element_ty, EMULATE_BF16),
+             mask=row_ok[:, None] & (dims < head_dim)[None, :])
+
+
+def _rope_back(x, like, tables, plan, block=64):
+    """The unrotated gradient, of like's dtype and shape, from the float32 gradient x of the
+    rotated rows; tables: the (cos, sin) of those rows' positions."""
+    y = torch.empty_like(like)
+    cos, sin = tables
+    grid = (triton.cdiv(x.shape[1], block), x.shape[0] * x.shape[2])
+    rope_back_kernel[grid](x, y, *x.stride()[:3], *y.stride()[:3], x.shape[2], x.shape[1],
+                           plan.head_dim, cos, sin, cos.stride(0) if cos.shape[0] > 1 else 0,
+                           ROTARY=plan.rotary_dim, INTERLEAVED=plan.interleaved,
+                           BLOCK_L=block, BLOCK_D=max(16, triton.next_power_of_2(plan.head_dim)),
+                           EMULATE_BF16=EMULATE_BF16)
+    return y
+
+
+def backward(q, k, v, out, lse, dout, dlse, plan, needs):
+    """Gradients of the attention. out: the forward's output (float32 for half inputs), lse
+    float32 [batch, heads_q, seq_q], dout of out's shape, dlse (the gradient of lse) or None. needs:
+    (dq, dk, dv, dsinks, dtable) flags. Returns (dq, dk, dv, dsinks, dtable), None where not
+    needed; dtable is d slopes [heads_q] (ALiBi) or d relative_attention_bias [buckets,
+    heads_q] (T5), float64."""
+    need_dq, need_dk, need_dv, need_dsinks, need_dtable = needs
+    rope = plan.rotary_dim > 0
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    if dlse is not None:
+        delta = delta - dlse.float()
+    args = plan.kernel_args()
+    dq = dk = dv = dsinks = dtable = None
+
+    if need_dk or need_dv:
+        dk = torch.empty(k.shape, dtype=torch.float32 if rope else k.dtype, device=k.device)
+        dv = torch.empty_like(v)
+        block_m, block_n, warps = plan.tiles("backward_kv")
+        qlo, qhi = plan.tile_bounds(plan.query_pos, block_m)
+        grid = (triton.cdiv(plan.seq_k, block_n), plan.batch * plan.heads_kv)
+        attention_backward_kv_kernel[grid](
+            q, k, v, dout, lse, delta, dk, dv, qlo, qhi, *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            plan.heads_q, plan.heads_kv, **args, BLOCK_M=block_m, BLOCK_N=block_n,
+            EMULATE_BF16=EMULATE_BF16, num_warps=warps)
+        if rope:
+            dk = _rope_back(dk, k, plan.rope_k, plan)
+
+    if need_dq or need_dtable:
+        dq = torch.empty(q.shape, dtype=torch.float32 if rope else q.dtype, device=q.device)
+        block_m, block_n, warps = plan.tiles("backward_q")
+        q_blocks = triton.cdiv(plan.seq_q, block_m)
+        programs = plan.batch * plan.heads_q * q_blocks
+        width = plan.table.shape[0] if plan.scheme == _prepare.T5 else 1
+        partial = torch.zeros((programs, width) if need_dtable else (1,), dtype=torch.float32,
+                              device=q.device)
+        klo, khi = plan.tile_bounds(plan.key_pos, block_n)
+        grid = (q_blocks, plan.batch * plan.heads_q)
+        attention_backward_q_kernel[grid](
+            q, k, v, dout, lse, delta, dq, partial, klo, khi, *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], plan.heads_q, width,
+            **args, NEED_DTABLE=need_dtable, BLOCK_M=block_m, BLOCK_N=block_n,
+            EMULATE_BF16=EMULATE_BF16, num_warps=warps)
+        if rope:
+            dq = _rope_back(dq, q, plan.rope_q, plan)
+        if need_dtable:
+            sums = partial.view(plan.batch, plan.heads_q, q_blocks, width).double().sum((0, 2))
+            dtable = sums[:, 0] if plan.scheme == _prepare.ALIBI else sums.t()
+
+    if need_dsinks:
+        p_sink = torch.exp(plan.sinks.double()[None, :, None] - lse.double())
+        dsinks = -(p_sink * delta.double()).sum((0, 2))
+    return dq, dk, dv, dsinks, dtable

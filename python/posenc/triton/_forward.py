@@ -1,0 +1,303 @@
+"""Triton kernels of the attention forward, and the tile functions the backward shares.
+
+One program computes one block of BLOCK_M query rows of one (batch row, query head) and walks the
+keys in tiles of BLOCK_N with an online softmax (a running maximum m and sum l per row), so no
+[seq_q, seq_k] matrix is formed. For every tile the score is
+
+    s = scale * (q . k) + bias(rel)        rel = pos_k - pos_q; RoPE rotates q and k on load
+    s = softcap * tanh(s / softcap)        (when softcap is set)
+    s = -inf where a mask hides the key    (causal, window, chunk)
+
+and key tiles that the masks hide entirely (known from each tile's smallest and largest key
+position) are skipped without being loaded. Attention sinks start each row's running sum with
+the sink's own term, exp(sink - m) with m = sink, so the sink is one more softmax entry with a
+zero value. A row that sees no key gets out = 0 and lse = -inf (lse = sink with sinks).
+
+Arithmetic is float32: q, k and v tiles are loaded in their dtype and widened exactly (RoPE
+rotates the widened rows with float32 cos and sin of angles computed in float64), the output is
+rounded once to its dtype. See ``dot`` for how half-precision operands reach tl.dot.
+"""
+
+import triton
+import triton.language as tl
+
+# The SCHEME constexpr of the schemes with a bias, as _prepare numbers them (0 none, 1 RoPE).
+ALIBI: tl.constexpr = tl.constexpr(2)
+T5: tl.constexpr = tl.constexpr(3)
+
+# Under Triton's interpreter (TRITON_INTERPRET=1, kernels run through NumPy on CPU tensors) every
+# kernel here is an interpreted function, and the interpreter gets two bfloat16 operations wrong:
+# tl.dot on bf16 operands, and the float32 -> bf16 conversion, which truncates where a GPU rounds
+# to nearest even. EMULATE_BF16 widens bf16 tiles to float32 before tl.dot and rounds to bf16 in
+# integer arithmetic; on a GPU it is off (bf16 tiles go to the tensor cores as they are). It
+# follows the setting Triton's @jit read when this module was loaded.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+EMULATE_BF16 = INTERPRETED
+
+
+@triton.jit
+def rounded(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """float32 x rounded to dtype, to nearest even."""
+    if EMULATE_BF16 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        y = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def _half_dot(a, b, acc, EMULATE_BF16: tl.constexpr):
+    """acc + a @ b for operands of one half dtype (exact products, float32 sums)."""
+    if EMULATE_BF16 and a.dtype == tl.bfloat16:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def dot(a, b, acc, EMULATE_BF16: tl.constexpr):
+    """acc + a @ b, float32 accumulation, for a float32 or of b's dtype.
+
+    Two float32 operands take the exact float32 dot ("ieee", not TF32). Two half operands take
+    the half dot. A float32 a (probabilities, score gradients) with a half b is split into two
+    halves, a = hi + lo, and takes two half dots: 16 significant bits of a (22 with float16)
+    where rounding a to b's dtype would keep 8 (11), so the half paths keep float32 accuracy
+    while staying on half-precision tensor cores.
+    """
+    if a.dtype == tl.float32 and b.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        hi = rounded(a, b.dtype, EMULATE_BF16)
+        lo = rounded(a - hi.to(tl.float32), b.dtype, EMULATE_BF16)
+        acc = _half_dot(lo, b, _half_dot(hi, b, acc, EMULATE_BF16), EMULATE_BF16)
+    else:
+        acc = _half_dot(a, b, acc, EMULATE_BF16)
+    return acc
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in float32 to a few ulps: an odd Taylor polynomial for |x| < 0.3, else
+    (1 - e) / (1 + e) with e = exp(-2|x|), which neither cancels badly nor overflows there."""
+    a = tl.abs(x)
+    x2 = x * x
+    poly = 1.0 + x2 * (-1.0 / 3 + x2 * (2.0 / 15 + x2 * (-17.0 / 315 + x2 * (
+        62.0 / 2835 + x2 * (-1382.0 / 155925)))))
+    e = tl.exp(-2.0 * a)
+    t = tl.where(a < 0.3, a * poly, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def load_tile(base, rows, row_ok, stride_l, cols, col_ok):
+    """Rows of a [seq, dim] slice with unit dim stride, in its dtype; 0 outside the masks."""
+    return tl.load(base + rows[:, None] * stride_l + cols[None, :],
+                   mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
+def load_rotated(base, rows, row_ok, stride_l, cols, dim, Cos, Sin,
+                 ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr):
+    """Rows of q or k as load_tile loads them; with RoPE (ROTARY = rotary dim > 0) widened to
+    float32 and rotated by each row's angles: pairs (i, i + R/2) (half style) or (2i, 2i + 1)
+    (interleaved), dims >= R unchanged. Cos, Sin: this batch row's per-token tables
+    [seq, R/2], attention factor included. INVERSE rotates by minus the angles (the transpose,
+    which maps a gradient back to the unrotated input)."""
+    col_ok = cols < dim
+    x = load_tile(base, rows, row_ok, stride_l, cols, col_ok)
+    if ROTARY > 0:
+        if INTERLEAVED:
+            pair = cols // 2
+            partner = cols ^ 1
+            first = cols % 2 == 0
+        else:
+            pair = cols % (ROTARY // 2)
+            partner = tl.where(cols < ROTARY // 2, cols + ROTARY // 2, cols - ROTARY // 2)
+            first = cols < ROTARY // 2
+        rotated = cols < ROTARY
+        other = load_tile(base, rows, row_ok, stride_l, partner, rotated).to(tl.float32)
+        table = rows[:, None] * (ROTARY // 2) + pair[None, :]
+        inside = row_ok[:, None] & rotated[None, :]
+        c = tl.load(Cos + table, mask=inside, other=1.0)
+        s = tl.load(Sin + table, mask=inside, other=0.0)
+        sign = tl.where(first, -1.0, 1.0)
+        if INVERSE:
+            sign = -sign
+        x = x.to(tl.float32)
+        x = tl.where(rotated[None, :], x * c + sign[None, :] * other * s, x)
+    return x
+
+
+@triton.jit
+def tile_visible(qlo, qhi, klo, khi, window, chunk, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """Whether the masks can leave any key of positions [klo, khi] visible to any query of
+    positions [qlo, qhi]; False means the tile can be skipped."""
+    ok = klo <= khi
+    if CAUSAL:
+        ok = ok & (klo <= qhi)
+    if HAS_WINDOW:
+        ok = ok & (klo - qhi < window) & (qlo - khi < window)
+    if HAS_CHUNK:
+        ok = ok & (klo // chunk <= qhi // chunk) & (khi // chunk >= qlo // chunk)
+    return ok
+
+
+@triton.jit
+def visible(qpos, kpos, row_ok, col_ok, window, chunk, CAUSAL: tl.constexpr,
+            HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """The [rows, keys] mask: True where key j is visible to query i."""
+    rel = kpos[None, :] - qpos[:, None]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if CAUSAL:
+        ok = ok & (rel <= 0)
+    if HAS_WINDOW:
+        ok = ok & (rel < window) & (rel > -window)
+    if HAS_CHUNK:
+        ok = ok & ((kpos // chunk)[None, :] == (qpos // chunk)[:, None])
+    return ok
+
+
+# ---- the bias of each scheme: one function per scheme ------------------------------------------
+
+@triton.jit
+def alibi_bias(rel, slope):
+    """ALiBi: -m_h |pos_q - pos_k|."""
+    return -slope * tl.abs(rel).to(tl.float32)
+
+
+@triton.jit
+def t5_bucket(rel, Buckets, max_distance):
+    """T5's bucket of rel, read from the host's table of the distances [-max_distance,
+    max_distance] (buckets saturate beyond them)."""
+    return tl.load(Buckets + tl.minimum(tl.maximum(rel, -max_distance), max_distance)
+                   + max_distance)
+
+
+@triton.jit
+def t5_bias(rel, head, Table, table_stride_u, table_stride_h, Buckets, max_distance):
+    """T5: relative_attention_bias[bucket(rel), h]."""
+    bucket = t5_bucket(rel, Buckets, max_distance)
+    return tl.load(Table + bucket * table_stride_u + head * table_stride_h)
+
+
+@triton.jit
+def scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table, table_stride_u,
+           table_stride_h, Buckets, max_distance, SCHEME: tl.constexpr,
+           HAS_SOFTCAP: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """The scores of a [rows, keys] tile in the score order: scale * q.k, then the scheme's bias,
+    then the soft-cap, then -inf where vis is False. Returns (s, t) with t = tanh(s / softcap)
+    before the mask (the backward's 1 - t^2), or t = s without a cap."""
+    s = dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), EMULATE_BF16) * scale
+    rel = kpos[None, :] - qpos[:, None]
+    if SCHEME == ALIBI:
+        s += alibi_bias(rel, slope)
+    if SCHEME == T5:
+        s += t5_bias(rel, head, Table, table_stride_u, table_stride_h, Buckets, max_distance)
+    t = s
+    if HAS_SOFTCAP:
+        t = _tanh(s / softcap)
+        s = softcap * t
+    return tl.where(vis, s, float("-inf")), t
+
+
+@triton.jit
+def head_slope(Table, head, table_stride_h, SCHEME: tl.constexpr):
+    """ALiBi's slope of a head (0 for other schemes)."""
+    slope = 0.0
+    if SCHEME == ALIBI:
+        slope = tl.load(Table + head * table_stride_h)
+    return slope
+
+
+@triton.jit
+def block_range(pos, ok):
+    """The smallest and largest position of a block's valid rows."""
+    return tl.min(tl.where(ok, pos, 1 << 62)), tl.max(tl.where(ok, pos, -1))
+
+
+@triton.jit
+def attention_forward_kernel(
+        Q, K, V, Out, Lse, KTileLo, KTileHi,
+        q_stride_b, q_stride_l, q_stride_h, k_stride_b, k_stride_l, k_stride_h,
+        v_stride_b, v_stride_l, v_stride_h, o_stride_b, o_stride_l, o_stride_h, heads_q,
+        QPos, KPos, qpos_stride_b, kpos_stride_b, Sinks, Table, table_stride_u, table_stride_h,
+        Buckets, max_distance, QCos, QSin, KCos, KSin, qcos_stride_b, kcos_stride_b,
+        seq_q, seq_k, group, head_dim, v_dim, scale, softcap, window, chunk,
+        SCHEME: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+        ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        EMULATE_BF16: tl.constexpr):
+    """out and lse of BLOCK_M query rows of one (batch row, query head); grid
+    (query blocks, batch * heads_q)."""
+    b = (tl.program_id(1) // heads_q).to(tl.int64)  # 64-bit offsets for large tensors
+    head = tl.program_id(1) % heads_q
+    kv_head = head // group
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_q
+    dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
+    qpos = tl.load(QPos + b * qpos_stride_b + rows, mask=row_ok, other=0)
+    qlo, qhi = block_range(qpos, row_ok)
+    q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok, q_stride_l, dims,
+                     head_dim, QCos + b * qcos_stride_b, QSin + b * qcos_stride_b,
+                     ROTARY, INTERLEAVED, False)
+    slope = head_slope(Table, head, table_stride_h, SCHEME)
+    k_base = K + b * k_stride_b + kv_head * k_stride_h
+    v_base = V + b * v_stride_b + kv_head * v_stride_h
+    k_tiles = tl.cdiv(seq_k, BLOCK_N)
+
+    if HAS_SINKS:
+        m = tl.zeros((BLOCK_M,), tl.float32) + tl.load(Sinks + head)
+        l = tl.full((BLOCK_M,), 1.0, tl.float32)
+    else:
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for tile in range(0, k_tiles):
+        klo = tl.load(KTileLo + b * k_tiles + tile)
+        khi = tl.load(KTileHi + b * k_tiles + tile)
+        if tile_visible(qlo, qhi, klo, khi, window, chunk, CAUSAL, HAS_WINDOW, HAS_CHUNK):
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < seq_k
+            kpos = tl.load(KPos + b * kpos_stride_b + cols, mask=col_ok, other=0)
+            k = load_rotated(k_base, cols, col_ok, k_stride_l, dims, head_dim,
+                             KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
+                             ROTARY, INTERLEAVED, False)
+            v = load_tile(v_base, cols, col_ok, v_stride_l, vdims, vdims < v_dim)
+            vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, CAUSAL, HAS_WINDOW,
+                          HAS_CHUNK)
+            s, _ = scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
+                          table_stride_u, table_stride_h, Buckets, max_distance, SCHEME,
+                          HAS_SOFTCAP, EMULATE_BF16)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+            p = tl.exp(s - m_ref[:, None])
+            alpha = tl.exp(m - m_ref)
+            l = l * alpha + tl.sum(p, 1)
+            acc = dot(p, v, acc * alpha[:, None], EMULATE_BF16)
+            m = m_new
+
+    seen = l > 0
+    out = acc / tl.where(seen, l, 1.0)[:, None]
+    lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
+    o_ptr = Out + b * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_l + vdims[None, :]
+    tl.store(o_ptr, rounded(out, Out.dtype.element_ty, EMULATE_BF16),
+             mask=row_ok[:, None] & (vdims < v_dim)[None, :])
+    tl.store(Lse + (b * heads_q + head) * seq_q + rows, lse, mask=row_ok)
+
+
+def forward(q, k, v, plan, out, lse):
+    """Runs the forward kernel: out [batch, seq_q, heads_q, v_dim] (any float dtype; the
+    result is rounded to it), lse float32 [batch, heads_q, seq_q] contiguous."""
+    block_m, block_n, warps = plan.tiles("forward")
+    klo, khi = plan.tile_bounds(plan.key_pos, block_n)
+    grid = (triton.cdiv(plan.seq_q, block_m), plan.batch * plan.heads_q)
+    attention_forward_kernel[grid](
+        q, k, v, out, lse, klo, khi, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:3], plan.heads_q, **plan.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,
+        EMULATE_BF16=EMULATE_BF16, num_warps=warps)

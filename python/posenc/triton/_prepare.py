@@ -1,0 +1,339 @@
+"""Host side of the Triton attention: argument checks, positions, and each scheme's tables on the
+device.
+
+``prepare(...)`` turns the keywords of ``posenc.triton.attention`` into a ``Plan``: the sizes,
+the masks, the positions as int64 tensors ``[batch or 1, seq]`` on the tensors' device, and the
+scheme's tables (RoPE's cos and sin per token, ALiBi's slopes, T5's bucket of every clamped
+distance and its bias table). ``Plan.kernel_args`` gives the keyword arguments that every kernel
+of ``_forward`` and ``_backward`` takes in the same order.
+"""
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+import posenc
+
+NONE, ROPE, ALIBI, T5 = 0, 1, 2, 3
+SCHEMES = {"none": NONE, "rope": ROPE, "alibi": ALIBI, "t5": T5}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_POSITION = 1 << 48  # posenc's largest position id
+
+# (BLOCK_M, BLOCK_N, num_warps) of each kernel, by the kind of tiles its dots take: "half"
+# (float16 / bfloat16 inputs) or "float32" (float32 inputs, and RoPE's rotated tiles). Chosen
+# from ptxas's register reports for sm_90 at head_dim 128: the half kernels without RoPE compile
+# with no or few spills, the float32 backward kernels still spill. Not yet timed on a GPU.
+TILES = {
+    ("forward", "half"): (64, 64, 8), ("forward", "float32"): (32, 32, 4),
+    ("backward_kv", "half"): (32, 64, 8), ("backward_kv", "float32"): (32, 32, 4),
+    ("backward_q", "half"): (64, 32, 8), ("backward_q", "float32"): (32, 32, 4),
+}
+
+# The keywords that belong to one scheme; any other scheme refuses them (TypeError).
+SCHEME_KEYWORDS = {
+    "rope": ("rope", "rope_style"),
+    "alibi": ("slopes", "max_bias"),
+    "t5": ("relative_attention_bias", "num_buckets", "max_distance", "bidirectional"),
+}
+
+
+@dataclass
+class Plan:
+    """Everything the kernels need besides q, k, v: sizes, masks, positions and scheme tables."""
+
+    scheme: int
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    v_dim: int
+    scale: float
+    causal: bool
+    window: int = 0        # 0: none
+    chunk: int = 0         # 0: none
+    softcap: float = 0.0   # 0: none
+    sinks: torch.Tensor = None      # float32 [heads_q]
+    query_pos: torch.Tensor = None  # int64 [1 or batch, seq_q], contiguous
+    key_pos: torch.Tensor = None    # int64 [1 or batch, seq_k], contiguous
+    table: torch.Tensor = None      # float32: ALiBi slopes [heads_q] or T5 bias [buckets, heads_q]
+    buckets: torch.Tensor = None    # int32 [2 * max_distance + 1]: T5 bucket of rel + max_distance
+    max_distance: int = 0
+    rotary_dim: int = 0
+    interleaved: bool = False
+    rope_q: tuple = None            # (cos, sin) float32 [1 or batch, seq_q, rotary_dim / 2]
+    rope_k: tuple = None
+    dtype: torch.dtype = torch.float32
+    blocks: tuple = None            # the caller's (block_m, block_n), or None: TILES
+    dummy: torch.Tensor = field(default=None, repr=False)  # stands for absent tensors
+
+    @property
+    def group(self):
+        """Query heads per kv head (query head h reads kv head h // group)."""
+        return self.heads_q // self.heads_kv
+
+    def tiles(self, kernel):
+        """(BLOCK_M, BLOCK_N, num_warps) of a kernel ('forward', 'backward_kv', 'backward_q')."""
+        kind = "float32" if self.dtype == torch.float32 or self.rotary_dim else "half"
+        block_m, block_n, warps = TILES[kernel, kind]
+        if self.blocks is not None:
+            block_m, block_n = self.blocks
+        return block_m, block_n, warps
+
+    def tile_bounds(self, positions, block):
+        """(lo, hi): int64 [batch, tiles], the smallest and largest position of each tile of
+        ``block`` tokens, so that a kernel can skip tiles the masks hide entirely."""
+        n = positions.shape[1]
+        tiles = -(-n // block)
+        pad = tiles * block - n
+        big = torch.nn.functional.pad(positions, (0, pad), value=MAX_POSITION + 1)
+        small = torch.nn.functional.pad(positions, (0, pad), value=-1)
+        lo = big.view(-1, tiles, block).amin(-1).expand(self.batch, tiles).contiguous()
+        hi = small.view(-1, tiles, block).amax(-1).expand(self.batch, tiles).contiguous()
+        return lo, hi
+
+    def kernel_args(self):
+        """The scheme and mask arguments every kernel takes (keyword arguments)."""
+        d = self.dummy
+        cos_q, sin_q = self.rope_q or (d, d)
+        cos_k, sin_k = self.rope_k or (d, d)
+        table = self.table if self.table is not None else d
+        return dict(
+            QPos=self.query_pos, KPos=self.key_pos,
+            qpos_stride_b=_row_stride(self.query_pos), kpos_stride_b=_row_stride(self.key_pos),
+            Sinks=self.sinks if self.sinks is not None else d,
+            Table=table, table_stride_u=table.stride(0) if table.dim() == 2 else 0,
+            table_stride_h=table.stride(-1),
+            Buckets=self.buckets if self.buckets is not None else d, max_distance=self.max_distance,
+            QCos=cos_q, QSin=sin_q, KCos=cos_k, KSin=sin_k,
+            qcos_stride_b=_row_stride(cos_q), kcos_stride_b=_row_stride(cos_k),
+            seq_q=self.seq_q, seq_k=self.seq_k, group=self.group, head_dim=self.head_dim,
+            v_dim=self.v_dim, scale=self.scale, softcap=self.softcap or 1.0,
+            window=self.window or 1, chunk=self.chunk or 1,
+            SCHEME=self.scheme, CAUSAL=self.causal, HAS_WINDOW=self.window > 0,
+            HAS_CHUNK=self.chunk > 0, HAS_SOFTCAP=self.softcap > 0,
+            HAS_SINKS=self.sinks is not None, ROTARY=self.rotary_dim,
+            INTERLEAVED=self.interleaved,
+            BLOCK_D=_block_dim(self.head_dim), BLOCK_DV=_block_dim(self.v_dim),
+        )
+
+
+def _row_stride(t):
+    """The batch stride of a per-row table: 0 when one row serves every batch row."""
+    return 0 if t.dim() < 2 or t.shape[0] == 1 else t.stride(0)
+
+
+def _block_dim(n):
+    """A head dim padded to a power of two of at least 16 (tl.dot's smallest size)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _number(value, what, *, integer=False, minimum=None):
+    """A finite number (an integer with integer=True) not below minimum: TypeError for another
+    type, InvalidValueError for a value out of range."""
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{what}: {'an integer' if integer else 'a number'}, got "
+                        f"{type(value).__name__}")
+    value = int(value) if integer else float(value)
+    if not math.isfinite(value) or minimum is not None and value < minimum:
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise posenc.InvalidValueError(f"{what} must be a finite number{bound}, got {value}")
+    return value
+
+
+def _tensor(t, what, device, shape=None):
+    """A float tensor of a given shape on the device (TypeError / ShapeError otherwise)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{what}: on {t.device}, expected {device} (q's device)")
+    if not t.is_floating_point():
+        raise TypeError(f"{what}: a floating-point tensor, got {t.dtype}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise posenc.ShapeError(f"{what}: shape {list(t.shape)}, expected {list(shape)}")
+    if not bool(torch.isfinite(t).all()):
+        raise posenc.InvalidValueError(f"{what}: non-finite values")
+    return t
+
+
+def _positions(p, batch, n, default_start, device, what):
+    """Position ids as int64 [1 or batch, n] on the device: None -> default_start + i, an int
+    offset k -> k + i, or ids [n] / [batch, n]."""
+    if p is None or isinstance(p, numbers.Integral) and not isinstance(p, bool):
+        start = default_start if p is None else int(p)
+        if start < 0 or start + n - 1 > MAX_POSITION:
+            extra = " (default positions need seq_q <= seq_k)" if p is None else ""
+            raise posenc.InvalidValueError(
+                f"{what}: {start} is outside [0, {MAX_POSITION}]{extra}")
+        return (torch.arange(n, device=device, dtype=torch.int64) + start).view(1, n)
+    t = torch.as_tensor(p, device=device)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{what}: integer ids, got {t.dtype}")
+    if t.dim() == 1:
+        t = t.view(1, -1)
+    if t.dim() != 2 or t.shape[1] != n or t.shape[0] not in (1, batch):
+        raise posenc.ShapeError(f"{what}: shape {list(t.shape)}, expected [{n}] or [{batch}, {n}]")
+    t = t.to(torch.int64).contiguous()
+    if t.numel() and bool(((t < 0) | (t > MAX_POSITION)).any()):
+        raise posenc.InvalidValueError(f"{what}: ids must lie in [0, {MAX_POSITION}]")
+    return t
+
+
+def _rope_tables(positions, freqs):
+    """cos and sin of every token's angles, float32 [rows, n, rotary_dim / 2], attention factor
+    included: accurate angles p * inv_freq in float64, rounded once (posenc's arithmetic), or
+    with angles='float32' the frameworks' float32 recipe."""
+    device = positions.device
+    af = float(freqs.attention_factor)
+    if freqs.angles == "float32":
+        inv = torch.tensor(freqs.inv_freq, dtype=torch.float32, device=device)
+        angle = positions.to(torch.float32)[..., None] * inv
+        return (torch.cos(angle) * af).contiguous(), (torch.sin(angle) * af).contiguous()
+    inv = torch.tensor(freqs.inv_freq, dtype=torch.float64, device=device)
+    angle = positions.to(torch.float64)[..., None] * inv
+    return ((torch.cos(angle) * af).to(torch.float32).contiguous(),
+            (torch.sin(angle) * af).to(torch.float32).contiguous())
+
+
+def _t5_buckets(num_buckets, max_distance, bidirectional, device):
+    """The bucket of every distance rel in [-max_distance, max_distance], from posenc.t5_bucket
+    (T5's float32 log), as int32 [2 * max_distance + 1]. Buckets are monotone in |rel| and
+    saturate at |rel| = max_distance, so a kernel clamps rel to that range first."""
+    rel = torch.arange(-max_distance, max_distance + 1).numpy()
+    b = posenc.t5_bucket(rel, num_buckets=num_buckets, max_distance=max_distance,
+                         bidirectional=bidirectional)
+    return torch.as_tensor(b, dtype=torch.int32).to(device)
+
+
+def check_qkv(q, k, v):
+    """Shapes, dtypes and devices of q, k, v (TypeError, ShapeError, ValueError)."""
+    for t, what in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{what}: float32, float16 or bfloat16, got {t.dtype}")
+        if t.dim() != 4:
+            raise posenc.ShapeError(f"{what}: 4 dimensions [batch, seq, heads, dim], got "
+                                    f"{list(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v: one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v: one device, got {q.device}, {k.device}, {v.device}")
+    b, _, hq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise posenc.ShapeError(f"k: shape {list(k.shape)} does not match q {list(q.shape)}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]) or not 1 <= v.shape[3] <= d:
+        raise posenc.ShapeError(f"v: shape {list(v.shape)}, expected [{k.shape[0]}, "
+                                f"{k.shape[1]}, {k.shape[2]}, v_dim] with v_dim <= {d}")
+    if k.shape[2] < 1 or hq % k.shape[2]:
+        raise posenc.ShapeError(f"heads_kv ({k.shape[2]}) must divide heads_q ({hq})")
+    if d > 256:
+        raise posenc.ShapeError(f"head_dim {d}: at most 256")
+    if min(q.shape[1], k.shape[1]) < 1 or b < 1:
+        raise posenc.ShapeError(f"empty q or k: {list(q.shape)}, {list(k.shape)}")
+
+
+def _block(value, what):
+    """A tile size: a power of two of at least 16 (InvalidValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise posenc.InvalidValueError(f"{what}: a power of two >= 16, got {value!r}")
+    return value
+
+
+def prepare(q, k, v, scheme, *, causal, scale, window, chunk, softcap, sinks, query_positions,
+            key_positions, settings, block_m=None, block_n=None):
+    """Checks the call and builds its Plan. settings: the scheme keywords that were given
+    (rope, rope_style, slopes, max_bias, relative_attention_bias, num_buckets, max_distance,
+    bidirectional). block_m, block_n: both or neither."""
+    check_qkv(q, k, v)
+    if scheme not in SCHEMES:
+        raise posenc.InvalidValueError(f"scheme: {scheme!r} (one of {', '.join(SCHEMES)})")
+    for other, names in SCHEME_KEYWORDS.items():
+        for name in names:
+            if other != scheme and name in settings:
+                raise TypeError(f"{name}: a setting of scheme '{other}', not '{scheme}'")
+    device = q.device
+    b, lq, hq, d = q.shape
+    lk, hkv = k.shape[1], k.shape[2]
+    plan = Plan(scheme=SCHEMES[scheme], batch=b, seq_q=lq, seq_k=lk, heads_q=hq, heads_kv=hkv,
+                head_dim=d, v_dim=v.shape[3],
+                scale=1.0 / math.sqrt(d) if scale is None else _number(scale, "scale"),
+                causal=bool(causal), dtype=q.dtype,
+                dummy=torch.zeros(1, dtype=torch.float32, device=device))
+    if block_m is not None or block_n is not None:
+        plan.blocks = (_block(block_m, "block_m"), _block(block_n, "block_n"))
+    if window is not None:
+        plan.window = _number(window, "window", integer=True, minimum=1)
+    if chunk is not None:
+        plan.chunk = _number(chunk, "chunk", integer=True, minimum=1)
+    if softcap is not None:
+        plan.softcap = _number(softcap, "softcap")
+        if plan.softcap <= 0:
+            raise posenc.InvalidValueError("softcap must be a finite number > 0")
+        # clamped to float32's normal range, as posenc's float32 kernels clamp it
+        plan.softcap = min(max(plan.softcap, 1.1754944e-38), 3.4028235e38)
+    if sinks is not None:
+        plan.sinks = _tensor(sinks, "sinks", device, (hq,)).detach().float()
+    plan.key_pos = _positions(key_positions, b, lk, 0, device, "key_positions")
+    plan.query_pos = _positions(query_positions, b, lq, lk - lq, device, "query_positions")
+    if plan.scheme == ROPE:
+        _prepare_rope(plan, settings)
+    elif plan.scheme == ALIBI:
+        _prepare_alibi(plan, settings, device)
+    elif plan.scheme == T5:
+        _prepare_t5(plan, settings, device)
+    return plan
+
+
+def _prepare_rope(plan, settings):
+    freqs = settings.get("rope")
+    if freqs is None:
+        freqs = posenc.rope_frequencies(plan.head_dim)
+    if not isinstance(freqs, posenc.RopeFrequencies):
+        raise TypeError(f"rope: a posenc.RopeFrequencies (posenc.rope_frequencies(...)), got "
+                        f"{type(freqs).__name__}")
+    style = settings.get("rope_style", "half")
+    if style not in ("half", "interleaved"):
+        raise posenc.InvalidValueError(f"rope_style: {style!r} ('half' or 'interleaved')")
+    r = int(freqs.rotary_dim)
+    if not 2 <= r <= plan.head_dim:
+        raise posenc.InvalidValueError(f"rope: rotary_dim {r} must lie in [2, head_dim = "
+                                       f"{plan.head_dim}]")
+    plan.rotary_dim, plan.interleaved = r, style == "interleaved"
+    plan.rope_q = _rope_tables(plan.query_pos, freqs)
+    plan.rope_k = _rope_tables(plan.key_pos, freqs)
+
+
+def _prepare_alibi(plan, settings, device):
+    slopes = settings.get("slopes")
+    if slopes is None:
+        max_bias = _number(settings.get("max_bias", 8.0), "max_bias")
+        slopes = torch.as_tensor(posenc.alibi_slopes(plan.heads_q, max_bias=max_bias))
+        plan.table = slopes.to(device=device, dtype=torch.float32)
+    else:
+        plan.table = _tensor(slopes, "slopes", device, (plan.heads_q,)).detach().float()
+
+
+def _prepare_t5(plan, settings, device):
+    table = settings.get("relative_attention_bias")
+    if table is None:
+        raise posenc.InvalidValueError("scheme t5 needs relative_attention_bias "
+                                       "[num_buckets, heads_q]")
+    if not isinstance(table, torch.Tensor) or table.dim() != 2:
+        raise posenc.ShapeError("relative_attention_bias: a tensor [num_buckets, heads_q]")
+    _tensor(table, "relative_attention_bias", device, (table.shape[0], plan.heads_q))
+    nb = table.shape[0]
+    if settings.get("num_buckets") not in (None, nb):
+        raise posenc.ShapeError(f"num_buckets {settings['num_buckets']} but "
+                                f"relative_attention_bias has {nb} rows")
+    plan.max_distance = _number(settings.get("max_distance", 128), "max_distance", integer=True,
+                                minimum=1)
+    bidirectional = settings.get("bidirectional")
+    if bidirectional is None:
+        bidirectional = not plan.causal
+    plan.table = table.detach().float()
+    plan.buckets = _t5_buckets(nb, plan.max_distance, bool(bidirectional), device)

@@ -1,0 +1,426 @@
+"""posenc.triton's fused kernels against posenc's float64 reference, on CPU tensors through
+Triton's interpreter (TRITON_INTERPRET=1: the kernels run through NumPy, no GPU needed).
+
+Each case runs the forward and the backward of posenc.triton.attention and compares out, lse and
+every gradient (q, k, v, sinks, ALiBi slopes, T5's table) with posenc.attention and
+posenc.attention_grad on float64 copies of the same (dtype-rounded) inputs. Tolerances
+(docs/attention.md, docs/precision.md): float32 inputs within 1e-5 of the largest reference
+value (at least 1); float16 / bfloat16 results within half an ulp of their dtype plus
+2e-5 (1 + |value|), posenc's rule for half precision; lse and parameter gradients, float32
+results, within 2e-5 (1 + |value|) for half inputs. The cases are few and small (the interpreter
+is slow) and each combines several factors: odd sizes, seq_q != seq_k, sequences shorter than a
+tile and spanning several, GQA and MQA, head dims 16, 24 and 32, every scheme and mask,
+explicit positions, soft-capping, sinks, float32, float16 and bfloat16.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+# Triton decides between compiled and interpreted functions as each @triton.jit function is
+# defined, its own library's included (when triton is imported), so TRITON_INTERPRET=1 must be
+# set before triton's first import and stay set for the whole process. Unless the caller set it,
+# the cases run in a new process with it (test_in_a_fresh_process): setting it here would change
+# what every later test file of this pytest process gets from triton.
+IN_A_SUBPROCESS = os.environ.get("TRITON_INTERPRET") != "1"
+
+import posenc  # noqa: E402
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+if not IN_A_SUBPROCESS:
+    import posenc.triton as pt
+
+
+@pytest.fixture(autouse=True)
+def _interpreted(request):
+    if IN_A_SUBPROCESS and request.function is not test_in_a_fresh_process:
+        pytest.skip("TRITON_INTERPRET=1 is not set in this process: the cases run in "
+                    "test_in_a_fresh_process")
+
+
+@pytest.mark.skipif(not IN_A_SUBPROCESS, reason="the cases run in this process")
+def test_in_a_fresh_process():
+    """Every case of this file, in a new Python process with TRITON_INTERPRET=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _ulp(ref, dtype):
+    """The spacing of dtype's values at |ref| (float16: 11 significant bits, subnormals below
+    2^-14; bfloat16: 8 significant bits)."""
+    _, e = np.frexp(np.abs(ref))
+    if dtype == F16:
+        return np.exp2(np.maximum(e - 11, -24).astype(np.float64))
+    return np.exp2((e - 8).astype(np.float64))
+
+
+def _check(what, got, ref, dtype, half_rounded):
+    """got (a tensor) against ref (float64) under the tolerance of its kind: half_rounded for
+    results rounded to a half dtype, else float32 results of dtype inputs."""
+    got = got.detach().double().numpy()
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, what
+    inf = np.isinf(ref)
+    np.testing.assert_array_equal(got[inf], ref[inf], err_msg=what)
+    got, ref = got[~inf], ref[~inf]
+    if dtype == F32:
+        tol = 1e-5 * max(1.0, float(np.max(np.abs(ref), initial=0.0)))
+    else:
+        tol = 2e-5 * (1 + np.abs(ref)) + (0.5 * _ulp(ref, dtype) if half_rounded else 0.0)
+    err = np.abs(got - ref)
+    tol = np.broadcast_to(tol, err.shape)
+    worst = int(np.argmax(err / tol)) if err.size else 0
+    assert np.all(err <= tol), (f"{what}: error {err.flat[worst]:.3g} at value "
+                                f"{ref.flat[worst]:.4g}, tolerance {tol.flat[worst]:.3g}")
+
+
+def _reference_keywords(kw):
+    """posenc.attention's spelling of posenc.triton's keywords (positions as NumPy arrays)."""
+    ref = {key: value.numpy() if isinstance(value, torch.Tensor) else value
+           for key, value in kw.items() if key not in ("rope", "rope_style")}
+    if "rope" in kw:
+        ref["freqs"] = kw["rope"]
+    if "rope_style" in kw:
+        ref["style"] = kw["rope_style"]
+    return ref
+
+
+def run_case(scheme="none", dtype=F32, *, seed=0, shape=(2, 5, 13, 4, 2, 16), v_dim=None,
+             blocks=(16, 16), params=None, **kw):
+    """One forward and backward against the float64 reference. shape: (batch, seq_q, seq_k,
+    heads_q, heads_kv, head_dim); blocks: (block_m, block_n), or None for the kernels' own;
+    params: {name: float array} passed as tensors with gradients (sinks, slopes,
+    relative_attention_bias) to posenc.triton and in params to posenc."""
+    batch, seq_q, seq_k, heads_q, heads_kv, dim = shape
+    v_dim = v_dim or dim
+    rng = np.random.default_rng(seed)
+
+    def tensor(*s):
+        return torch.tensor(rng.standard_normal(s), dtype=F32).to(dtype).requires_grad_()
+
+    q, k = tensor(batch, seq_q, heads_q, dim), tensor(batch, seq_k, heads_kv, dim)
+    v, dout = tensor(batch, seq_k, heads_kv, v_dim), tensor(batch, seq_q, heads_q, v_dim)
+    tables = {name: torch.tensor(np.asarray(value), dtype=F32, requires_grad=True)
+              for name, value in (params or {}).items()}
+    if blocks is not None:
+        kw = dict(kw, block_m=blocks[0], block_n=blocks[1])
+    out, lse = pt.attention(q, k, v, scheme, return_lse=True, **kw, **tables)
+    out.backward(dout.detach())
+
+    def f64(t):
+        return t.detach().double().numpy()
+
+    ref_kw = _reference_keywords({key: kw[key] for key in kw if not key.startswith("block_")})
+    ref_params = {name: f64(t) for name, t in tables.items()}
+    ref_out, ref_lse = posenc.attention(f64(q), f64(k), f64(v), scheme, params=ref_params,
+                                        return_lse=True, **ref_kw)
+    grads = posenc.attention_grad(f64(q), f64(k), f64(v), f64(dout), scheme, params=ref_params,
+                                  **ref_kw)
+    assert out.dtype == dtype and lse.dtype == F32
+    _check("out", out, ref_out, dtype, True)
+    _check("lse", lse, ref_lse, dtype, False)
+    for name, t in (("dq", q), ("dk", k), ("dv", v)):
+        assert t.grad.dtype == dtype, name
+        _check(name, t.grad, grads[name], dtype, True)
+    for name, t in tables.items():
+        _check("d" + name, t.grad, grads["d" + name], dtype, False)
+    return out, lse
+
+
+def _rows_with_gaps(batch, n, start, step):
+    """Per-row position ids [batch, n], increasing with gaps that differ per row."""
+    return np.stack([start + b + np.cumsum(np.arange(n) % 3 * step + 1) for b in range(batch)])
+
+
+# ---- schemes and masks in float32 --------------------------------------------------------------
+
+def test_none_bidirectional_several_tiles():
+    """MHA, 13 x 13 in tiles of 16 x 16 keys: the tails of every tile masked."""
+    run_case(shape=(2, 13, 13, 2, 2, 16))
+
+
+def test_none_causal_gqa_rectangular():
+    """GQA 4:2, seq_q 5 < seq_k 13 (queries last), head dim 32, several key tiles."""
+    run_case(shape=(2, 5, 13, 4, 2, 32), causal=True)
+
+
+def test_none_mqa_causal_window_one_tile():
+    """MQA, a causal sliding window, sequences shorter than the kernels' default tiles."""
+    run_case(shape=(1, 13, 13, 3, 1, 16), blocks=None, causal=True, window=4)
+
+
+def test_none_chunk_explicit_positions_per_row():
+    """Chunked attention on per-row ids with gaps, several query and key tiles; head dim 24
+    (padded to 32 in the kernel) and values narrower than the keys."""
+    pos = _rows_with_gaps(2, 37, 0, 2)
+    run_case(shape=(2, 37, 37, 2, 2, 24), v_dim=8, causal=True, chunk=16, query_positions=pos,
+             key_positions=pos)
+
+
+def test_rope_half_causal_gqa():
+    run_case("rope", shape=(2, 5, 13, 4, 2, 32), causal=True,
+             rope=posenc.rope_frequencies(32, base=500.0))
+
+
+def test_rope_interleaved_partial_far_positions():
+    """GPT-J style: interleaved pairs on 16 of 32 dims, positions near 10^6 (accurate angles),
+    queries placed by an int offset, shared key ids."""
+    run_case("rope", shape=(1, 7, 19, 2, 2, 32), rope_style="interleaved",
+             rope=posenc.rope_frequencies(32, rotary_dim=16), query_positions=1_000_010,
+             key_positions=np.arange(19) + 999_995, window=12)
+
+
+def test_rope_half_partial_attention_factor_sinks():
+    """Half style on 8 of 16 dims with an attention factor (YaRN-like) and sinks with a
+    gradient."""
+    freqs = posenc.RopeFrequencies(posenc.rope_frequencies(16, rotary_dim=8).inv_freq,
+                                   attention_factor=1.25)
+    run_case("rope", shape=(2, 6, 11, 4, 2, 16), rope=freqs, causal=True,
+             params={"sinks": [0.5, -1.0, 2.0, 0.0]})
+
+
+def test_rope_float32_angles():
+    run_case("rope", shape=(1, 4, 9, 2, 1, 16),
+             rope=posenc.rope_frequencies(16, angles="float32"), query_positions=70_000,
+             key_positions=np.arange(9) + 69_996)
+
+
+def test_alibi_default_slopes_causal_gqa():
+    """Slopes computed for 6 query heads (not a power of two: the in-between slopes)."""
+    run_case("alibi", shape=(2, 9, 9, 6, 3, 16), causal=True)
+
+
+def test_alibi_given_slopes_window_positions():
+    """Slopes as a parameter with a gradient, bidirectional with a window, per-row ids."""
+    run_case("alibi", shape=(2, 11, 11, 4, 2, 16), window=6,
+             query_positions=_rows_with_gaps(2, 11, 3, 1),
+             key_positions=_rows_with_gaps(2, 11, 0, 1),
+             params={"slopes": [0.5, 0.25, 0.125, 0.3]}, allow_fully_masked=True)
+
+
+def test_t5_bidirectional_mqa_table_grad():
+    run_case("t5", shape=(2, 5, 13, 4, 1, 16), scale=1.0,
+             params={"relative_attention_bias": np.random.default_rng(1).standard_normal((32, 4))})
+
+
+def test_t5_causal_saturated_buckets():
+    """Causal buckets (the default without bidirectional), max_distance 8 so that far keys fall
+    in the last bucket, ids with gaps of up to 20 positions."""
+    pos = _rows_with_gaps(1, 21, 0, 10)
+    run_case("t5", shape=(1, 21, 21, 2, 2, 16), causal=True, max_distance=8,
+             query_positions=pos, key_positions=pos,
+             params={"relative_attention_bias": np.random.default_rng(2).standard_normal((8, 2))})
+
+
+def test_softcap_alibi_sinks():
+    """A small cap (scores well into tanh's curve) on ALiBi, with sinks."""
+    run_case("alibi", shape=(2, 5, 13, 4, 2, 16), softcap=1.5, scale=1.0,
+             params={"sinks": [1.0, -0.5, 0.0, 3.0]})
+
+
+def test_sinks_rows_without_keys():
+    """With sinks a row that sees no key is no error: out 0, lse = sink (query positions before
+    every key, causal)."""
+    out, lse = run_case(shape=(1, 4, 10, 2, 2, 16), causal=True, query_positions=[0, 1, 5, 9],
+                        key_positions=np.arange(10) + 2, params={"sinks": [0.25, -2.0]})
+    assert torch.all(out[0, :2] == 0)
+    np.testing.assert_array_equal(lse[0, :, :2].detach().numpy(), [[0.25, 0.25], [-2.0, -2.0]])
+
+
+def test_allow_fully_masked():
+    """Rows that see no key: out 0, lse -inf, no gradient."""
+    out, lse = run_case(shape=(1, 4, 10, 2, 1, 16), causal=True, query_positions=[0, 1, 5, 9],
+                        key_positions=np.arange(10) + 2, allow_fully_masked=True)
+    assert torch.all(out[0, :2] == 0) and torch.all(torch.isneginf(lse[0, :, :2]))
+
+
+def test_head_dim_128_decode():
+    """One query per row against 40 keys (a decode step), GQA 4:1, head dim 128."""
+    run_case(shape=(2, 1, 40, 4, 1, 128), causal=True, key_positions=torch.arange(40) + 7)
+
+
+def test_strided_views():
+    """q, k, v as [batch, seq, heads, dim] views of [batch, heads, seq, dim] tensors give the
+    results of contiguous copies, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(s, generator=g).transpose(1, 2) for s in ((2, 4, 9, 16),
+                                                                      (2, 2, 11, 16),
+                                                                      (2, 2, 11, 16)))
+    kw = dict(causal=True, return_lse=True, block_m=16, block_n=16)
+    out, lse = pt.attention(q, k, v, "alibi", **kw)
+    ref_out, ref_lse = pt.attention(q.contiguous(), k.contiguous(), v.contiguous(), "alibi", **kw)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_queries_longer_than_keys():
+    run_case(shape=(1, 21, 6, 2, 2, 16), query_positions=np.arange(21), window=9,
+             allow_fully_masked=True)
+
+
+# ---- half precision ----------------------------------------------------------------------------
+
+def test_float16_none_causal_gqa():
+    run_case(dtype=F16, shape=(2, 13, 13, 4, 2, 32), causal=True)
+
+
+def test_float16_t5_table_grad_window():
+    """Causal buckets without the causal mask (bidirectional=False), a window."""
+    run_case("t5", dtype=F16, shape=(1, 9, 13, 2, 2, 16), window=5, bidirectional=False,
+             params={"relative_attention_bias": np.random.default_rng(3).standard_normal((16, 2))})
+
+
+def test_bfloat16_rope_interleaved_default_frequencies():
+    run_case("rope", dtype=BF16, shape=(2, 5, 13, 4, 2, 16), rope_style="interleaved",
+             causal=True)
+
+
+def test_bfloat16_head_dim_64_default_tiles():
+    run_case(dtype=BF16, shape=(1, 40, 70, 2, 1, 64), blocks=None, causal=True, window=50)
+
+
+def test_bfloat16_alibi_softcap_sinks_narrow_values():
+    run_case("alibi", dtype=BF16, shape=(1, 13, 13, 2, 2, 32), v_dim=16, softcap=4.0,
+             chunk=8, params={"sinks": [0.0, 1.0], "slopes": [0.5, 0.125]})
+
+
+def test_bfloat16_is_emulated_under_the_interpreter():
+    """Triton's interpreter multiplies bf16 tiles wrongly and truncates float32 to bf16: the
+    kernels widen bf16 tiles before tl.dot and round to nearest even themselves."""
+    assert pt._forward.EMULATE_BF16
+
+
+# ---- the gradient of lse -----------------------------------------------------------------------
+
+def test_lse_gradient():
+    """A loss on out and lse, against float64 autograd of the textbook formula (causal, sinks,
+    GQA)."""
+    rng = np.random.default_rng(4)
+    q64, k64, v64 = (torch.tensor(rng.standard_normal(s), requires_grad=True)
+                     for s in ((1, 6, 4, 16), (1, 9, 2, 16), (1, 9, 2, 16)))
+    sinks64 = torch.tensor([0.5, -1.0, 0.0, 1.0], dtype=torch.float64, requires_grad=True)
+    w_out, w_lse = torch.tensor(rng.standard_normal((1, 6, 4, 16))), torch.rand(1, 4, 6)
+
+    kk, vv = k64.repeat_interleave(2, 2), v64.repeat_interleave(2, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q64, kk) / 4.0
+    hidden = torch.arange(9)[None, :] > torch.arange(6)[:, None] + 3
+    s = s.masked_fill(hidden, float("-inf"))
+    full = torch.cat([s, sinks64[None, :, None, None].expand(1, 4, 6, 1)], -1)
+    lse64 = torch.logsumexp(full, -1)
+    out64 = torch.einsum("bhij,bjhd->bihd", torch.exp(s - lse64[..., None]), vv)
+    ((out64 * w_out).sum() + (lse64 * w_lse).sum()).backward()
+
+    q, k, v, sinks = (t.detach().float().requires_grad_() for t in (q64, k64, v64, sinks64))
+    out, lse = pt.attention(q, k, v, causal=True, sinks=sinks, return_lse=True, block_m=16,
+                            block_n=16)
+    ((out * w_out.float()).sum() + (lse * w_lse.float()).sum()).backward()
+    for got, ref in ((out, out64), (lse, lse64), (q.grad, q64.grad), (k.grad, k64.grad),
+                     (v.grad, v64.grad), (sinks.grad, sinks64.grad)):
+        _check("lse gradient", got, ref.detach().numpy(), F32, False)
+
+
+# ---- errors and host-side tables ---------------------------------------------------------------
+
+def test_fully_masked_row_is_an_error():
+    q = torch.zeros(1, 3, 1, 16)
+    k = torch.zeros(1, 5, 1, 16)
+    with pytest.raises(posenc.InvalidValueError, match=r"query 0 \(batch 0, position 0\) sees "
+                       "no key"):
+        pt.attention(q, k, k, causal=True, query_positions=[0, 3, 4],
+                     key_positions=np.arange(5) + 1)
+
+
+def test_argument_errors():
+    q = torch.zeros(1, 3, 4, 16)
+    k = torch.zeros(1, 5, 3, 16)
+    with pytest.raises(posenc.ShapeError, match="heads_kv"):
+        pt.attention(q, k, k)
+    k = torch.zeros(1, 5, 2, 16)
+    with pytest.raises(TypeError, match="slopes: a setting of scheme 'alibi'"):
+        pt.attention(q, k, k, "rope", slopes=torch.ones(4))
+    with pytest.raises(posenc.InvalidValueError, match="relative_attention_bias"):
+        pt.attention(q, k, k, "t5")
+    with pytest.raises(posenc.InvalidValueError, match="query_positions"):
+        pt.attention(torch.zeros(1, 6, 4, 16), k, k)  # default positions need seq_q <= seq_k
+    with pytest.raises(TypeError, match="one dtype"):
+        pt.attention(q, k.half(), k)
+    with pytest.raises(posenc.InvalidValueError, match="block_m"):
+        pt.attention(q, k, k, block_m=24)
+
+
+def test_t5_buckets_saturate_at_max_distance():
+    """The kernels clamp distances to [-max_distance, max_distance] before reading the bucket
+    table: posenc's buckets do not change beyond them."""
+    for bidirectional in (True, False):
+        for nb, md in ((32, 128), (8, 8), (16, 20)):
+            b = posenc.t5_bucket(np.array([-10**9, -md - 1, -md, md, md + 1, 10**9]),
+                                 num_buckets=nb, max_distance=md, bidirectional=bidirectional)
+            assert b[0] == b[1] == b[2] and b[3] == b[4] == b[5]
+
+
+# ---- the kernels compile for a GPU -------------------------------------------------------------
+
+_COMPILE = r"""
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from posenc.triton import _backward, _forward
+
+INTS = {"QPos": "*i64", "KPos": "*i64", "QTileLo": "*i64", "QTileHi": "*i64", "KTileLo": "*i64",
+        "KTileHi": "*i64", "Buckets": "*i32"}
+
+def compile(kernel, dtype, constexprs, rotated=()):
+    signature = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in INTS:
+            signature[name] = INTS[name]
+        elif name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "Y") and name not in rotated:
+            signature[name] = "*" + dtype
+        elif name[0].isupper():
+            signature[name] = "*fp32"
+        else:
+            signature[name] = "fp32" if name in ("scale", "softcap") else "i32"
+    triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 8})
+
+for dtype, scheme, rotary, flags in (("bf16", 1, 32, True), ("fp16", 3, 0, False),
+                                     ("fp32", 2, 0, True)):
+    c = dict(SCHEME=scheme, ROTARY=rotary, INTERLEAVED=flags, CAUSAL=flags, HAS_WINDOW=flags,
+             HAS_CHUNK=flags, HAS_SOFTCAP=flags, HAS_SINKS=flags, BLOCK_M=32, BLOCK_N=32,
+             BLOCK_D=64, BLOCK_DV=32, EMULATE_BF16=False)
+    rotated = ("DQ", "DK") if rotary else ()
+    compile(_forward.attention_forward_kernel, dtype, c)
+    compile(_backward.attention_backward_kv_kernel, dtype, c, rotated)
+    compile(_backward.attention_backward_q_kernel, dtype, dict(c, NEED_DTABLE=scheme > 1),
+            rotated)
+    if rotary:
+        compile(_backward.rope_back_kernel, dtype, dict(ROTARY=rotary, INTERLEAVED=flags,
+                BLOCK_L=64, BLOCK_D=64, EMULATE_BF16=False))
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_a_gpu(tmp_path):
+    """The interpreter runs the kernels as Python and checks none of Triton's compile-time rules:
+    compile each kernel for sm_90 (Hopper) on this machine, no GPU needed, in a process without
+    TRITON_INTERPRET: bf16 with RoPE and every mask, soft-cap and sinks; f16 with T5 and its
+    table gradient; float32 with ALiBi and its slope gradient."""
+    import triton.backends
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-4000:]
