@@ -168,7 +168,13 @@ _KEYWORDS = {
     "add_sinusoidal": (_POSITIONS,) + _SINUSOIDAL,
     "sinusoidal_encode": _SINUSOIDAL,
 }
-_KEYWORDS["attention_backward"] = _KEYWORDS["attention_half"] = _KEYWORDS["attention"]
+_KEYWORDS["attention_half"] = _KEYWORDS["attention"]
+# Which kernels compute attention and its gradient: "auto" (posenc's CPU kernels on CPU tensors,
+# the Triton kernels of posenc.triton on CUDA tensors), "cpu" or "triton" (on CPU tensors: through
+# Triton's interpreter, TRITON_INTERPRET=1).
+_BACKEND = _Keyword("backend", "choice", "auto")
+_BACKENDS = ("auto", "cpu", "triton")
+_KEYWORDS["attention"] = _KEYWORDS["attention_backward"] = _KEYWORDS["attention"] + (_BACKEND,)
 _KEYWORDS["rope_half"] = _KEYWORDS["rope"]
 _KEYWORDS["learned_backward"] = _KEYWORDS["add_learned"]
 
@@ -324,7 +330,8 @@ def _binding_kwargs(op, settings):
         k = owners.get(arg)
         if k is None:
             raise TypeError(f"{op}() got an unexpected keyword argument '{arg}'")
-        if value is None or k.kind == "rope_frequencies" or arg == f"{k.name}_source":
+        if value is None or k.kind == "rope_frequencies" or arg == f"{k.name}_source" or (
+                k is _BACKEND):
             continue
         if k.kind == "rope_scaling":
             value = _scaling(value)
@@ -450,15 +457,36 @@ _ATTENTION_TENSORS = ["Tensor[] tables", "str[] table_names", "Tensor? query_pos
                       "Tensor? key_positions=None"] + [f"Tensor? {n}=None" for n in _MASKS]
 
 
+def uses_triton(q, backend):
+    """Whether an attention call on q with `backend` runs posenc.triton's kernels (ValueError for
+    a backend name that is none of _BACKENDS)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: 'auto', 'cpu' or 'triton' (got {backend!r})")
+    return backend == "triton" or (backend == "auto" and q.device.type == "cuda")
+
+
+def _triton_op():
+    from .triton import _op  # imports triton: only where the Triton kernels run
+    return _op
+
+
+def _mask_dict(masks):
+    return dict(zip(_MASKS, masks))
+
+
 def attention_impl(q, k, v, tables, table_names, query_positions=None, key_positions=None,
                    cu_seqlens_q=None, cu_seqlens_k=None, query_documents=None,
                    key_documents=None, prefix=None, mask=None, **settings):
     """out [batch, seq_q, heads_q, v_dim] and lse [batch, heads_q, seq_q] (packed sequences:
     [total_q, heads_q, v_dim] and [heads_q, total_q]): posenc.attention with return_lse
-    (float32: the fused kernel; float64: the float64 reference)."""
-    kw, params = _attention_kwargs(
-        "attention", tables, table_names, query_positions, key_positions,
-        (cu_seqlens_q, cu_seqlens_k, query_documents, key_documents, prefix, mask), settings)
+    (float32: the fused kernel; float64: the float64 reference); with the Triton backend
+    posenc.triton's kernels (out float32 for half inputs, lse float32)."""
+    masks = (cu_seqlens_q, cu_seqlens_k, query_documents, key_documents, prefix, mask)
+    if uses_triton(q, settings.get("backend", "auto")):
+        return _triton_op().forward(q, k, v, list(tables), list(table_names), query_positions,
+                                    key_positions, _mask_dict(masks), settings)
+    kw, params = _attention_kwargs("attention", tables, table_names, query_positions,
+                                   key_positions, masks, settings)
     out, lse = _posenc.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"), params=params,
                                  return_lse=True, **kw)
     return torch.from_numpy(out), torch.from_numpy(lse)
@@ -468,9 +496,16 @@ attention = _define("attention", attention_impl, ["Tensor q", "Tensor k", "Tenso
                     + _ATTENTION_TENSORS, "(Tensor, Tensor)")
 
 
+def _computed_dtype(q):
+    """The dtype of out and lse: float32 for half inputs (the Triton kernels' float32 out, which
+    the backward reads), q's otherwise."""
+    return torch.float32 if q.dtype in _HALF else q.dtype
+
+
 @attention.register_fake
 def _(q, k, v, *args, **settings):
-    return q.new_empty(_out_shape(q, v)), q.new_empty(_lse_shape(q))
+    dtype = _computed_dtype(q)
+    return q.new_empty(_out_shape(q, v), dtype=dtype), q.new_empty(_lse_shape(q), dtype=dtype)
 
 
 def attention_backward_impl(q, k, v, out, lse, dout, tables, table_names, query_positions=None,
@@ -478,10 +513,15 @@ def attention_backward_impl(q, k, v, out, lse, dout, tables, table_names, query_
                             query_documents=None, key_documents=None, prefix=None, mask=None,
                             **settings):
     """[dq, dk, dv, d<table> for each table]: the fused backward (FlashAttention-2 recomputation
-    from out and lse; float64: the reference)."""
-    kw, params = _attention_kwargs(
-        "attention_backward", tables, table_names, query_positions, key_positions,
-        (cu_seqlens_q, cu_seqlens_k, query_documents, key_documents, prefix, mask), settings)
+    from out and lse; float64: the reference; the Triton backend: posenc.triton's kernels)."""
+    masks = (cu_seqlens_q, cu_seqlens_k, query_documents, key_documents, prefix, mask)
+    if uses_triton(q, settings.get("backend", "auto")):
+        grads = _triton_op().backward(q, k, v, out, lse, dout, list(tables), list(table_names),
+                                      query_positions, key_positions, _mask_dict(masks),
+                                      settings)
+        return [g.to(x.dtype) for g, x in zip(grads, [q, k, v, *tables])]
+    kw, params = _attention_kwargs("attention_backward", tables, table_names, query_positions,
+                                   key_positions, masks, settings)
     g = _posenc.attention_grad(_np(q, "q"), _np(k, "k"), _np(v, "v"), _np(dout, "dout"),
                                params=params, out=_np(out, "out"), lse=_np(lse, "lse"), **kw)
     return [torch.from_numpy(g[n]) for n in ["dq", "dk", "dv"] + ["d" + n for n in table_names]]

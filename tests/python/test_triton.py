@@ -424,3 +424,92 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-4000:]
+
+
+# ---- the ops' Triton backend: posenc.torch.attention(..., backend="triton") --------------------
+
+def _backend_case(scheme, dtype, *, shape=(2, 5, 13, 4, 2, 16), tables=(), seed=3, **kw):
+    """posenc.torch.attention with backend="triton" (through torch.ops.posenc.attention and its
+    backward) against the same call on float64 copies (posenc's float64 reference), forward, lse
+    and every gradient."""
+    import posenc.torch as ptorch
+    batch, seq_q, seq_k, heads_q, heads_kv, dim = shape
+    rng = np.random.default_rng(seed)
+    shapes = {"q": (batch, seq_q, heads_q, dim), "k": (batch, seq_k, heads_kv, dim),
+              "v": (batch, seq_k, heads_kv, dim), "slopes": (heads_q,),
+              "relative_attention_bias": (32, heads_q), "sinks": (heads_q,)}
+    data = {n: rng.standard_normal(shapes[n]) for n in ("q", "k", "v", *tables)}
+    half = {n: torch.tensor(a, dtype=F32).to(dtype if n in "qkv" else F32).requires_grad_()
+            for n, a in data.items()}
+    wide = {n: t.detach().double().requires_grad_() for n, t in half.items()}
+    # dout in q's dtype (the gradient of a half out is half), the reference its float64 copy.
+    dout = torch.tensor(rng.standard_normal(shapes["q"]), dtype=F32).to(dtype).double()
+    results = {}
+    for name, ts, backend in (("triton", half, "triton"), ("reference", wide, "cpu")):
+        out, lse = ptorch.attention(ts["q"], ts["k"], ts["v"], scheme, backend=backend,
+                                    params={n: ts[n] for n in tables} or None, return_lse=True,
+                                    **kw)
+        assert out.dtype == ts["q"].dtype and lse.dtype == (F32 if name == "triton" else F64)
+        out.backward(dout.to(out.dtype))
+        results[name] = (out, lse, {n: t.grad for n, t in ts.items()})
+    out, lse, grads = results["triton"]
+    ref_out, ref_lse, ref_grads = results["reference"]
+    _check(f"{scheme} out", out, ref_out.detach().numpy(), dtype, half_rounded=dtype != F32)
+    _check(f"{scheme} lse", lse, ref_lse.numpy(), dtype, half_rounded=False)
+    for n in grads:
+        _check(f"{scheme} d{n}", grads[n], ref_grads[n].numpy(),
+               dtype if n in "qkv" else F32, half_rounded=dtype != F32 and n in "qkv")
+
+
+F64 = torch.float64
+
+
+def test_backend_triton_none_gqa_window():
+    _backend_case("none", F32, causal=True, window=4)
+
+
+def test_backend_triton_rope_bf16_interleaved_partial():
+    _backend_case("rope", BF16, causal=True, base=500.0, style="interleaved", rotary_dim=8)
+
+
+def test_backend_triton_alibi_slopes_and_sinks():
+    _backend_case("alibi", F32, tables=("slopes", "sinks"), causal=True, softcap=2.0)
+
+
+def test_backend_triton_t5_f16():
+    _backend_case("t5", F16, tables=("relative_attention_bias",), scale=1.0, max_distance=16,
+                  query_positions=torch.tensor([3, 9, 10, 11, 20]))
+
+
+def test_backend_triton_positional_attention_and_opcheck():
+    import posenc.torch as ptorch
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 6, 4, 16), torch.randn(1, 6, 2, 16), torch.randn(1, 6, 2, 16)
+    module = ptorch.PositionalAttention("rope", 4, 2, 16, causal=True, backend="triton")
+    assert "backend='triton'" in repr(module)
+    got = module(q, k, v)
+    want = ptorch.PositionalAttention("rope", 4, 2, 16, causal=True, backend="cpu")(q, k, v)
+    _check("module out", got, want.double().numpy(), F32, half_rounded=False)
+    q.requires_grad_()
+    torch.library.opcheck(torch.ops.posenc.attention.default, (q, k, v, [], []),
+                          {"scheme": "alibi", "causal": True, "backend": "triton"})
+
+
+def test_backend_triton_refuses_what_its_kernels_lack():
+    import posenc.torch as ptorch
+    q = torch.randn(1, 4, 2, 8)
+    table = torch.randn(8, 2, 8)
+    with pytest.raises(ValueError, match="backend='triton': scheme 'deberta'.*backend='cpu'"):
+        ptorch.attention(q, q, q, "deberta", backend="triton",
+                         params={"pos_key": table, "pos_query": table})
+    with pytest.raises(ValueError, match="backend='triton': 'cu_seqlens_q'"):
+        ptorch.attention(q[0], q[0], q[0], backend="triton", cu_seqlens_q=torch.tensor([0, 4]),
+                         cu_seqlens_k=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="backend: 'auto', 'cpu' or 'triton'"):
+        ptorch.attention(q, q, q, backend="gpu")
+    with pytest.raises(TypeError, match="backend"):
+        ptorch.attention(q, q, q, backend=1)
+    with pytest.raises(TypeError, match="one dtype"):
+        ptorch.attention(q, q.half(), q.half(), backend="triton")
+    with pytest.raises(TypeError, match="float64"):
+        ptorch.attention(q.double(), q.double(), q.double(), backend="triton")

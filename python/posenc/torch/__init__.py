@@ -67,15 +67,26 @@ def _widen(t):
     return t.float() if t.dtype in _HALF else t
 
 
-def _tensor_arg(value, what):
-    """A positions argument: a tensor (an int64 CPU tensor for the op), or None / an int (an int
-    offset: a keyword argument of the op)."""
+def _require_on(t, what, device=None):
+    """ValueError unless the tensor t is on `device` (None: the CPU, where posenc's own kernels
+    run)."""
+    if device is None:
+        _require_cpu(t, what)
+    elif isinstance(t, torch.Tensor) and t.device != device:
+        raise ValueError(f"posenc: {what} is on device '{t.device}', q on '{device}'; the "
+                         "tensors of one call share its device")
+
+
+def _tensor_arg(value, what, device=None):
+    """A positions argument: a tensor (an int64 tensor on the call's device for the op), or None /
+    an int (an int offset: a keyword argument of the op)."""
     if value is None or isinstance(value, (int, np.integer)):
         return None
     if isinstance(value, torch.Tensor):
-        _require_cpu(value, what)
+        _require_on(value, what, device)
         return value
-    return _as_tensor(value, what)
+    t = _as_tensor(value, what)
+    return t if device is None else t.to(device)
 
 
 def _as_tensor(value, what):
@@ -113,19 +124,19 @@ def _real_tensors(*named):
             raise TypeError(f"{what}: expected a floating-point tensor, got {t.dtype}")
 
 
-def _split_positions(kwargs, *names):
+def _split_positions(kwargs, *names, device=None):
     """Moves tensor-valued positions out of kwargs: (kwargs without them, [tensor or None])."""
     kw = dict(kwargs)
     tensors = []
     for n in names:
-        t = _tensor_arg(kw.get(n), n)
+        t = _tensor_arg(kw.get(n), n, device)
         if t is not None:
             del kw[n]
         tensors.append(t)
     return kw, tensors
 
 
-def _split_masks(kw):
+def _split_masks(kw, device=None):
     """Moves the mask keywords' values out of kw: {name: tensor} (the ops' mask arguments)."""
     masks = {}
     for n in _MASK_KEYWORDS:
@@ -133,7 +144,7 @@ def _split_masks(kw):
         if value is None:
             continue
         if isinstance(value, torch.Tensor):
-            _require_cpu(value, n)
+            _require_on(value, n, device)
         else:
             value = _as_tensor(value, n)
         masks[n] = value
@@ -152,17 +163,19 @@ def _split_params(params):
     raise TypeError("params: a dict {name: tensor}")
 
 
-def _prepared(kwargs, scheme=None, params=None, base=None):
+def _prepared(kwargs, scheme=None, params=None, base=None, device=None):
     """An attention call's arguments as its op takes them: (table_names, tables, query
     positions, key positions, {mask name: tensor}, typed settings). base: typed settings made
-    earlier (a module's, outside any compiled region) that kwargs extend or override."""
-    kw, (qpos, kpos) = _split_positions(kwargs, "query_positions", "key_positions")
-    masks = _split_masks(kw)
+    earlier (a module's, outside any compiled region) that kwargs extend or override. device: the
+    call's device (None: the CPU kernels')."""
+    kw, (qpos, kpos) = _split_positions(kwargs, "query_positions", "key_positions",
+                                        device=device)
+    masks = _split_masks(kw, device)
     if scheme is not None:
         kw["scheme"] = scheme
     names, tables = _split_params(params)
     for n, t in zip(names, tables):
-        _require_cpu(t, n)
+        _require_on(t, n, device)
     settings = _ops.typed("attention", kw, "attention")
     if base:
         settings = {**base, **settings}
@@ -175,9 +188,10 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_args
     params: {name: tensor} (docs/attention.md, Parameter names); tables with requires_grad get
     gradients. Returns out [batch, seq_q, heads_q, v_dim] (and lse [batch, heads_q, seq_q],
     float32, not differentiable, with return_lse=True). q's dtype decides: float32 runs the fused
-    kernels, float64 the float64 reference. Tensors must be on the CPU (another device raises
-    ValueError naming it). The op is torch.ops.posenc.attention (torch.compile keeps it in the
-    graph; its backward is torch.ops.posenc.attention_backward).
+    kernels, float64 the float64 reference. Tensors must be on the CPU or, for the Triton
+    kernels (backend, below), on one CUDA device (another device raises ValueError naming it).
+    The op is torch.ops.posenc.attention (torch.compile keeps it in the graph; its backward is
+    torch.ops.posenc.attention_backward).
 
     Half precision: a torch.bfloat16 / torch.float16 q gives out of q's dtype (lse float32), the
     float32 result of the widened inputs rounded once. Without gradients, q, k, v of one half
@@ -185,6 +199,14 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_args
     and a float32 q with half k, v the mixed kernel (float32 out); with gradients (or return_lse)
     the inputs are widened to float32 (differentiably), the float32 path runs and out is cast to
     q's dtype, so gradients come back in each input's dtype. Tables may be half too (widened).
+
+    backend: which kernels run: "auto" (default: posenc's CPU kernels on CPU tensors,
+    posenc.triton's fused Triton kernels on CUDA tensors), "cpu" or "triton" (CUDA tensors; CPU
+    tensors under TRITON_INTERPRET=1, through Triton's interpreter). The Triton kernels take
+    q, k, v of one dtype (float32, float16, bfloat16; out of that dtype, lse float32) and the
+    schemes none, rope, alibi and t5 with causal, window, chunk, softcap, sinks and explicit
+    positions; what they lack (other schemes, configs, packed sequences, block masks) is a
+    ValueError naming it.
 
     Packed sequences: q [total_q, heads_q, D], k and v [total_k, heads_kv, D] with cu_seqlens_q
     and cu_seqlens_k (int tensors [num_seqs + 1]) give out [total_q, heads_q, v_dim] and lse
@@ -198,6 +220,11 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_args
     if not isinstance(q, torch.Tensor):
         raise TypeError("q: a torch.Tensor (use posenc.attention for NumPy arrays)")
     _real_tensors((q, "q"), (k, "k"), (v, "v"))
+    backend = kwargs.get("backend", (_base_args or {}).get("backend", "auto"))
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+    if _ops.uses_triton(q, backend):
+        return _attention_triton(q, k, v, scheme, params, return_lse, _base_args, kwargs)
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
         _require_cpu(t, what)
     names, tables, qpos, kpos, masks, settings = _prepared(kwargs, scheme, params, _base_args)
@@ -216,6 +243,26 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_args
     out, lse = _ops.call_attention(q, k, v, tables, names, qpos, kpos, masks, settings)
     if half_q:
         out = out.to(out_dtype)  # rounded once (autograd casts the gradient back to float32)
+    lse = lse.detach()
+    return (out, lse) if return_lse else out
+
+
+def _attention_triton(q, k, v, scheme, params, return_lse, base, kwargs):
+    """posenc.torch.attention on posenc.triton's kernels (backend "triton", or "auto" on CUDA
+    tensors): q, k, v of one dtype (float32, float16 or bfloat16) on one device, out of that
+    dtype, lse float32."""
+    for t, what in ((k, "k"), (v, "v")):
+        _require_on(t, what, q.device)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{what}: the Triton kernels take q, k and v of one dtype (q "
+                            f"{q.dtype}, {what} {t.dtype})")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"q: the Triton kernels take float32, float16 or bfloat16 (got "
+                        f"{q.dtype}; backend='cpu' computes float64)")
+    names, tables, qpos, kpos, masks, settings = _prepared(kwargs, scheme, params, base,
+                                                           device=q.device)
+    out, lse = _ops.call_attention(q, k, v, tables, names, qpos, kpos, masks, settings)
+    out = out.to(q.dtype)  # the kernels' float32 out of half inputs, rounded once
     lse = lse.detach()
     return (out, lse) if return_lse else out
 
@@ -657,11 +704,14 @@ class PositionalAttention(nn.Module):
     base; deberta max_relative_positions, position_buckets, p2c. config (a config.json path, dict
     or ModelConfig) gives the scheme and its settings. sinks=True: a learnable attention sink per
     query head (gpt-oss), the Parameter `.sinks` [heads] (initialised to 0), added to every row's
-    softmax denominator. chunk: chunked local attention (Llama 4) for every call.
+    softmax denominator. chunk: chunked local attention (Llama 4) for every call. backend: the
+    kernels of every call, as posenc.torch.attention's ("auto": posenc's CPU kernels on CPU
+    tensors, posenc.triton's on CUDA tensors; "cpu"; "triton").
     """
 
     def __init__(self, scheme=None, heads=None, kv_heads=None, head_dim=None, *, causal=False,
-                 layout="blhd", config=None, sinks=False, chunk=None, **options):
+                 layout="blhd", config=None, sinks=False, chunk=None, backend="auto",
+                 **options):
         super().__init__()
         cfg = _config(config)
         if cfg is not None:
@@ -679,6 +729,9 @@ class PositionalAttention(nn.Module):
         self.kv_heads = kv_heads or heads
         self.causal, self.layout = causal, layout
         self.chunk = chunk
+        if backend not in _ops._BACKENDS:
+            raise ValueError(f"backend: 'auto', 'cpu' or 'triton' (got {backend!r})")
+        self.backend = backend
         self.sinks = nn.Parameter(torch.zeros(heads)) if sinks else None
         module = _SCHEMES[scheme]
         if module is None:
@@ -694,6 +747,8 @@ class PositionalAttention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.chunk is not None:
             kwargs.setdefault("chunk", self.chunk)
+        if self.backend != "auto":
+            kwargs.setdefault("backend", self.backend)
         params = {"sinks": self.sinks} if self.sinks is not None else None
         out = self.positions(q, k, v, causal=self.causal if causal is None else causal,
                              params=params, **kwargs)
@@ -702,4 +757,4 @@ class PositionalAttention(nn.Module):
     def extra_repr(self):
         return (f"scheme={self.scheme!r}, heads={self.heads}, kv_heads={self.kv_heads}, "
                 f"head_dim={self.head_dim}, causal={self.causal}, layout={self.layout!r}, "
-                f"sinks={self.sinks is not None}, chunk={self.chunk!r}")
+                f"sinks={self.sinks is not None}, chunk={self.chunk!r}, backend={self.backend!r}")

@@ -1,0 +1,131 @@
+"""The attention ops' Triton side: ``torch.ops.posenc.attention`` and ``attention_backward`` with
+``backend="triton"`` (or ``"auto"`` on CUDA tensors) come here with their typed arguments, which
+become a Plan of this package and one launch of its kernels.
+
+What the Triton kernels do not compute yet is refused by name, with the CPU backend as the way
+to get it: the schemes shaw, xl and deberta, model configs (``config``, ``layer``), packed
+sequences and block masks.
+"""
+
+import torch
+
+import posenc
+
+from . import _backward, _forward, _prepare
+
+# Settings that reach this backend as the ops' typed arguments, by the scheme that reads them.
+_ROPE = ("freqs_inv_freq", "freqs_attention_factor", "freqs_angles", "base", "rotary_dim",
+         "style", "scaling", "seq_len", "angles")
+_SCHEME_SETTINGS = {"rope": _ROPE, "alibi": ("max_bias",),
+                    "t5": ("num_buckets", "max_distance", "bidirectional")}
+# Tables by scheme (sinks: every scheme).
+_TABLES = {"alibi": ("slopes",), "t5": ("relative_attention_bias",)}
+# Arguments with no meaning for these kernels (threads of the CPU kernels).
+_IGNORED = ("num_threads", "backend")
+
+
+def _unsupported(what):
+    return ValueError(f"backend='triton': {what} is not supported by the Triton kernels yet "
+                      "(backend='cpu' computes it on CPU tensors)")
+
+
+def _rope_frequencies(settings, head_dim, query_pos, key_pos):
+    """The RopeFrequencies of the settings: given directly (freqs_*), or from base, rotary_dim,
+    scaling and seq_len (default: the largest position + 1, as posenc.attention takes it)."""
+    inv = settings.get("freqs_inv_freq")
+    if inv is not None:
+        kw = {}
+        if settings.get("freqs_attention_factor") is not None:
+            kw["attention_factor"] = settings["freqs_attention_factor"]
+        if settings.get("freqs_angles") is not None:
+            kw["angles"] = settings["freqs_angles"]
+        return posenc.RopeFrequencies(list(inv), **kw)
+    seq_len = settings.get("seq_len")
+    if seq_len is None:
+        seq_len = int(max(query_pos.max(), key_pos.max())) + 1
+    kw = {"seq_len": seq_len}
+    for name in ("rotary_dim", "base", "angles"):
+        if settings.get(name) is not None:
+            kw[name] = settings[name]
+    if settings.get("scaling") is not None:
+        import json
+        kw["scaling"] = json.loads(settings["scaling"])
+    return posenc.rope_frequencies(head_dim, **kw)
+
+
+def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, settings):
+    """(Plan, {table name: tensor}) of one op call; ValueError naming what this backend lacks."""
+    for name, value in masks.items():
+        if value is not None:
+            raise _unsupported(f"'{name}'")
+    for name in ("config", "layer", "global_positions"):
+        if settings.get(name) is not None:
+            raise _unsupported(f"'{name}'")
+    scheme = settings.get("scheme") or "none"
+    if scheme not in ("none", "rope", "alibi", "t5"):
+        raise _unsupported(f"scheme '{scheme}'")
+    named = dict(zip(table_names, tables))
+    for name in named:
+        if name != "sinks" and name not in _TABLES.get(scheme, ()):
+            raise ValueError(f"tables: '{name}' is not a table of scheme '{scheme}'")
+    known = set(_SCHEME_SETTINGS.get(scheme, ())) | {
+        "scheme", "causal", "scale", "window", "chunk", "softcap", "allow_fully_masked",
+        "query_positions_offset", "key_positions_offset", "config_source", *_IGNORED}
+    for name, value in settings.items():
+        if value is not None and name not in known:
+            raise _unsupported(f"'{name}' with scheme '{scheme}'")
+    qpos = query_positions if query_positions is not None else settings.get(
+        "query_positions_offset")
+    kpos = key_positions if key_positions is not None else settings.get("key_positions_offset")
+    given = {}
+    if scheme == "alibi":
+        if "slopes" in named:
+            given["slopes"] = named["slopes"]
+        if settings.get("max_bias") is not None:
+            given["max_bias"] = settings["max_bias"]
+    elif scheme == "t5":
+        if "relative_attention_bias" in named:
+            given["relative_attention_bias"] = named["relative_attention_bias"]
+        for name in _SCHEME_SETTINGS["t5"]:
+            if settings.get(name) is not None:
+                given[name] = settings[name]
+    p = _prepare.prepare(q, k, v, scheme, causal=settings.get("causal", False),
+                         scale=settings.get("scale"), window=settings.get("window"),
+                         chunk=settings.get("chunk"), softcap=settings.get("softcap"),
+                         sinks=named.get("sinks"), query_positions=qpos, key_positions=kpos,
+                         settings={} if scheme == "rope" else given)
+    if scheme == "rope":
+        freqs = _rope_frequencies(settings, p.head_dim, p.query_pos, p.key_pos)
+        _prepare._prepare_rope(p, {"rope": freqs, "rope_style": settings.get("style") or "half"})
+    return p, named
+
+
+def forward(q, k, v, tables, table_names, query_positions, key_positions, masks, settings):
+    """(out, lse) of the op: out float32 for half inputs (the backward's delta reads it; the
+    caller rounds it once), in q's dtype otherwise; lse float32."""
+    p, _ = plan(q, k, v, tables, table_names, query_positions, key_positions, masks, settings)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty((p.batch, p.seq_q, p.heads_q, p.v_dim),
+                      dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16)
+                      else q.dtype, device=q.device)
+    lse = torch.empty((p.batch, p.heads_q, p.seq_q), dtype=torch.float32, device=q.device)
+    _forward.forward(q, k, v, p, out, lse)
+    if not settings.get("allow_fully_masked") and "sinks" not in table_names:
+        if bool(torch.isneginf(lse).any()):
+            from . import _fully_masked_error
+            raise _fully_masked_error(lse, p)
+    return out, lse
+
+
+def backward(q, k, v, out, lse, dout, tables, table_names, query_positions, key_positions, masks,
+             settings):
+    """[dq, dk, dv, d<table> for each table] of the op."""
+    p, named = plan(q, k, v, tables, table_names, query_positions, key_positions, masks,
+                    settings)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    want_table = any(n in named for n in ("slopes", "relative_attention_bias"))
+    dq, dk, dv, dsinks, dtable = _backward.backward(
+        q, k, v, out, lse, dout, None, p, (True, True, True, "sinks" in named, want_table))
+    grads = {"sinks": dsinks, "slopes": dtable, "relative_attention_bias": dtable}
+    return [dq, dk, dv] + [grads[n].to(named[n].dtype) for n in table_names]
