@@ -574,6 +574,9 @@ def _torchrun_main():
         count = 0
     with open(os.path.join(os.environ["POSENC_DIST_OUT"], f"rank{rank}.txt"), "w") as f:
         f.write("\n".join(fails) + f"\n#cases {count}\n")
+    # Both ranks done with every collective before either tears gloo down: a rank that destroys
+    # its group while its peer still talks to it can abort in gloo's threads.
+    dist.barrier()
     dist.destroy_process_group()
 
 
