@@ -1,0 +1,164 @@
+"""posenc's Triton kernels against the GPU baselines, in one run on one CUDA GPU: a Markdown
+table of times and same-run ratios.
+
+    python bench/gpu_bench.py [--out results.md] [--lengths 4096 16384] [--quick]
+
+Rows (bf16, batch 4, 16 heads of 128, causal, unless a row says otherwise), each forward and
+forward + backward:
+- none: posenc (backend "triton") against the fastest of PyTorch's SDPA backends (flash,
+  efficient, cuDNN: each tried, the fastest kept);
+- ALiBi and T5: posenc against FlexAttention compiled with the equivalent score_mod, and against
+  SDPA with the bias materialized ([heads, L, L], made outside the timing);
+- the device's copy bandwidth (a bf16 tensor copied, bytes read and written), for scale.
+Times are CUDA-event medians of several runs after warm-up. A ratio > 1 means posenc is faster.
+Needs a CUDA GPU and the posenc package with its extension importable.
+"""
+
+import argparse
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import posenc
+import posenc.torch as pt
+
+
+def timed(fn, repeats, warmup=3):
+    """Median milliseconds of fn() over `repeats` runs (CUDA events), after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def forward_backward(fn, inputs):
+    """A closure running fn's forward and, for 'fwd+bwd', its backward."""
+    def fwd():
+        with torch.no_grad():
+            fn()
+
+    def both():
+        out = fn()
+        out.backward(torch.ones_like(out))
+        for t in inputs:
+            t.grad = None
+    return fwd, both
+
+
+def sdpa_fastest(q, k, v, repeats, bias=None):
+    """(name, forward ms, forward + backward ms) of the fastest SDPA backend that runs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    best = None
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION):
+        def call(backend=backend):
+            with sdpa_kernel(backend):
+                if bias is None:
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+                return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias)
+        try:
+            fwd, both = forward_backward(call, (q, k, v))
+            row = (backend.name.lower(), timed(fwd, repeats), timed(both, repeats))
+        except RuntimeError:
+            continue
+        if best is None or row[1] < best[1]:
+            best = row
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", help="write the table to this file too")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gpu_bench: no CUDA device")
+    repeats = 5 if args.quick else 20
+    dev = torch.device("cuda")
+    lines = [f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton "
+             f"{__import__('triton').__version__}; posenc {posenc.__version__}", "",
+             "| L | row | posenc fwd ms | baseline | baseline fwd ms | ratio fwd | posenc fwd+bwd ms"
+             " | baseline fwd+bwd ms | ratio fwd+bwd |", "|---|---|---|---|---|---|---|---|---|"]
+
+    x = torch.empty(1 << 28, dtype=torch.bfloat16, device=dev)
+    y = torch.empty_like(x)
+    copy_ms = timed(lambda: y.copy_(x), repeats)
+    bandwidth = 2 * x.numel() * 2 / (copy_ms * 1e-3) / 1e9
+    del x, y
+
+    batch, heads, dim = 4, 16, 128
+    for length in args.lengths:
+        g = torch.Generator(device=dev).manual_seed(length)
+        q, k, v = (torch.randn(batch, length, heads, dim, device=dev, dtype=torch.bfloat16,
+                               generator=g).requires_grad_() for _ in range(3))
+        slopes = torch.tensor(posenc.alibi_slopes(heads), device=dev, dtype=torch.float32)
+        table = torch.randn(32, heads, device=dev, generator=g)
+
+        def posenc_row(scheme, **kw):
+            fwd, both = forward_backward(
+                lambda: pt.attention(q, k, v, scheme, causal=True, backend="triton", **kw),
+                (q, k, v))
+            return timed(fwd, repeats), timed(both, repeats)
+
+        def add(row, mine, base_name, base):
+            lines.append(f"| {length} | {row} | {mine[0]:.3f} | {base_name} | {base[0]:.3f} | "
+                         f"{base[0] / mine[0]:.2f} | {mine[1]:.3f} | {base[1]:.3f} | "
+                         f"{base[1] / mine[1]:.2f} |")
+
+        name, *sdpa = sdpa_fastest(q, k, v, repeats)
+        add("none", posenc_row("none"), f"SDPA {name}", sdpa)
+
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention)
+        causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, length, length,
+                                   device=dev)
+        idx = torch.arange(length, device=dev)
+        for scheme, kw, score_mod, bias in (
+                ("alibi", {}, lambda s, b, h, i, j: s - slopes[h] * (i - j),
+                 -slopes[:, None, None] * (idx[:, None] - idx[None, :]).abs()),
+                ("t5", {"params": {"relative_attention_bias": table}, "scale": 1.0}, None, None)):
+            if scheme == "t5":
+                buckets = torch.tensor(posenc.t5_bucket(
+                    (idx[None, :] - idx[:, None]).cpu().numpy(), num_buckets=32,
+                    max_distance=128, bidirectional=False), device=dev).long()
+                bias = table[buckets].permute(2, 0, 1)
+                flat = table.t().contiguous()
+
+                def score_mod(s, b, h, i, j, flat=flat, buckets=buckets):
+                    return s + flat[h, buckets[i, j]]
+            bias = bias.masked_fill(idx[None, :] > idx[:, None], -math.inf).to(torch.bfloat16)
+            scale = kw.get("scale")
+            mine = posenc_row(scheme, **kw)
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            fwd, both = forward_backward(
+                lambda sm=score_mod: flex(qt, kt, vt, score_mod=sm, block_mask=causal,
+                                          scale=scale).transpose(1, 2), (q, k, v))
+            add(scheme, mine, "FlexAttention", (timed(fwd, repeats), timed(both, repeats)))
+            name, *base = sdpa_fastest(q, k, v, repeats, bias=bias[None].expand(
+                batch, heads, length, length))
+            add(scheme, mine, f"SDPA {name} + materialized bias", base)
+        del q, k, v
+        torch.cuda.empty_cache()
+    lines += ["", f"Copy bandwidth (bf16 copy, bytes read + written): {bandwidth:.0f} GB/s"]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
