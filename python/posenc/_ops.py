@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _posenc
+from . import _device, _posenc
 
 Tensor = torch.Tensor
 
@@ -358,6 +358,19 @@ def _with_positions(kw, name, tensor):
 
 
 # ---- tensors -----------------------------------------------------------------------------------
+
+def device_path(t):
+    """Whether an elementwise op runs posenc._device's PyTorch form on t (a CUDA tensor) rather
+    than the CPU kernels."""
+    return isinstance(t, torch.Tensor) and t.device.type == "cuda"
+
+
+def require_device(t, what):
+    """ValueError unless t is a CPU or a CUDA tensor (the devices of the elementwise ops)."""
+    if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"posenc: {what} is on device '{t.device}'; posenc runs on CPU and CUDA "
+                         f"tensors (move it with .cpu())")
+
 
 def require_cpu(t, what):
     """ValueError unless t is a CPU tensor (posenc has no GPU path)."""
@@ -719,6 +732,8 @@ attention_merge.register_autograd(_merge_grad, setup_context=_merge_setup)
 def rope_impl(x, positions=None, **settings):
     """posenc.apply_rope (float32: the SIMD kernel; float64: the reference); inverse=True
     rotates back. Its gradient is the opposite rotation (its exact transpose)."""
+    if device_path(x):
+        return _device.rope(x, positions, _binding_kwargs("rope", settings))
     kw = _with_positions(_binding_kwargs("rope", settings), "positions", positions)
     return torch.from_numpy(_posenc.apply_rope(_np(x, "x"), **kw))
 
@@ -752,6 +767,8 @@ rope.register_autograd(_rope_grad, setup_context=_positions_setup)
 
 def rope_half_impl(x, positions=None, **settings):
     """RoPE of a bf16 / f16 tensor by the native half kernel (result of x's dtype)."""
+    if device_path(x):
+        return _device.rope(x, positions, _binding_kwargs("rope_half", settings))
     kw = _with_positions(_binding_kwargs("rope_half", settings), "positions", positions)
     y = _posenc._apply_rope_half(_bits(x, "x"), dtype=_HALF[x.dtype], **kw)
     return _from_bits(y, x.dtype)
@@ -800,6 +817,8 @@ rerotate_rope.register_autograd(_rerotate_grad, setup_context=_positions_setup)
 
 def _add_learned_impl(x, table, positions=None, **settings):
     """x + table[position] (float32; positions_offset: an int offset when no tensor)."""
+    if device_path(x):
+        return _device.add_learned(x, table, positions, _binding_kwargs("add_learned", settings))
     kw = _with_positions(_binding_kwargs("add_learned", settings), "positions", positions)
     return torch.from_numpy(_posenc.add_learned(_np(x, "x"), _np(table, "table"), **kw))
 
@@ -814,6 +833,9 @@ def _(x, *args, **settings):
 
 
 def _learned_backward_impl(dy, positions, max_positions, **settings):
+    if device_path(dy):
+        return _device.learned_backward(dy, positions, max_positions,
+                                        _binding_kwargs("learned_backward", settings))
     """dtable [max_positions, dim]: the sum of dy at each position."""
     kw = _with_positions(_binding_kwargs("learned_backward", settings), "positions", positions)
     return torch.from_numpy(_posenc.learned_backward(_np(dy, "dy"), max_positions, **kw))
@@ -848,6 +870,8 @@ add_learned.register_autograd(_learned_grad, setup_context=_learned_setup)
 
 def _add_sinusoidal_impl(x, positions=None, **settings):
     """x + PE[position] (float32; the table's settings and positions_offset, an int offset)."""
+    if device_path(x):
+        return _device.add_sinusoidal(x, positions, _binding_kwargs("add_sinusoidal", settings))
     kw = _with_positions(_binding_kwargs("add_sinusoidal", settings), "positions", positions)
     return torch.from_numpy(_posenc.add_sinusoidal(_np(x, "x"), **kw))
 
@@ -868,6 +892,9 @@ add_sinusoidal.register_autograd(lambda ctx, dy: (dy, None),
 
 def _sinusoidal_encode_impl(positions, dim, **settings):
     """PE at the positions: float32 [*positions.shape, dim]."""
+    if device_path(positions):
+        return _device.sinusoidal_encode(positions, dim,
+                                         _binding_kwargs("sinusoidal_encode", settings))
     ids = _np(positions, "positions").reshape(-1)
     pe = _posenc.sinusoidal_encode(ids, dim, **_binding_kwargs("sinusoidal_encode", settings))
     return torch.from_numpy(pe).reshape(tuple(positions.shape) + (dim,))

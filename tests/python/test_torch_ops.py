@@ -246,7 +246,7 @@ def test_a_tensor_on_another_device_gets_one_clear_error(device):
         lambda: pt.PositionalAttention("rope", 2, head_dim=8)(x, x, x),
     ]
     for call in calls:
-        with pytest.raises(ValueError, match=f"on device '{device}'.*CPU only"):
+        with pytest.raises(ValueError, match=f"on device '{device}'.*(CPU only|CPU and CUDA)"):
             call()
     # The ops' implementations check with the same function (on the meta device the ops run
     # their shape functions instead, as torch.compile does).
@@ -394,3 +394,62 @@ def test_messages_name_the_config_by_its_path():
     # A dict has no path: "config".
     with pytest.raises(ValueError, match="conflicts with config"):
         pt.attention(q, q, q, "alibi", config=json.loads(cfg.json))
+
+
+def test_the_cuda_forms_of_the_elementwise_ops_equal_the_cpu_kernels():
+    # The ops run posenc._device's PyTorch forms on CUDA tensors: run here on CPU tensors, they
+    # give the CPU kernels' numbers (accurate RoPE to the last bit: float64 angles, one rounding).
+    from posenc import _device
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 7, 3, 16, generator=g)
+    ids = torch.tensor([[3, 4, 5, 9, 100, 1000, 70000], [0, 1, 2, 3, 4, 5, 6]])
+    llama = os.path.join(os.environ.get("POSENC_TEST_CONFIGS_DIR", "tests/configs"),
+                         "llama-3.1-8b.json")
+    settings = [{}, {"style": "interleaved"}, {"rotary_dim": 8}, {"inverse": True},
+                {"positions": 5}, {"freqs": posenc.rope_frequencies(16, base=500.0)},
+                {"scaling": {"rope_type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 16}},
+                {"scaling": {"rope_type": "dynamic", "factor": 2.0,
+                             "original_max_position_embeddings": 8}}]
+    for kw in settings:
+        for positions in ((ids, None) if "positions" not in kw else (None,)):
+            s = _ops.typed("rope", kw, "rope")
+            for t, impl, op in ((x, _ops.rope_impl, "rope"), (x.double(), _ops.rope_impl, "rope"),
+                                (x.bfloat16(), _ops.rope_half_impl, "rope_half")):
+                got = _device.rope(t, positions, _ops._binding_kwargs(op, s))
+                assert got.dtype == t.dtype and torch.equal(got, impl(t, positions, **s)), kw
+    xc = torch.randn(1, 5, 2, 128, generator=g)
+    s = _ops.typed("rope", {"config": llama}, "rope")
+    assert torch.equal(_device.rope(xc, None, _ops._binding_kwargs("rope", s)),
+                       _ops.rope_impl(xc, None, **s))
+    # float32 angles: the frameworks' float32 cos and sin, the device's own: within float32's
+    # rounding of the angles' cos and sin.
+    s = _ops.typed("rope", {"angles": "float32"}, "rope")
+    diff = (_device.rope(x, ids, _ops._binding_kwargs("rope", s)) - _ops.rope_impl(x, ids, **s))
+    assert diff.abs().max() <= 4e-7 * x.abs().max()
+    # Absolute encodings.
+    h = torch.randn(2, 7, 16, generator=g)
+    table = torch.randn(70001, 16, generator=g)
+    s = _ops.typed("add_learned", {}, "add_learned")
+    assert torch.equal(_device.add_learned(h, table, ids, _ops._binding_kwargs("add_learned", s)),
+                       _ops._add_learned_impl(h, table, ids, **s))
+    dy = torch.randn(2, 7, 16, generator=g)
+    got = _device.learned_backward(dy, ids, 70001, _ops._binding_kwargs("learned_backward", s))
+    want = _ops._learned_backward_impl(dy, ids, 70001, **s)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    for kw in ({}, {"positions": 3}, {"origin": 2}, {"base": 500.0, "layout": "concat"}):
+        s = _ops.typed("add_sinusoidal", kw, "add_sinusoidal")
+        positions = None if "positions" in kw or "origin" in kw else ids
+        assert torch.equal(
+            _device.add_sinusoidal(h, positions, _ops._binding_kwargs("add_sinusoidal", s)),
+            _ops._add_sinusoidal_impl(h, positions, **s)), kw
+    s = _ops.typed("sinusoidal_encode", {"base": 100.0}, "sinusoidal_encode")
+    assert torch.equal(_device.sinusoidal_encode(ids, 16, _ops._binding_kwargs(
+        "sinusoidal_encode", s)), _ops._sinusoidal_encode_impl(ids, 16, **s))
+    # Their checks: positions outside [0, 2^48] or the table, and of the wrong shape.
+    with pytest.raises(posenc.InvalidValueError, match="positions"):
+        _device.rope(x, torch.tensor([-1] * 7), {})
+    with pytest.raises(posenc.ShapeError, match="positions"):
+        _device.rope(x, torch.arange(6), {})
+    with pytest.raises(posenc.InvalidValueError, match="table of 10 positions"):
+        _device.add_learned(h, table[:10], ids, {})

@@ -77,6 +77,12 @@ def _require_on(t, what, device=None):
                          "tensors of one call share its device")
 
 
+def _device_of(x):
+    """The device other tensors of an elementwise call must share: None for a CPU x (the CPU
+    kernels' rule), else x's (CUDA: posenc._device's forms)."""
+    return None if x.device.type == "cpu" else x.device
+
+
 def _tensor_arg(value, what, device=None):
     """A positions argument: a tensor (an int64 tensor on the call's device for the op), or None /
     an int (an int offset: a keyword argument of the op)."""
@@ -320,8 +326,8 @@ def rope(x, freqs=None, *, _base_args=None, **kwargs):
     for bad in ("inplace", "out"):
         if bad in kwargs:
             raise TypeError(f"rope() got an unexpected keyword argument '{bad}'")
-    _require_cpu(x, "x")
-    kw, (positions,) = _split_positions(kwargs, "positions")
+    _ops.require_device(x, "x")
+    kw, (positions,) = _split_positions(kwargs, "positions", device=_device_of(x))
     if freqs is not None:
         kw["freqs"] = freqs
     settings = _ops.typed("rope", kw, "rope")
@@ -368,9 +374,9 @@ def add_learned(x, table, positions=None):
     int offset, or ids [seq] / [batch, seq]. A position outside the table raises ValueError (a
     learned table cannot extrapolate). Computed in float32, returned in x's dtype
     (torch.ops.posenc.add_learned)."""
-    _require_cpu(x, "x")
-    _require_cpu(table, "table")
-    kw, (pos,) = _split_positions({"positions": positions}, "positions")
+    _ops.require_device(x, "x")
+    _require_on(table, "table", _device_of(x))
+    kw, (pos,) = _split_positions({"positions": positions}, "positions", device=_device_of(x))
     y = _ops.add_learned(x.float(), table.float(), pos, **_ops.typed("add_learned", kw,
                                                                      "add_learned"))
     return y.to(x.dtype)
@@ -381,15 +387,15 @@ def add_sinusoidal(x, positions=None, *, base=1e4, layout="interleaved", denomin
     """x + PE[position] (fixed sinusoidal positions), differentiable in x; the table's settings as
     posenc.add_sinusoidal. float32 x: one fused pass (torch.ops.posenc.add_sinusoidal); other
     dtypes add the float32 table (torch.ops.posenc.sinusoidal_encode) in x's dtype."""
-    _require_cpu(x, "x")
+    _ops.require_device(x, "x")
     cfg = dict(base=base, layout=layout, denominator=denominator, origin=origin, odd_dim=odd_dim)
-    kw, (pos,) = _split_positions({"positions": positions}, "positions")
+    kw, (pos,) = _split_positions({"positions": positions}, "positions", device=_device_of(x))
     if x.dtype == torch.float32:
         return _ops.add_sinusoidal(x, pos, **_ops.typed("add_sinusoidal", {**cfg, **kw},
                                                         "add_sinusoidal"))
     if pos is None:
         start = origin if positions is None else int(positions)
-        pos = torch.arange(start, start + x.shape[-2], dtype=torch.int64)
+        pos = torch.arange(start, start + x.shape[-2], dtype=torch.int64, device=x.device)
     pe = _ops.sinusoidal_encode(pos.to(torch.int64), x.shape[-1],
                                 **_ops.typed("sinusoidal_encode", cfg, "add_sinusoidal"))
     return x + pe.to(x.dtype)
