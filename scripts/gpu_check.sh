@@ -2,7 +2,8 @@
 # The GPU check, in one run on a machine with a CUDA GPU (no network needed): builds posenc's core
 # Python extension (no CLI, tests, figures or bench suite), runs posenc.triton's tests on the GPU
 # (tests/python/test_triton.py with POSENC_TRITON_DEVICE=cuda: every case on CUDA tensors, the
-# kernels compiled, bf16 through native bf16 dot products) and the benchmark table
+# kernels compiled, bf16 through native bf16 dot products; tests/python/test_cuda.py: every op
+# with a CUDA form against the CPU, eager, compiled and exported) and the benchmark table
 # (bench/gpu_bench.py), and writes everything into one folder:
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]     # default: gpu-results/
@@ -53,7 +54,7 @@ export PYTHONPATH="$PWD/build-gpu/python/stage"
 
 step "tests on the GPU"
 POSENC_TRITON_DEVICE=cuda timeout 240 "$py" -m pytest -q -p no:cacheprovider \
-  tests/python/test_triton.py 2>&1 | tee "$out/tests.txt"
+  tests/python/test_triton.py tests/python/test_cuda.py 2>&1 | tee "$out/tests.txt"
 tests=${PIPESTATUS[0]}
 
 step "benchmarks"
