@@ -9,8 +9,9 @@ value (at least 1); float16 / bfloat16 results within half an ulp of their dtype
 2e-5 (1 + |value|), posenc's rule for half precision; lse and parameter gradients, float32
 results, within 2e-5 (1 + |value|) for half inputs. The cases are few and small (the interpreter
 is slow) and each combines several factors: odd sizes, seq_q != seq_k, sequences shorter than a
-tile and spanning several, GQA and MQA, head dims 16, 24 and 32, every scheme and mask,
-explicit positions, soft-capping, sinks, float32, float16 and bfloat16.
+tile and spanning several, GQA and MQA, head dims 16, 24 and 32, every scheme and mask (block
+masks and packed sequences included), explicit positions, soft-capping, sinks, float32, float16
+and bfloat16.
 """
 
 import os
@@ -25,14 +26,38 @@ import pytest
 # set before triton's first import and stay set for the whole process. Unless the caller set it,
 # the cases run in a new process with it (test_in_a_fresh_process): setting it here would change
 # what every later test file of this pytest process gets from triton.
-IN_A_SUBPROCESS = os.environ.get("TRITON_INTERPRET") != "1"
+#
+# On a GPU (POSENC_TRITON_DEVICE=cuda, as scripts/gpu_check.sh runs it) the same cases run the
+# compiled kernels on CUDA copies of their inputs (results and gradients come back to the CPU
+# through autograd), bf16 through native bf16 dot products.
+DEVICE = os.environ.get("POSENC_TRITON_DEVICE", "cpu")
+ON_GPU = DEVICE == "cuda"
+IN_A_SUBPROCESS = not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1"
 
 import posenc  # noqa: E402
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 if not IN_A_SUBPROCESS:
-    import posenc.triton as pt
+    import posenc.triton as _triton
+
+    class _OnDevice:
+        """posenc.triton with every tensor argument moved to DEVICE and the results moved
+        back (differentiably): the cases' CPU tensors keep their gradients."""
+
+        _forward = _triton._forward
+
+        @staticmethod
+        def attention(*args, **kw):
+            def move(x):
+                return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+            out = _triton.attention(*(move(a) for a in args),
+                                    **{n: move(x) for n, x in kw.items()})
+            if isinstance(out, tuple):
+                return tuple(x.cpu() for x in out)
+            return out.cpu()
+
+    pt = _OnDevice if ON_GPU else _triton
 
 
 @pytest.fixture(autouse=True)
@@ -100,16 +125,18 @@ def run_case(scheme="none", dtype=F32, *, seed=0, shape=(2, 5, 13, 4, 2, 16), v_
     """One forward and backward against the float64 reference. shape: (batch, seq_q, seq_k,
     heads_q, heads_kv, head_dim); blocks: (block_m, block_n), or None for the kernels' own;
     params: {name: float array} passed as tensors with gradients (sinks, slopes,
-    relative_attention_bias) to posenc.triton and in params to posenc."""
+    relative_attention_bias) to posenc.triton and in params to posenc. With cu_seqlens_q in kw
+    the tensors are packed (rank 3, no batch: shape's batch is ignored)."""
     batch, seq_q, seq_k, heads_q, heads_kv, dim = shape
     v_dim = v_dim or dim
     rng = np.random.default_rng(seed)
+    rows = () if "cu_seqlens_q" in kw else (batch,)
 
     def tensor(*s):
         return torch.tensor(rng.standard_normal(s), dtype=F32).to(dtype).requires_grad_()
 
-    q, k = tensor(batch, seq_q, heads_q, dim), tensor(batch, seq_k, heads_kv, dim)
-    v, dout = tensor(batch, seq_k, heads_kv, v_dim), tensor(batch, seq_q, heads_q, v_dim)
+    q, k = tensor(*rows, seq_q, heads_q, dim), tensor(*rows, seq_k, heads_kv, dim)
+    v, dout = tensor(*rows, seq_k, heads_kv, v_dim), tensor(*rows, seq_q, heads_q, v_dim)
     tables = {name: torch.tensor(np.asarray(value), dtype=F32, requires_grad=True)
               for name, value in (params or {}).items()}
     if blocks is not None:
@@ -267,6 +294,112 @@ def test_queries_longer_than_keys():
              allow_fully_masked=True)
 
 
+# ---- block masks and packed sequences ----------------------------------------------------------
+
+def _documents(*lengths):
+    """Document ids [1, sum(lengths)] of consecutive documents of these lengths, and positions
+    that restart in each."""
+    docs = np.concatenate([np.full(n, d) for d, n in enumerate(lengths)])[None]
+    pos = np.concatenate([np.arange(n) for n in lengths])
+    return docs, pos
+
+
+def test_documents_causal_alibi_gqa():
+    """Three documents in one row (tiles of 16 that hold one, two or three of them), causal,
+    positions restarting per document; a second row with other ids in another order."""
+    docs, pos = _documents(10, 20, 7)
+    docs = np.concatenate([docs, [np.arange(37) * 3 // 37 * 2 % 3]])
+    run_case("alibi", shape=(2, 37, 37, 4, 2, 16), causal=True, query_documents=docs,
+             key_documents=docs, query_positions=pos, key_positions=pos)
+
+
+def test_prefix_per_document_rope_window():
+    """Prefix-LM per document (prefix lengths indexed by document id; one is 0) with a window
+    of 3 on RoPE: prefix keys are seen from every later position of their document."""
+    docs, pos = _documents(12, 9, 14)
+    run_case("rope", shape=(1, 35, 35, 2, 1, 16), causal=True, window=3, query_documents=docs,
+             key_documents=docs, query_positions=pos, key_positions=pos,
+             prefix=np.array([5, 0, 7]), rope=posenc.rope_frequencies(16, base=100.0))
+
+
+def test_prefix_per_row_t5():
+    """One prefix length per batch row, without documents; T5's table gradient."""
+    run_case("t5", shape=(2, 21, 21, 2, 2, 16), causal=True, prefix=np.array([4, 17]),
+             params={"relative_attention_bias": np.random.default_rng(6).standard_normal((16, 2))})
+
+
+def test_global_positions_window_documents():
+    """Longformer: global tokens at positions 0 and 9 of every document (they see and are seen
+    by their whole document) and a sliding window."""
+    docs, pos = _documents(19, 14)
+    run_case(shape=(1, 33, 33, 2, 2, 16), window=2, global_positions=[0, 9],
+             query_documents=docs, key_documents=docs, query_positions=pos, key_positions=pos)
+
+
+def test_dense_mask_broadcast_causal():
+    """A dense mask of one row for both batch rows, ANDed with causal; rows without a key
+    allowed."""
+    mask = np.random.default_rng(7).random((1, 13, 21)) < 0.4
+    run_case(shape=(2, 13, 21, 2, 1, 16), causal=True, mask=mask, allow_fully_masked=True)
+
+
+def test_varlen_rope_gqa_causal():
+    """Packed sequences of 5, 1, 0 and 23 queries over 9, 1, 4 and 23 keys: positions restart in
+    each sequence (queries last, the KV-cache convention), GQA 4:2, RoPE, causal."""
+    cu_q, cu_k = np.array([0, 5, 6, 6, 29]), np.array([0, 9, 10, 14, 37])
+    run_case("rope", shape=(None, 29, 37, 4, 2, 16), causal=True, cu_seqlens_q=cu_q,
+             cu_seqlens_k=cu_k, rope=posenc.rope_frequencies(16, base=50.0))
+
+
+def test_varlen_explicit_positions_prefix_sinks():
+    """Packed sequences with per-token positions, one prefix length per sequence, sinks."""
+    cu = np.array([0, 11, 25])
+    pos = np.concatenate([np.arange(11) * 2, np.arange(14) + 3])
+    run_case(shape=(None, 25, 25, 2, 2, 16), causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+             query_positions=pos, key_positions=pos, prefix=np.array([6, 5]),
+             params={"sinks": [0.5, -1.0]})
+
+
+def test_float16_documents_prefix_global():
+    docs, pos = _documents(8, 17)
+    run_case(dtype=F16, shape=(1, 25, 25, 2, 1, 32), causal=True, query_documents=docs,
+             key_documents=docs, query_positions=pos, key_positions=pos,
+             prefix=np.array([3, 2]), global_positions=[6])
+
+
+def test_bfloat16_dense_mask_documents():
+    docs, _ = _documents(9, 11)
+    mask = np.random.default_rng(8).random((2, 20, 20)) < 0.7
+    run_case("alibi", dtype=BF16, shape=(2, 20, 20, 2, 2, 16), query_documents=np.repeat(
+        docs, 2, 0), key_documents=np.repeat(docs, 2, 0), mask=mask, allow_fully_masked=True)
+
+
+def test_bfloat16_varlen_rope_gqa():
+    cu_q, cu_k = np.array([0, 7, 8, 30]), np.array([0, 12, 13, 35])
+    run_case("rope", dtype=BF16, shape=(None, 30, 35, 4, 1, 16), causal=True,
+             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, rope_style="interleaved")
+
+
+def test_block_mask_errors():
+    q = torch.zeros(1, 6, 2, 16)
+    docs = np.zeros((1, 6), np.int32)
+    with pytest.raises(posenc.InvalidValueError, match="give both"):
+        pt.attention(q, q, q, query_documents=docs)
+    with pytest.raises(posenc.ShapeError, match="query_documents"):
+        pt.attention(q, q, q, query_documents=docs[:, :5], key_documents=docs)
+    with pytest.raises(posenc.ShapeError, match="prefix"):
+        pt.attention(q, q, q, prefix=np.array([1, 2]))
+    with pytest.raises(posenc.InvalidValueError, match="document id"):
+        pt.attention(q, q, q, query_documents=docs + 1, key_documents=docs + 1,
+                     prefix=np.array([1]))
+    with pytest.raises(posenc.ShapeError, match="mask"):
+        pt.attention(q, q, q, mask=np.ones((1, 6, 5), bool))
+    with pytest.raises(posenc.InvalidValueError, match="cu_seqlens_k"):
+        pt.attention(q[0], q[0], q[0], cu_seqlens_q=[0, 6], cu_seqlens_k=[0, 5])
+    with pytest.raises(posenc.InvalidValueError, match="more queries than keys"):
+        pt.attention(q[0], q[0, :4], q[0, :4], cu_seqlens_q=[0, 6], cu_seqlens_k=[0, 4])
+
+
 # ---- half precision ----------------------------------------------------------------------------
 
 def test_float16_none_causal_gqa():
@@ -295,8 +428,9 @@ def test_bfloat16_alibi_softcap_sinks_narrow_values():
 
 def test_bfloat16_is_emulated_under_the_interpreter():
     """Triton's interpreter multiplies bf16 tiles wrongly and truncates float32 to bf16: the
-    kernels widen bf16 tiles before tl.dot and round to nearest even themselves."""
-    assert pt._forward.EMULATE_BF16
+    kernels widen bf16 tiles before tl.dot and round to nearest even themselves; on a GPU they
+    use its bf16 dot products."""
+    assert pt._forward.EMULATE_BF16 == (not ON_GPU)
 
 
 # ---- the gradient of lse -----------------------------------------------------------------------
@@ -376,8 +510,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from posenc.triton import _backward, _forward
 
-INTS = {"QPos": "*i64", "KPos": "*i64", "QTileLo": "*i64", "QTileHi": "*i64", "KTileLo": "*i64",
-        "KTileHi": "*i64", "Buckets": "*i32"}
+INTS = {"QPos": "*i64", "KPos": "*i64", "QTiles": "*i64", "KTiles": "*i64", "Buckets": "*i32",
+        "QDoc": "*i32", "KDoc": "*i32", "QOpen": "*i32", "KOpen": "*i32", "Dense": "*u8"}
 
 def compile(kernel, dtype, constexprs, rotated=()):
     signature = {}
@@ -398,7 +532,8 @@ def compile(kernel, dtype, constexprs, rotated=()):
 for dtype, scheme, rotary, flags in (("bf16", 1, 32, True), ("fp16", 3, 0, False),
                                      ("fp32", 2, 0, True)):
     c = dict(SCHEME=scheme, ROTARY=rotary, INTERLEAVED=flags, CAUSAL=flags, HAS_WINDOW=flags,
-             HAS_CHUNK=flags, HAS_SOFTCAP=flags, HAS_SINKS=flags, BLOCK_M=32, BLOCK_N=32,
+             HAS_CHUNK=flags, HAS_SOFTCAP=flags, HAS_SINKS=flags, HAS_DOCS=flags,
+             HAS_OPEN=flags, HAS_DENSE=flags, BLOCK_M=32, BLOCK_N=32,
              BLOCK_D=64, BLOCK_DV=32, EMULATE_BF16=False)
     rotated = ("DQ", "DK") if rotary else ()
     compile(_forward.attention_forward_kernel, dtype, c)
@@ -415,8 +550,9 @@ print("compiled")
 def test_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs the kernels as Python and checks none of Triton's compile-time rules:
     compile each kernel for sm_90 (Hopper) on this machine, no GPU needed, in a process without
-    TRITON_INTERPRET: bf16 with RoPE and every mask, soft-cap and sinks; f16 with T5 and its
-    table gradient; float32 with ALiBi and its slope gradient."""
+    TRITON_INTERPRET: bf16 with RoPE and every mask (block masks included), soft-cap and sinks;
+    f16 with T5 and its table gradient; float32 with ALiBi, its slope gradient and every
+    mask."""
     import triton.backends
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")
@@ -431,12 +567,13 @@ def test_kernels_compile_for_a_gpu(tmp_path):
 def _backend_case(scheme, dtype, *, shape=(2, 5, 13, 4, 2, 16), tables=(), seed=3, **kw):
     """posenc.torch.attention with backend="triton" (through torch.ops.posenc.attention and its
     backward) against the same call on float64 copies (posenc's float64 reference), forward, lse
-    and every gradient."""
+    and every gradient. With cu_seqlens_q in kw the tensors are packed (rank 3)."""
     import posenc.torch as ptorch
     batch, seq_q, seq_k, heads_q, heads_kv, dim = shape
     rng = np.random.default_rng(seed)
-    shapes = {"q": (batch, seq_q, heads_q, dim), "k": (batch, seq_k, heads_kv, dim),
-              "v": (batch, seq_k, heads_kv, dim), "slopes": (heads_q,),
+    rows = () if "cu_seqlens_q" in kw else (batch,)
+    shapes = {"q": (*rows, seq_q, heads_q, dim), "k": (*rows, seq_k, heads_kv, dim),
+              "v": (*rows, seq_k, heads_kv, dim), "slopes": (heads_q,),
               "relative_attention_bias": (32, heads_q), "sinks": (heads_q,)}
     data = {n: rng.standard_normal(shapes[n]) for n in ("q", "k", "v", *tables)}
     half = {n: torch.tensor(a, dtype=F32).to(dtype if n in "qkv" else F32).requires_grad_()
@@ -446,9 +583,13 @@ def _backend_case(scheme, dtype, *, shape=(2, 5, 13, 4, 2, 16), tables=(), seed=
     dout = torch.tensor(rng.standard_normal(shapes["q"]), dtype=F32).to(dtype).double()
     results = {}
     for name, ts, backend in (("triton", half, "triton"), ("reference", wide, "cpu")):
-        out, lse = ptorch.attention(ts["q"], ts["k"], ts["v"], scheme, backend=backend,
-                                    params={n: ts[n] for n in tables} or None, return_lse=True,
-                                    **kw)
+        call = {n: t.to(DEVICE) for n, t in ts.items()} if backend == "triton" else ts
+        extra = {n: (x.to(DEVICE) if isinstance(x, torch.Tensor) and backend == "triton" else x)
+                 for n, x in kw.items()}
+        out, lse = ptorch.attention(call["q"], call["k"], call["v"], scheme, backend=backend,
+                                    params={n: call[n] for n in tables} or None,
+                                    return_lse=True, **extra)
+        out, lse = out.cpu(), lse.cpu()
         assert out.dtype == ts["q"].dtype and lse.dtype == (F32 if name == "triton" else F64)
         out.backward(dout.to(out.dtype))
         results[name] = (out, lse, {n: t.grad for n, t in ts.items()})
@@ -481,14 +622,31 @@ def test_backend_triton_t5_f16():
                   query_positions=torch.tensor([3, 9, 10, 11, 20]))
 
 
+def test_backend_triton_varlen_rope_gqa():
+    """Packed sequences through the ops: out [total_q, heads_q, D], lse [heads_q, total_q]."""
+    _backend_case("rope", F32, shape=(None, 11, 16, 4, 2, 16), causal=True,
+                  cu_seqlens_q=torch.tensor([0, 3, 11]), cu_seqlens_k=torch.tensor([0, 8, 16]))
+
+
+def test_backend_triton_documents_prefix_global_mask_f16():
+    docs = torch.tensor([[0] * 6 + [1] * 7, [0] * 13])
+    mask = torch.tensor(np.random.default_rng(9).random((1, 13, 13)) < 0.8)
+    _backend_case("alibi", F16, shape=(2, 13, 13, 2, 1, 16), tables=("slopes",), causal=True,
+                  query_documents=docs, key_documents=docs, prefix=torch.tensor([2, 3]),
+                  global_positions=[8], mask=mask, allow_fully_masked=True)
+
+
 def test_backend_triton_positional_attention_and_opcheck():
     import posenc.torch as ptorch
     torch.manual_seed(5)
     q, k, v = torch.randn(1, 6, 4, 16), torch.randn(1, 6, 2, 16), torch.randn(1, 6, 2, 16)
+    if ON_GPU:
+        q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
     module = ptorch.PositionalAttention("rope", 4, 2, 16, causal=True, backend="triton")
     assert "backend='triton'" in repr(module)
-    got = module(q, k, v)
-    want = ptorch.PositionalAttention("rope", 4, 2, 16, causal=True, backend="cpu")(q, k, v)
+    got = module(q, k, v).cpu()
+    want = ptorch.PositionalAttention("rope", 4, 2, 16, causal=True, backend="cpu")(
+        q.cpu(), k.cpu(), v.cpu())
     _check("module out", got, want.double().numpy(), F32, half_rounded=False)
     q.requires_grad_()
     torch.library.opcheck(torch.ops.posenc.attention.default, (q, k, v, [], []),
@@ -502,9 +660,6 @@ def test_backend_triton_refuses_what_its_kernels_lack():
     with pytest.raises(ValueError, match="backend='triton': scheme 'deberta'.*backend='cpu'"):
         ptorch.attention(q, q, q, "deberta", backend="triton",
                          params={"pos_key": table, "pos_query": table})
-    with pytest.raises(ValueError, match="backend='triton': 'cu_seqlens_q'"):
-        ptorch.attention(q[0], q[0], q[0], backend="triton", cu_seqlens_q=torch.tensor([0, 4]),
-                         cu_seqlens_k=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="backend: 'auto', 'cpu' or 'triton'"):
         ptorch.attention(q, q, q, backend="gpu")
     with pytest.raises(TypeError, match="backend"):

@@ -3,9 +3,10 @@
 ``attention(q, k, v, scheme, ...)`` computes posenc's attention (docs/attention.md) with fused
 Triton kernels, forward and backward (FlashAttention-2 recomputation from the forward's
 log-sum-exp), for the schemes none, RoPE, ALiBi and T5, with causal, sliding-window and chunked
-masks, explicit positions, GQA / MQA, soft-capping and attention sinks; float32, float16 and
-bfloat16 tensors, float32 arithmetic inside. It is differentiable with respect to q, k, v, sinks,
-ALiBi slopes and T5's relative_attention_bias (tensors with requires_grad), and to lse.
+masks, block masks (documents, prefix-LM, global tokens, a dense mask), packed variable-length
+sequences (cu_seqlens), explicit positions, GQA / MQA, soft-capping and attention sinks; float32,
+float16 and bfloat16 tensors, float32 arithmetic inside. It is differentiable with respect to q, k,
+v, sinks, ALiBi slopes and T5's relative_attention_bias (tensors with requires_grad), and to lse.
 
 Kernels run on CUDA tensors. With the environment variable TRITON_INTERPRET=1 set before this
 package is imported, Triton's interpreter runs the same kernels on CPU tensors through NumPy
@@ -72,8 +73,10 @@ class _Attention(torch.autograd.Function):
 def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, chunk=None,
               softcap=None, sinks=None, query_positions=None, key_positions=None, slopes=None,
               max_bias=None, relative_attention_bias=None, num_buckets=None, max_distance=None,
-              bidirectional=None, rope=None, rope_style=None, allow_fully_masked=False,
-              return_lse=False, block_m=None, block_n=None):
+              bidirectional=None, rope=None, rope_style=None, query_documents=None,
+              key_documents=None, prefix=None, global_positions=None, mask=None,
+              cu_seqlens_q=None, cu_seqlens_k=None, allow_fully_masked=False, return_lse=False,
+              block_m=None, block_n=None):
     """Attention with a positional scheme in fused Triton kernels; posenc.attention's semantics.
 
     q [batch, seq_q, heads_q, head_dim], k [batch, seq_k, heads_kv, head_dim], v [batch, seq_k,
@@ -106,6 +109,20 @@ def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, 
     (token i at offset + i), or integer ids [seq] or [batch, seq] (a tensor or array) in [0,
     2^48].
 
+    Block masks (docs/attention.md, "Block masks"): query_documents [batch, seq_q] and
+    key_documents [batch, seq_k] integer ids (a key is visible only within its query's
+    document); prefix, lengths [batch] (or [num_documents], indexed by document id, with
+    documents): keys at positions < prefix are seen by every query of their document; global
+    positions (a list): tokens there see and are seen by every token of their document; both
+    override causal, window and chunk. mask [batch or 1, seq_q, seq_k], nonzero may attend,
+    is ANDed with the rest.
+
+    Packed sequences: q [total_q, heads_q, head_dim], k and v [total_k, heads_kv, ...] with
+    cu_seqlens_q and cu_seqlens_k (offsets [num_seqs + 1]); no token attends across sequences
+    and positions restart in each (key j of a sequence at j, query i at len_k - len_q + i, or
+    per token as given: [total] ids). Returns out [total_q, heads_q, v_dim] and lse [heads_q,
+    total_q]. The sequences are the documents: prefix then has one length per sequence.
+
     A query row that sees no key raises posenc.InvalidValueError, as posenc.attention does
     (checked after the kernel, which costs one device synchronization), unless
     allow_fully_masked=True: then its output is 0 and its lse -inf. With sinks such a row is no
@@ -121,10 +138,20 @@ def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, 
         ("rope", rope), ("rope_style", rope_style), ("slopes", slopes), ("max_bias", max_bias),
         ("relative_attention_bias", relative_attention_bias), ("num_buckets", num_buckets),
         ("max_distance", max_distance), ("bidirectional", bidirectional)) if value is not None}
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if packed:
+        if query_documents is not None or key_documents is not None:
+            raise posenc.InvalidValueError("query_documents and key_documents cannot be combined "
+                                           "with cu_seqlens (the sequences are the documents)")
+        q, k, v, query_documents, key_documents, query_positions, key_positions = (
+            _prepare.unpack(q, k, v, cu_seqlens_q, cu_seqlens_k, query_positions,
+                            key_positions))
     plan = _prepare.prepare(q, k, v, scheme, causal=causal, scale=scale, window=window,
                             chunk=chunk, softcap=softcap, sinks=sinks,
                             query_positions=query_positions, key_positions=key_positions,
-                            settings=settings, block_m=block_m, block_n=block_n)
+                            settings=settings, block_m=block_m, block_n=block_n,
+                            query_documents=query_documents, key_documents=key_documents,
+                            prefix=prefix, global_positions=global_positions, mask=mask)
     if q.device.type != "cuda" and not INTERPRETED:
         raise ValueError(f"q: on {q.device}; posenc.triton runs on CUDA tensors (CPU tensors "
                          "need TRITON_INTERPRET=1, set before triton is first imported)")
@@ -133,4 +160,6 @@ def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, 
                                 relative_attention_bias if scheme == "t5" else None, plan)
     if not allow_fully_masked and sinks is None and bool(torch.isneginf(lse).any()):
         raise _fully_masked_error(lse, plan)
+    if packed:
+        out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

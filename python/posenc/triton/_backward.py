@@ -22,8 +22,9 @@ import triton
 import triton.language as tl
 
 from . import _prepare
-from ._forward import (ALIBI, T5, EMULATE_BF16, dot, alibi_bias, block_range, head_slope,
-                       load_rotated, load_tile, rounded, scores, t5_bucket, tile_visible, visible)
+from ._forward import (ALIBI, T5, EMULATE_BF16, dot, alibi_bias, block_info, head_slope,
+                       load_rotated, load_tile, rounded, scores, t5_bucket, tile_info,
+                       tile_visible, token_masks, visible)
 
 
 # ---- the gradient of each scheme's bias: one function per scheme -------------------------------
@@ -54,7 +55,7 @@ def probabilities(s, t, vis, lse, dp, delta, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def attention_backward_kv_kernel(
-        Q, K, V, DO, Lse, Delta, DK, DV, QTileLo, QTileHi,
+        Q, K, V, DO, Lse, Delta, DK, DV, QTiles,
         q_stride_b, q_stride_l, q_stride_h, k_stride_b, k_stride_l, k_stride_h,
         v_stride_b, v_stride_l, v_stride_h, do_stride_b, do_stride_l, do_stride_h,
         dk_stride_b, dk_stride_l, dk_stride_h, dv_stride_b, dv_stride_l, dv_stride_h,
@@ -62,9 +63,11 @@ def attention_backward_kv_kernel(
         QPos, KPos, qpos_stride_b, kpos_stride_b, Sinks, Table, table_stride_u, table_stride_h,
         Buckets, max_distance, QCos, QSin, KCos, KSin, qcos_stride_b, kcos_stride_b,
         seq_q, seq_k, group, head_dim, v_dim, scale, softcap, window, chunk,
+        QDoc, KDoc, QOpen, KOpen, Dense, dense_stride_b,
         SCHEME: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-        ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+        ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_DOCS: tl.constexpr,
+        HAS_OPEN: tl.constexpr, HAS_DENSE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         EMULATE_BF16: tl.constexpr):
     """dk and dv of BLOCK_N keys of one (batch row, kv head); grid (key blocks,
@@ -76,7 +79,9 @@ def attention_backward_kv_kernel(
     dims = tl.arange(0, BLOCK_D)
     vdims = tl.arange(0, BLOCK_DV)
     kpos = tl.load(KPos + b * kpos_stride_b + cols, mask=col_ok, other=0)
-    klo, khi = block_range(kpos, col_ok)
+    kdoc, kopen = token_masks(KDoc + b * seq_k, KOpen + b * seq_k, cols, col_ok, HAS_DOCS,
+                              HAS_OPEN)
+    klo, khi, kdlo, kdhi, kany = block_info(kpos, kdoc, kopen, col_ok)
     k = load_rotated(K + b * k_stride_b + kv_head * k_stride_h, cols, col_ok, k_stride_l, dims,
                      head_dim, KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
                      ROTARY, INTERLEAVED, False)
@@ -85,17 +90,20 @@ def attention_backward_kv_kernel(
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     q_tiles = tl.cdiv(seq_q, BLOCK_M)
+    q_info = QTiles + b * q_tiles * 5
     for g in range(0, group):
         head = kv_head * group + g
         slope = head_slope(Table, head, table_stride_h, SCHEME)
         row_base = (b * heads_q + head) * seq_q
         for tile in range(0, q_tiles):
-            qlo = tl.load(QTileLo + b * q_tiles + tile)
-            qhi = tl.load(QTileHi + b * q_tiles + tile)
-            if tile_visible(qlo, qhi, klo, khi, window, chunk, CAUSAL, HAS_WINDOW, HAS_CHUNK):
+            qlo, qhi, qdlo, qdhi, qany = tile_info(q_info, tile)
+            if tile_visible(qlo, qhi, qdlo, qdhi, qany, klo, khi, kdlo, kdhi, kany, window,
+                            chunk, CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS, HAS_OPEN):
                 rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = rows < seq_q
                 qpos = tl.load(QPos + b * qpos_stride_b + rows, mask=row_ok, other=0)
+                qdoc, qopen = token_masks(QDoc + b * seq_q, QOpen + b * seq_q, rows, row_ok,
+                                          HAS_DOCS, HAS_OPEN)
                 q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok,
                                  q_stride_l, dims, head_dim, QCos + b * qcos_stride_b,
                                  QSin + b * qcos_stride_b, ROTARY, INTERLEAVED, False)
@@ -103,8 +111,9 @@ def attention_backward_kv_kernel(
                                do_stride_l, vdims, vdims < v_dim)
                 lse = tl.load(Lse + row_base + rows, mask=row_ok, other=0.0)
                 delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
-                vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, CAUSAL, HAS_WINDOW,
-                              HAS_CHUNK)
+                vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen,
+                              kopen, Dense + b * dense_stride_b, rows, cols, seq_k, CAUSAL,
+                              HAS_WINDOW, HAS_CHUNK, HAS_DOCS, HAS_OPEN, HAS_DENSE)
                 s, t = scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
                               table_stride_u, table_stride_h, Buckets, max_distance, SCHEME,
                               HAS_SOFTCAP, EMULATE_BF16)
@@ -123,16 +132,18 @@ def attention_backward_kv_kernel(
 
 @triton.jit
 def attention_backward_q_kernel(
-        Q, K, V, DO, Lse, Delta, DQ, DTable, KTileLo, KTileHi,
+        Q, K, V, DO, Lse, Delta, DQ, DTable, KTiles,
         q_stride_b, q_stride_l, q_stride_h, k_stride_b, k_stride_l, k_stride_h,
         v_stride_b, v_stride_l, v_stride_h, do_stride_b, do_stride_l, do_stride_h,
         dq_stride_b, dq_stride_l, dq_stride_h, heads_q, dtable_stride,
         QPos, KPos, qpos_stride_b, kpos_stride_b, Sinks, Table, table_stride_u, table_stride_h,
         Buckets, max_distance, QCos, QSin, KCos, KSin, qcos_stride_b, kcos_stride_b,
         seq_q, seq_k, group, head_dim, v_dim, scale, softcap, window, chunk,
+        QDoc, KDoc, QOpen, KOpen, Dense, dense_stride_b,
         SCHEME: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-        ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, NEED_DTABLE: tl.constexpr,
+        ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_DOCS: tl.constexpr,
+        HAS_OPEN: tl.constexpr, HAS_DENSE: tl.constexpr, NEED_DTABLE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """dq of BLOCK_M query rows of one (batch row, query head), and with NEED_DTABLE the partial
@@ -147,7 +158,9 @@ def attention_backward_q_kernel(
     dims = tl.arange(0, BLOCK_D)
     vdims = tl.arange(0, BLOCK_DV)
     qpos = tl.load(QPos + b * qpos_stride_b + rows, mask=row_ok, other=0)
-    qlo, qhi = block_range(qpos, row_ok)
+    qdoc, qopen = token_masks(QDoc + b * seq_q, QOpen + b * seq_q, rows, row_ok, HAS_DOCS,
+                              HAS_OPEN)
+    qlo, qhi, qdlo, qdhi, qany = block_info(qpos, qdoc, qopen, row_ok)
     q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok, q_stride_l, dims,
                      head_dim, QCos + b * qcos_stride_b, QSin + b * qcos_stride_b,
                      ROTARY, INTERLEAVED, False)
@@ -161,22 +174,26 @@ def attention_backward_q_kernel(
     v_base = V + b * v_stride_b + kv_head * v_stride_h
     dtable = DTable + program * dtable_stride
     k_tiles = tl.cdiv(seq_k, BLOCK_N)
+    k_info = KTiles + b * k_tiles * 5
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dslope = tl.zeros((BLOCK_M,), tl.float32)
     for tile in range(0, k_tiles):
-        klo = tl.load(KTileLo + b * k_tiles + tile)
-        khi = tl.load(KTileHi + b * k_tiles + tile)
-        if tile_visible(qlo, qhi, klo, khi, window, chunk, CAUSAL, HAS_WINDOW, HAS_CHUNK):
+        klo, khi, kdlo, kdhi, kany = tile_info(k_info, tile)
+        if tile_visible(qlo, qhi, qdlo, qdhi, qany, klo, khi, kdlo, kdhi, kany, window, chunk,
+                        CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS, HAS_OPEN):
             cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < seq_k
             kpos = tl.load(KPos + b * kpos_stride_b + cols, mask=col_ok, other=0)
+            kdoc, kopen = token_masks(KDoc + b * seq_k, KOpen + b * seq_k, cols, col_ok,
+                                      HAS_DOCS, HAS_OPEN)
             k = load_rotated(k_base, cols, col_ok, k_stride_l, dims, head_dim,
                              KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
                              ROTARY, INTERLEAVED, False)
             v = load_tile(v_base, cols, col_ok, v_stride_l, vdims, vdims < v_dim)
-            vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, CAUSAL, HAS_WINDOW,
-                          HAS_CHUNK)
+            vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen, kopen,
+                          Dense + b * dense_stride_b, rows, cols, seq_k, CAUSAL, HAS_WINDOW,
+                          HAS_CHUNK, HAS_DOCS, HAS_OPEN, HAS_DENSE)
             s, t = scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
                           table_stride_u, table_stride_h, Buckets, max_distance, SCHEME,
                           HAS_SOFTCAP, EMULATE_BF16)
@@ -250,10 +267,10 @@ def backward(q, k, v, out, lse, dout, dlse, plan, needs):
         dk = torch.empty(k.shape, dtype=torch.float32 if rope else k.dtype, device=k.device)
         dv = torch.empty_like(v)
         block_m, block_n, warps = plan.tiles("backward_kv")
-        qlo, qhi = plan.tile_bounds(plan.query_pos, block_m)
+        q_tiles = plan.tile_info(plan.query_pos, plan.query_docs, plan.query_open, block_m)
         grid = (triton.cdiv(plan.seq_k, block_n), plan.batch * plan.heads_kv)
         attention_backward_kv_kernel[grid](
-            q, k, v, dout, lse, delta, dk, dv, qlo, qhi, *q.stride()[:3], *k.stride()[:3],
+            q, k, v, dout, lse, delta, dk, dv, q_tiles, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
             plan.heads_q, plan.heads_kv, **args, BLOCK_M=block_m, BLOCK_N=block_n,
             EMULATE_BF16=EMULATE_BF16, num_warps=warps)
@@ -268,10 +285,10 @@ def backward(q, k, v, out, lse, dout, dlse, plan, needs):
         width = plan.table.shape[0] if plan.scheme == _prepare.T5 else 1
         partial = torch.zeros((programs, width) if need_dtable else (1,), dtype=torch.float32,
                               device=q.device)
-        klo, khi = plan.tile_bounds(plan.key_pos, block_n)
+        k_tiles = plan.tile_info(plan.key_pos, plan.key_docs, plan.key_open, block_n)
         grid = (q_blocks, plan.batch * plan.heads_q)
         attention_backward_q_kernel[grid](
-            q, k, v, dout, lse, delta, dq, partial, klo, khi, *q.stride()[:3], *k.stride()[:3],
+            q, k, v, dout, lse, delta, dq, partial, k_tiles, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], plan.heads_q, width,
             **args, NEED_DTABLE=need_dtable, BLOCK_M=block_m, BLOCK_N=block_n,
             EMULATE_BF16=EMULATE_BF16, num_warps=warps)

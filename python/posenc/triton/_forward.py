@@ -6,12 +6,13 @@ keys in tiles of BLOCK_N with an online softmax (a running maximum m and sum l p
 
     s = scale * (q . k) + bias(rel)        rel = pos_k - pos_q; RoPE rotates q and k on load
     s = softcap * tanh(s / softcap)        (when softcap is set)
-    s = -inf where a mask hides the key    (causal, window, chunk)
+    s = -inf where a mask hides the key    (causal, window, chunk, block masks)
 
-and key tiles that the masks hide entirely (known from each tile's smallest and largest key
-position) are skipped without being loaded. Attention sinks start each row's running sum with
-the sink's own term, exp(sink - m) with m = sink, so the sink is one more softmax entry with a
-zero value. A row that sees no key gets out = 0 and lse = -inf (lse = sink with sinks).
+and key tiles that the masks hide entirely (known from each tile's smallest and largest key position
+and document id, and whether it holds an open key) are skipped without being loaded. Attention sinks
+start each row's running sum with the sink's own term, exp(sink - m) with m = sink, so the sink is
+one more softmax entry with a zero value. A row that sees no key gets out = 0 and lse = -inf (lse =
+sink with sinks).
 
 Arithmetic is float32: q, k and v tiles are loaded in their dtype and widened exactly (RoPE
 rotates the widened rows with float32 cos and sin of angles computed in float64), the output is
@@ -132,33 +133,83 @@ def load_rotated(base, rows, row_ok, stride_l, cols, dim, Cos, Sin,
 
 
 @triton.jit
-def tile_visible(qlo, qhi, klo, khi, window, chunk, CAUSAL: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
-    """Whether the masks can leave any key of positions [klo, khi] visible to any query of
-    positions [qlo, qhi]; False means the tile can be skipped."""
-    ok = klo <= khi
+def token_masks(Doc, Open, tokens, ok, HAS_DOCS: tl.constexpr, HAS_OPEN: tl.constexpr):
+    """The document id and the open flag (global or prefix token) of tokens of one batch row
+    (Doc, Open: that row's int32 tables); 0 where a table is absent or a token invalid."""
+    doc = tokens * 0
+    opn = tokens * 0
+    if HAS_DOCS:
+        doc = tl.load(Doc + tokens, mask=ok, other=0)
+    if HAS_OPEN:
+        opn = tl.load(Open + tokens, mask=ok, other=0)
+    return doc, opn
+
+
+@triton.jit
+def block_info(pos, doc, opn, ok):
+    """(smallest position, largest position, smallest document, largest document, any open
+    token) of a block's valid tokens, as a tile's row of the host's tile tables."""
+    lo, hi = block_range(pos, ok)
+    dlo, dhi = block_range(doc.to(tl.int64), ok)
+    return lo, hi, dlo, dhi, tl.max(tl.where(ok, opn, 0)).to(tl.int64)
+
+
+@triton.jit
+def tile_info(Tiles, tile):
+    """A tile's row of the host's tile table (Plan.tile_info): positions, documents, open."""
+    return (tl.load(Tiles + tile * 5), tl.load(Tiles + tile * 5 + 1),
+            tl.load(Tiles + tile * 5 + 2), tl.load(Tiles + tile * 5 + 3),
+            tl.load(Tiles + tile * 5 + 4))
+
+
+@triton.jit
+def tile_visible(qlo, qhi, qdlo, qdhi, qopen, klo, khi, kdlo, kdhi, kopen, window, chunk,
+                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                 HAS_DOCS: tl.constexpr, HAS_OPEN: tl.constexpr):
+    """Whether the masks can leave any key of a tile (positions [klo, khi], documents [kdlo,
+    kdhi], kopen > 0 when it holds an open key) visible to any query of a block (likewise);
+    False means the tile can be skipped: its documents and the block's are disjoint, or
+    causal / window / chunk hide it and neither side holds an open token."""
+    rule = klo <= khi
     if CAUSAL:
-        ok = ok & (klo <= qhi)
+        rule = rule & (klo <= qhi)
     if HAS_WINDOW:
-        ok = ok & (klo - qhi < window) & (qlo - khi < window)
+        rule = rule & (klo - qhi < window) & (qlo - khi < window)
     if HAS_CHUNK:
-        ok = ok & (klo // chunk <= qhi // chunk) & (khi // chunk >= qlo // chunk)
+        rule = rule & (klo // chunk <= qhi // chunk) & (khi // chunk >= qlo // chunk)
+    if HAS_OPEN:
+        rule = rule | (qopen + kopen > 0)
+    ok = rule
+    if HAS_DOCS:
+        ok = ok & (kdlo <= qdhi) & (kdhi >= qdlo)
     return ok
 
 
 @triton.jit
-def visible(qpos, kpos, row_ok, col_ok, window, chunk, CAUSAL: tl.constexpr,
-            HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
-    """The [rows, keys] mask: True where key j is visible to query i."""
+def visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen, kopen, DenseRow,
+            rows, cols, seq_k, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HAS_CHUNK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_OPEN: tl.constexpr,
+            HAS_DENSE: tl.constexpr):
+    """The [rows, keys] mask: True where key j is visible to query i, posenc's rule
+    same document & dense & (open query | open key | causal, window and chunk)."""
     rel = kpos[None, :] - qpos[:, None]
     ok = row_ok[:, None] & col_ok[None, :]
+    rule = ok
     if CAUSAL:
-        ok = ok & (rel <= 0)
+        rule = rule & (rel <= 0)
     if HAS_WINDOW:
-        ok = ok & (rel < window) & (rel > -window)
+        rule = rule & (rel < window) & (rel > -window)
     if HAS_CHUNK:
-        ok = ok & ((kpos // chunk)[None, :] == (qpos // chunk)[:, None])
-    return ok
+        rule = rule & ((kpos // chunk)[None, :] == (qpos // chunk)[:, None])
+    if HAS_OPEN:
+        rule = rule | (ok & ((qopen[:, None] + kopen[None, :]) > 0))
+    if HAS_DOCS:
+        rule = rule & (qdoc[:, None] == kdoc[None, :])
+    if HAS_DENSE:
+        dense = tl.load(DenseRow + rows[:, None].to(tl.int64) * seq_k + cols[None, :], mask=ok,
+                        other=0)
+        rule = rule & (dense != 0)
+    return rule
 
 
 # ---- the bias of each scheme: one function per scheme ------------------------------------------
@@ -221,15 +272,17 @@ def block_range(pos, ok):
 
 @triton.jit
 def attention_forward_kernel(
-        Q, K, V, Out, Lse, KTileLo, KTileHi,
+        Q, K, V, Out, Lse, KTiles,
         q_stride_b, q_stride_l, q_stride_h, k_stride_b, k_stride_l, k_stride_h,
         v_stride_b, v_stride_l, v_stride_h, o_stride_b, o_stride_l, o_stride_h, heads_q,
         QPos, KPos, qpos_stride_b, kpos_stride_b, Sinks, Table, table_stride_u, table_stride_h,
         Buckets, max_distance, QCos, QSin, KCos, KSin, qcos_stride_b, kcos_stride_b,
         seq_q, seq_k, group, head_dim, v_dim, scale, softcap, window, chunk,
+        QDoc, KDoc, QOpen, KOpen, Dense, dense_stride_b,
         SCHEME: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-        ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+        ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_DOCS: tl.constexpr,
+        HAS_OPEN: tl.constexpr, HAS_DENSE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         EMULATE_BF16: tl.constexpr):
     """out and lse of BLOCK_M query rows of one (batch row, query head); grid
@@ -242,7 +295,9 @@ def attention_forward_kernel(
     dims = tl.arange(0, BLOCK_D)
     vdims = tl.arange(0, BLOCK_DV)
     qpos = tl.load(QPos + b * qpos_stride_b + rows, mask=row_ok, other=0)
-    qlo, qhi = block_range(qpos, row_ok)
+    qdoc, qopen = token_masks(QDoc + b * seq_q, QOpen + b * seq_q, rows, row_ok, HAS_DOCS,
+                              HAS_OPEN)
+    qlo, qhi, qdlo, qdhi, qany = block_info(qpos, qdoc, qopen, row_ok)
     q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok, q_stride_l, dims,
                      head_dim, QCos + b * qcos_stride_b, QSin + b * qcos_stride_b,
                      ROTARY, INTERLEAVED, False)
@@ -250,6 +305,7 @@ def attention_forward_kernel(
     k_base = K + b * k_stride_b + kv_head * k_stride_h
     v_base = V + b * v_stride_b + kv_head * v_stride_h
     k_tiles = tl.cdiv(seq_k, BLOCK_N)
+    k_info = KTiles + b * k_tiles * 5
 
     if HAS_SINKS:
         m = tl.zeros((BLOCK_M,), tl.float32) + tl.load(Sinks + head)
@@ -259,18 +315,21 @@ def attention_forward_kernel(
         l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     for tile in range(0, k_tiles):
-        klo = tl.load(KTileLo + b * k_tiles + tile)
-        khi = tl.load(KTileHi + b * k_tiles + tile)
-        if tile_visible(qlo, qhi, klo, khi, window, chunk, CAUSAL, HAS_WINDOW, HAS_CHUNK):
+        klo, khi, kdlo, kdhi, kany = tile_info(k_info, tile)
+        if tile_visible(qlo, qhi, qdlo, qdhi, qany, klo, khi, kdlo, kdhi, kany, window, chunk,
+                        CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS, HAS_OPEN):
             cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < seq_k
             kpos = tl.load(KPos + b * kpos_stride_b + cols, mask=col_ok, other=0)
+            kdoc, kopen = token_masks(KDoc + b * seq_k, KOpen + b * seq_k, cols, col_ok,
+                                      HAS_DOCS, HAS_OPEN)
             k = load_rotated(k_base, cols, col_ok, k_stride_l, dims, head_dim,
                              KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
                              ROTARY, INTERLEAVED, False)
             v = load_tile(v_base, cols, col_ok, v_stride_l, vdims, vdims < v_dim)
-            vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, CAUSAL, HAS_WINDOW,
-                          HAS_CHUNK)
+            vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen, kopen,
+                          Dense + b * dense_stride_b, rows, cols, seq_k, CAUSAL, HAS_WINDOW,
+                          HAS_CHUNK, HAS_DOCS, HAS_OPEN, HAS_DENSE)
             s, _ = scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
                           table_stride_u, table_stride_h, Buckets, max_distance, SCHEME,
                           HAS_SOFTCAP, EMULATE_BF16)
@@ -295,9 +354,9 @@ def forward(q, k, v, plan, out, lse):
     """Runs the forward kernel: out [batch, seq_q, heads_q, v_dim] (any float dtype; the
     result is rounded to it), lse float32 [batch, heads_q, seq_q] contiguous."""
     block_m, block_n, warps = plan.tiles("forward")
-    klo, khi = plan.tile_bounds(plan.key_pos, block_n)
+    k_tiles = plan.tile_info(plan.key_pos, plan.key_docs, plan.key_open, block_n)
     grid = (triton.cdiv(plan.seq_q, block_m), plan.batch * plan.heads_q)
     attention_forward_kernel[grid](
-        q, k, v, out, lse, klo, khi, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        q, k, v, out, lse, k_tiles, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *out.stride()[:3], plan.heads_q, **plan.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,
         EMULATE_BF16=EMULATE_BF16, num_warps=warps)

@@ -2,9 +2,12 @@
 ``backend="triton"`` (or ``"auto"`` on CUDA tensors) come here with their typed arguments, which
 become a Plan of this package and one launch of its kernels.
 
-What the Triton kernels do not compute yet is refused by name, with the CPU backend as the way
-to get it: the schemes shaw, xl and deberta, model configs (``config``, ``layer``), packed
-sequences and block masks.
+Block masks (``query_documents``, ``key_documents``, ``prefix``, ``mask`` and the setting
+``global_positions``) and packed sequences (``cu_seqlens_q``, ``cu_seqlens_k``: rank-3 q, k, v,
+out [total_q, heads_q, v_dim] and lse [heads_q, total_q]) reach the kernels as one batch row with
+documents. What the Triton kernels do not compute yet is refused by name, with the CPU backend
+as the way to get it: the schemes shaw, xl and deberta and model configs (``config``,
+``layer``).
 """
 
 import torch
@@ -53,12 +56,27 @@ def _rope_frequencies(settings, head_dim, query_pos, key_pos):
     return posenc.rope_frequencies(head_dim, **kw)
 
 
+def _unpacked(q, k, v, query_positions, key_positions, masks):
+    """q, k, v, positions and masks as one batch row when masks hold cu_seqlens (packed
+    sequences: the sequences become documents), else as given; and whether they were packed."""
+    masks = dict(masks)
+    cu_q, cu_k = masks.pop("cu_seqlens_q", None), masks.pop("cu_seqlens_k", None)
+    if cu_q is None and cu_k is None:
+        return q, k, v, query_positions, key_positions, masks, False
+    for name in ("query_documents", "key_documents"):
+        if masks.get(name) is not None:
+            raise ValueError(f"{name} cannot be combined with cu_seqlens (the sequences are the "
+                             "documents)")
+    q, k, v, qdoc, kdoc, qpos, kpos = _prepare.unpack(q, k, v, cu_q, cu_k, query_positions,
+                                                      key_positions)
+    masks["query_documents"], masks["key_documents"] = qdoc, kdoc
+    return q, k, v, qpos, kpos, masks, True
+
+
 def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, settings):
-    """(Plan, {table name: tensor}) of one op call; ValueError naming what this backend lacks."""
-    for name, value in masks.items():
-        if value is not None:
-            raise _unsupported(f"'{name}'")
-    for name in ("config", "layer", "global_positions"):
+    """(Plan, {table name: tensor}) of one op call (q, k, v of one batch row for packed
+    sequences: masks then hold their documents); ValueError naming what this backend lacks."""
+    for name in ("config", "layer"):
         if settings.get(name) is not None:
             raise _unsupported(f"'{name}'")
     scheme = settings.get("scheme") or "none"
@@ -70,6 +88,7 @@ def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, se
             raise ValueError(f"tables: '{name}' is not a table of scheme '{scheme}'")
     known = set(_SCHEME_SETTINGS.get(scheme, ())) | {
         "scheme", "causal", "scale", "window", "chunk", "softcap", "allow_fully_masked",
+        "global_positions",
         "query_positions_offset", "key_positions_offset", "config_source", *_IGNORED}
     for name, value in settings.items():
         if value is not None and name not in known:
@@ -93,7 +112,11 @@ def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, se
                          scale=settings.get("scale"), window=settings.get("window"),
                          chunk=settings.get("chunk"), softcap=settings.get("softcap"),
                          sinks=named.get("sinks"), query_positions=qpos, key_positions=kpos,
-                         settings={} if scheme == "rope" else given)
+                         settings={} if scheme == "rope" else given,
+                         query_documents=masks.get("query_documents"),
+                         key_documents=masks.get("key_documents"), prefix=masks.get("prefix"),
+                         global_positions=settings.get("global_positions"),
+                         mask=masks.get("mask"))
     if scheme == "rope":
         freqs = _rope_frequencies(settings, p.head_dim, p.query_pos, p.key_pos)
         _prepare._prepare_rope(p, {"rope": freqs, "rope_style": settings.get("style") or "half"})
@@ -102,7 +125,10 @@ def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, se
 
 def forward(q, k, v, tables, table_names, query_positions, key_positions, masks, settings):
     """(out, lse) of the op: out float32 for half inputs (the backward's delta reads it; the
-    caller rounds it once), in q's dtype otherwise; lse float32."""
+    caller rounds it once), in q's dtype otherwise; lse float32. Packed sequences: out [total_q,
+    heads_q, v_dim], lse [heads_q, total_q]."""
+    q, k, v, query_positions, key_positions, masks, packed = _unpacked(
+        q, k, v, query_positions, key_positions, masks)
     p, _ = plan(q, k, v, tables, table_names, query_positions, key_positions, masks, settings)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty((p.batch, p.seq_q, p.heads_q, p.v_dim),
@@ -114,12 +140,16 @@ def forward(q, k, v, tables, table_names, query_positions, key_positions, masks,
         if bool(torch.isneginf(lse).any()):
             from . import _fully_masked_error
             raise _fully_masked_error(lse, p)
-    return out, lse
+    return (out[0], lse[0]) if packed else (out, lse)
 
 
 def backward(q, k, v, out, lse, dout, tables, table_names, query_positions, key_positions, masks,
              settings):
     """[dq, dk, dv, d<table> for each table] of the op."""
+    q, k, v, query_positions, key_positions, masks, packed = _unpacked(
+        q, k, v, query_positions, key_positions, masks)
+    if packed:
+        out, lse, dout = out[None], lse[None], dout[None]
     p, named = plan(q, k, v, tables, table_names, query_positions, key_positions, masks,
                     settings)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -128,4 +158,6 @@ def backward(q, k, v, out, lse, dout, tables, table_names, query_positions, key_
     dq, dk, dv, dsinks, dtable = _backward.backward(
         q, k, v, out, lse, dout, None, p, (True, True, True, "sinks" in named, want_table))
     grads = {"sinks": dsinks, "slopes": dtable, "relative_attention_bias": dtable}
+    if packed:
+        dq, dk, dv = dq[0], dk[0], dv[0]
     return [dq, dk, dv] + [grads[n].to(named[n].dtype) for n in table_names]

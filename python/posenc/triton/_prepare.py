@@ -1,11 +1,13 @@
 """Host side of the Triton attention: argument checks, positions, and each scheme's tables on the
 device.
 
-``prepare(...)`` turns the keywords of ``posenc.triton.attention`` into a ``Plan``: the sizes,
-the masks, the positions as int64 tensors ``[batch or 1, seq]`` on the tensors' device, and the
-scheme's tables (RoPE's cos and sin per token, ALiBi's slopes, T5's bucket of every clamped
-distance and its bias table). ``Plan.kernel_args`` gives the keyword arguments that every kernel
-of ``_forward`` and ``_backward`` takes in the same order.
+``prepare(...)`` turns the keywords of ``posenc.triton.attention`` into a ``Plan``: the sizes, the
+masks, the positions as int64 tensors ``[batch or 1, seq]`` on the tensors' device, the block masks
+per token (document ids, open tokens, the dense mask), and the scheme's tables (RoPE's cos and sin
+per token, ALiBi's slopes, T5's bucket of every clamped distance and its bias table).
+``Plan.kernel_args`` gives the keyword arguments that every kernel of ``_forward`` and ``_backward``
+takes in the same order. ``unpack`` turns packed sequences (cu_seqlens) into one batch row with
+documents and per-sequence positions.
 """
 
 import math
@@ -66,6 +68,11 @@ class Plan:
     interleaved: bool = False
     rope_q: tuple = None            # (cos, sin) float32 [1 or batch, seq_q, rotary_dim / 2]
     rope_k: tuple = None
+    query_docs: torch.Tensor = None  # int32 [batch, seq_q]: document ids
+    key_docs: torch.Tensor = None    # int32 [batch, seq_k]
+    query_open: torch.Tensor = None  # int32 [batch, seq_q]: 1 for global queries
+    key_open: torch.Tensor = None    # int32 [batch, seq_k]: 1 for global and prefix keys
+    dense: torch.Tensor = None       # uint8 [batch or 1, seq_q, seq_k]: nonzero may attend
     dtype: torch.dtype = torch.float32
     blocks: tuple = None            # the caller's (block_m, block_n), or None: TILES
     dummy: torch.Tensor = field(default=None, repr=False)  # stands for absent tensors
@@ -83,17 +90,24 @@ class Plan:
             block_m, block_n = self.blocks
         return block_m, block_n, warps
 
-    def tile_bounds(self, positions, block):
-        """(lo, hi): int64 [batch, tiles], the smallest and largest position of each tile of
-        ``block`` tokens, so that a kernel can skip tiles the masks hide entirely."""
+    def tile_info(self, positions, docs, open_, block):
+        """int64 [batch, tiles, 5]: per tile of ``block`` tokens its smallest and largest
+        position, smallest and largest document id, and 1 when it holds an open (global or
+        prefix) token, so that a kernel can skip tiles the masks hide entirely."""
         n = positions.shape[1]
         tiles = -(-n // block)
         pad = tiles * block - n
-        big = torch.nn.functional.pad(positions, (0, pad), value=MAX_POSITION + 1)
-        small = torch.nn.functional.pad(positions, (0, pad), value=-1)
-        lo = big.view(-1, tiles, block).amin(-1).expand(self.batch, tiles).contiguous()
-        hi = small.view(-1, tiles, block).amax(-1).expand(self.batch, tiles).contiguous()
-        return lo, hi
+
+        def reduce(x, fill, how):
+            x = torch.nn.functional.pad(x.to(torch.int64), (0, pad), value=fill)
+            return getattr(x.view(-1, tiles, block), how)(-1).expand(self.batch, tiles)
+
+        zero = torch.zeros((1, n), dtype=torch.int64, device=positions.device)
+        docs = zero if docs is None else docs
+        open_ = zero if open_ is None else open_
+        return torch.stack([reduce(positions, MAX_POSITION + 1, "amin"),
+                            reduce(positions, -1, "amax"), reduce(docs, 1 << 40, "amin"),
+                            reduce(docs, -1, "amax"), reduce(open_, 0, "amax")], -1).contiguous()
 
     def kernel_args(self):
         """The scheme and mask arguments every kernel takes (keyword arguments)."""
@@ -118,7 +132,17 @@ class Plan:
             HAS_SINKS=self.sinks is not None, ROTARY=self.rotary_dim,
             INTERLEAVED=self.interleaved,
             BLOCK_D=_block_dim(self.head_dim), BLOCK_DV=_block_dim(self.v_dim),
+            QDoc=_or(self.query_docs, d), KDoc=_or(self.key_docs, d),
+            QOpen=_or(self.query_open, d), KOpen=_or(self.key_open, d),
+            Dense=_or(self.dense, d), dense_stride_b=_row_stride(_or(self.dense, d)),
+            HAS_DOCS=self.query_docs is not None, HAS_OPEN=self.key_open is not None,
+            HAS_DENSE=self.dense is not None,
         )
+
+
+def _or(t, default):
+    """t, or default when t is None (an absent table)."""
+    return default if t is None else t
 
 
 def _row_stride(t):
@@ -245,10 +269,12 @@ def _block(value, what):
 
 
 def prepare(q, k, v, scheme, *, causal, scale, window, chunk, softcap, sinks, query_positions,
-            key_positions, settings, block_m=None, block_n=None):
+            key_positions, settings, block_m=None, block_n=None, query_documents=None,
+            key_documents=None, prefix=None, global_positions=None, mask=None):
     """Checks the call and builds its Plan. settings: the scheme keywords that were given
     (rope, rope_style, slopes, max_bias, relative_attention_bias, num_buckets, max_distance,
-    bidirectional). block_m, block_n: both or neither."""
+    bidirectional). block_m, block_n: both or neither. query_documents, key_documents, prefix,
+    global_positions, mask: the block masks of docs/attention.md."""
     check_qkv(q, k, v)
     if scheme not in SCHEMES:
         raise posenc.InvalidValueError(f"scheme: {scheme!r} (one of {', '.join(SCHEMES)})")
@@ -280,6 +306,8 @@ def prepare(q, k, v, scheme, *, causal, scale, window, chunk, softcap, sinks, qu
         plan.sinks = _tensor(sinks, "sinks", device, (hq,)).detach().float()
     plan.key_pos = _positions(key_positions, b, lk, 0, device, "key_positions")
     plan.query_pos = _positions(query_positions, b, lq, lk - lq, device, "query_positions")
+    _prepare_block_mask(plan, device, query_documents, key_documents, prefix, global_positions,
+                        mask)
     if plan.scheme == ROPE:
         _prepare_rope(plan, settings)
     elif plan.scheme == ALIBI:
@@ -337,3 +365,106 @@ def _prepare_t5(plan, settings, device):
         bidirectional = not plan.causal
     plan.table = table.detach().float()
     plan.buckets = _t5_buckets(nb, plan.max_distance, bool(bidirectional), device)
+
+
+def _int_tensor(x, what, device):
+    """Integer ids as a tensor on the device (TypeError for floats and booleans)."""
+    t = torch.as_tensor(x, device=device)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{what}: integers, got {t.dtype}")
+    return t
+
+
+def _prepare_block_mask(plan, device, query_documents, key_documents, prefix, global_positions,
+                        mask):
+    """The block masks per token (docs/attention.md, "Block masks"): document ids, open queries
+    (global positions), open keys (global positions and keys before their prefix) and the dense
+    mask, with posenc's checks."""
+    b, lq, lk = plan.batch, plan.seq_q, plan.seq_k
+    if (query_documents is None) != (key_documents is None):
+        raise posenc.InvalidValueError("query_documents and key_documents: give both or neither")
+    if query_documents is not None:
+        docs = []
+        for x, n, what in ((query_documents, lq, "query_documents"),
+                           (key_documents, lk, "key_documents")):
+            t = _int_tensor(x, what, device)
+            if tuple(t.shape) != (b, n):
+                raise posenc.ShapeError(f"{what}: shape {list(t.shape)}, expected [{b}, {n}]")
+            docs.append(t.to(torch.int32).contiguous())
+        plan.query_docs, plan.key_docs = docs
+    key_open = torch.zeros((b, lk), dtype=torch.bool, device=device)
+    if global_positions is not None:
+        if not isinstance(global_positions, torch.Tensor):
+            global_positions = [_number(g, "global_positions", integer=True)
+                                for g in global_positions]
+        glob = torch.as_tensor(global_positions, dtype=torch.int64, device=device).reshape(-1)
+        if glob.numel():
+            plan.query_open = torch.isin(plan.query_pos, glob).expand(b, lq).to(
+                torch.int32).contiguous()
+            key_open |= torch.isin(plan.key_pos, glob).expand(b, lk)
+    if prefix is not None:
+        lengths = _int_tensor(prefix, "prefix", device).reshape(-1).to(torch.int64)
+        if plan.query_docs is None and lengths.numel() != b:
+            raise posenc.ShapeError(f"prefix has {lengths.numel()} entries, expected batch "
+                                    f"({b}): one prefix length per row")
+        if bool((lengths < 0).any()):
+            raise posenc.InvalidValueError("prefix: lengths must not be negative")
+        if plan.query_docs is None:
+            at = torch.arange(b, device=device)[:, None].expand(b, lk)
+        else:
+            at = plan.key_docs.to(torch.int64)
+            if lk and bool(((at < 0) | (at >= lengths.numel())).any()):
+                raise posenc.InvalidValueError(
+                    f"prefix has {lengths.numel()} entries (one per document id) but a key's "
+                    "document id lies outside them")
+        key_open |= plan.key_pos < lengths[at]
+    if global_positions is not None or prefix is not None:
+        plan.key_open = key_open.to(torch.int32).contiguous()
+        if plan.query_open is None:
+            plan.query_open = torch.zeros((b, lq), dtype=torch.int32, device=device)
+    if mask is not None:
+        t = torch.as_tensor(mask, device=device)
+        if t.dim() != 3 or t.shape[0] not in (1, b) or tuple(t.shape[1:]) != (lq, lk):
+            raise posenc.ShapeError(f"mask: shape {list(t.shape)}, expected [{b} or 1, {lq}, "
+                                    f"{lk}]")
+        plan.dense = (t != 0).to(torch.uint8).contiguous()
+
+
+def unpack(q, k, v, cu_seqlens_q, cu_seqlens_k, query_positions, key_positions):
+    """Packed sequences (q [total_q, heads_q, D], k and v [total_k, heads_kv, D], offsets
+    cu_seqlens [num_seqs + 1]) as one batch row: (q, k, v as views [1, total, heads, dim],
+    query and key document ids [1, total] (the sequence of each token), query and key positions).
+    Positions restart in each sequence: key j of a sequence at j, query i at len_k - len_q + i,
+    unless given per token ([total] ids)."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise posenc.InvalidValueError("cu_seqlens_q and cu_seqlens_k: give both or neither")
+    for t, what in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise posenc.ShapeError(f"{what}: with cu_seqlens, 3 dimensions [total, heads, dim]")
+    device = q.device
+    cus = []
+    for x, total, what in ((cu_seqlens_q, q.shape[0], "cu_seqlens_q"),
+                           (cu_seqlens_k, k.shape[0], "cu_seqlens_k")):
+        cu = _int_tensor(x, what, device).reshape(-1).to(torch.int64)
+        if cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != total or bool(
+                (cu[1:] < cu[:-1]).any()):
+            raise posenc.InvalidValueError(f"{what}: offsets [num_seqs + 1] from 0, "
+                                           f"non-decreasing, ending at the total ({total})")
+        cus.append(cu)
+    cq, ck = cus
+    if cq.numel() != ck.numel():
+        raise posenc.ShapeError(f"cu_seqlens_q ({cq.numel()}) and cu_seqlens_k ({ck.numel()}) "
+                                "must have the same length")
+    tq, tk = q.shape[0], k.shape[0]
+    qdoc = torch.searchsorted(cq[1:], torch.arange(tq, device=device), right=True)
+    kdoc = torch.searchsorted(ck[1:], torch.arange(tk, device=device), right=True)
+    if key_positions is None:
+        key_positions = torch.arange(tk, device=device) - ck[kdoc]
+    if query_positions is None:
+        lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+        query_positions = (lk - lq)[qdoc] + torch.arange(tq, device=device) - cq[qdoc]
+        if tq and int(query_positions.min()) < 0:
+            raise posenc.InvalidValueError(
+                "query_positions: a sequence has more queries than keys with default "
+                "positions; pass query_positions and key_positions")
+    return (q[None], k[None], v[None], qdoc[None], kdoc[None], query_positions, key_positions)
