@@ -66,12 +66,18 @@ def rope(x, positions, kw):
             own = {n: kw[n] for n in ("rotary_dim", "base", "scaling") if n in kw}
             freqs = _posenc.rope_frequencies(x.shape[-1], **own, **common)
     style = kw.get("style") or (config.rope["style"] if config is not None else "half")
+    return _rotate(x, ids, freqs, style, bool(kw.get("inverse"))).to(x.dtype)
+
+
+def _rotate(x, ids, freqs, style, inverse, wide=None):
+    """x rotated at the ids by freqs (`wide`: x already widened to the computing dtype), in the
+    computing dtype (float64 for accurate angles, float32 for float32 ones), not rounded."""
     rotary = int(freqs.rotary_dim)
     if rotary > x.shape[-1]:
         raise _posenc.ShapeError(f"x: head_dim {x.shape[-1]} is smaller than the rotary dim "
                                  f"{rotary}")
     inv = np.asarray(freqs.inv_freq, dtype=np.float64)
-    sign = -1.0 if kw.get("inverse") else 1.0
+    sign = -1.0 if inverse else 1.0
     if freqs.angles == "float32":
         # The frameworks' recipe: float32 angles, cos and sin, rotation in float32.
         compute = torch.float32
@@ -88,7 +94,7 @@ def rope(x, positions, kw):
     cos, sin = cos[:, :, None, :], sign * sin[:, :, None, :]  # [1 or batch, seq, 1, R/2]
     if x.dim() == 3:
         cos, sin = cos[0], sin[0]
-    wide = x.to(compute)
+    wide = x.to(compute) if wide is None else wide
     half = rotary // 2
     if style == "interleaved":
         a, b = wide[..., 0:rotary:2], wide[..., 1:rotary:2]
@@ -96,7 +102,45 @@ def rope(x, positions, kw):
     else:
         a, b = wide[..., :half], wide[..., half:rotary]
         rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-    return torch.cat((rotated.to(x.dtype), x[..., rotary:]), dim=-1)
+    return torch.cat((rotated, wide[..., rotary:]), dim=-1)
+
+
+def rerotate_rope(k, positions, kw):
+    """Keys rotated with kw's from_freqs moved to to_freqs: the inverse rotation by from_freqs
+    and the rotation by to_freqs in float64, rounded once (accurate angles only, one rotary
+    dim), as the CPU kernel does."""
+    batch, seq = _layout(k)
+    ids = _ids(positions, kw.get("positions"), batch, seq)
+    a, b = kw["from_freqs"], kw["to_freqs"]
+    if a.rotary_dim != b.rotary_dim:
+        raise _posenc.InvalidValueError(f"rerotate_rope: from_freqs and to_freqs need the same "
+                                        f"rotary dim (got {a.rotary_dim} and {b.rotary_dim})")
+    if a.angles != "accurate" or b.angles != "accurate":
+        raise _posenc.InvalidValueError("rerotate_rope: accurate angles only")
+    style = kw.get("style") or "half"
+    back = _rotate(k, ids, a, style, True)
+    return _rotate(k, ids, b, style, False, wide=back).to(k.dtype)
+
+
+def attention_merge(out_a, lse_a, out_b, lse_b):
+    """(out, lse) over the union of two disjoint key sets, in float64 and rounded once, as the
+    CPU function computes it: weights exp(lse - max), rows that saw no key 0 and -inf."""
+    for t, what in ((lse_a, "lse_a"), (lse_b, "lse_b")):
+        if bool((torch.isnan(t) | (t == float("inf"))).any()):
+            raise _posenc.InvalidValueError(f"attention_merge: {what} is NaN or +inf")
+    la, lb = lse_a.double(), lse_b.double()
+    m = torch.maximum(la, lb)
+    empty = m == float("-inf")
+    safe = torch.where(empty, torch.zeros_like(m), m)
+    wa = torch.where(la == float("-inf"), torch.zeros_like(la), torch.exp(la - safe))
+    wb = torch.where(lb == float("-inf"), torch.zeros_like(lb), torch.exp(lb - safe))
+    total = torch.where(empty, torch.ones_like(m), wa + wb)
+    inv = 1.0 / total
+    wa4, wb4, inv4 = (w.transpose(1, 2).unsqueeze(-1) for w in (wa, wb, inv))
+    out = (wa4 * out_a.double() + wb4 * out_b.double()) * inv4
+    out = torch.where(empty.transpose(1, 2).unsqueeze(-1), torch.zeros_like(out), out)
+    lse = torch.where(empty, m, safe + torch.log(total))
+    return out.float(), lse.float()
 
 
 def add_learned(x, table, positions, kw):

@@ -688,6 +688,8 @@ def attention_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
                     lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """(out, lse) of the attention over the union of two disjoint key sets from the two partial
     attentions (float32)."""
+    if device_path(out_a):
+        return _device.attention_merge(out_a, lse_a, out_b, lse_b)
     out, lse = _posenc.attention_merge(_np(out_a, "out_a"), _np(lse_a, "lse_a"),
                                        _np(out_b, "out_b"), _np(lse_b, "lse_b"))
     return torch.from_numpy(out), torch.from_numpy(lse)
@@ -786,6 +788,9 @@ def _(x, *args, **settings):
 def _rerotate_impl(k, positions=None, **settings):
     """Keys rotated with from_freqs moved to to_freqs (posenc.rerotate_rope, float32 or
     float64). Its gradient is the rerotation back."""
+    if device_path(k) or k.dtype == torch.float64:
+        # float64 keys (the CPU kernel computes float32) and CUDA keys: posenc._device's form.
+        return _device.rerotate_rope(k, positions, _binding_kwargs("rerotate_rope", settings))
     kw = _with_positions(_binding_kwargs("rerotate_rope", settings), "positions", positions)
     from_freqs, to_freqs = kw.pop("from_freqs"), kw.pop("to_freqs")
     return torch.from_numpy(_posenc.rerotate_rope(_np(k, "k"), from_freqs, to_freqs, **kw))

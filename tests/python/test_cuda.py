@@ -52,6 +52,23 @@ def test_absolute_encodings_on_cuda_equal_the_cpu_kernels():
     assert torch.equal(pt.add_sinusoidal(cpu, 3), pt.add_sinusoidal(gpu, 3).cpu())
 
 
+def test_rerotation_and_merging_on_cuda_equal_the_cpu_functions():
+    cpu, gpu = _pair(2, 64, 4, 32)
+    old = posenc.rope_frequencies(32)
+    new = posenc.rope_frequencies(32, scaling={"rope_type": "dynamic", "factor": 2.0,
+                                               "original_max_position_embeddings": 16},
+                                  seq_len=64)
+    assert torch.equal(pt.rerotate_rope(cpu, old, new),
+                       pt.rerotate_rope(gpu, old, new).cpu())
+    out_a, out_a_gpu = _pair(2, 16, 4, 32, seed=7)
+    out_b, out_b_gpu = _pair(2, 16, 4, 32, seed=8)
+    lse_a, lse_a_gpu = _pair(2, 4, 16, seed=9)
+    lse_b, lse_b_gpu = _pair(2, 4, 16, seed=10)
+    a = pt.attention_merge(out_a, lse_a, out_b, lse_b)
+    b = pt.attention_merge(out_a_gpu, lse_a_gpu, out_b_gpu, lse_b_gpu)
+    assert all(torch.equal(x, y.cpu()) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("scheme,kw", [("none", {}), ("rope", {"base": 5e5}), ("alibi", {}),
                                        ("t5", {"scale": 1.0})])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -453,3 +453,36 @@ def test_the_cuda_forms_of_the_elementwise_ops_equal_the_cpu_kernels():
         _device.rope(x, torch.arange(6), {})
     with pytest.raises(posenc.InvalidValueError, match="table of 10 positions"):
         _device.add_learned(h, table[:10], ids, {})
+
+
+def test_the_cuda_forms_of_rerotation_and_merging_equal_the_cpu_functions():
+    from posenc import _device
+    g = torch.Generator().manual_seed(12)
+    k = torch.randn(2, 9, 3, 16, generator=g)
+    ids = torch.tensor([[0, 5, 9, 100, 1000, 4095, 4096, 70000, 3]] * 2)
+    old, new = posenc.rope_frequencies(16, base=1e4), posenc.rope_frequencies(
+        16, base=1e4, scaling={"rope_type": "dynamic", "factor": 2.0,
+                               "original_max_position_embeddings": 64}, seq_len=5000)
+    for style in ("half", "interleaved"):
+        s = _ops.typed("rerotate_rope", {"from_freqs": old, "to_freqs": new, "style": style},
+                       "rerotate_rope")
+        got = _device.rerotate_rope(k, ids, _ops._binding_kwargs("rerotate_rope", s))
+        assert got.dtype == k.dtype and torch.equal(got, _ops._rerotate_impl(k, ids, **s)), style
+        # float64 keys (this form on the CPU too): the two rotations of the float64 reference.
+        k64 = k.double()
+        got = _ops._rerotate_impl(k64, ids, **s)
+        back = _ops.rope_impl(k64, ids, **_ops.typed("rope", {"freqs": old, "style": style,
+                                                            "inverse": True}, "rope"))
+        want = _ops.rope_impl(back, ids, **_ops.typed("rope", {"freqs": new, "style": style},
+                                                      "rope"))
+        assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=0, atol=1e-13)
+    out_a, out_b = torch.randn(2, 5, 3, 8, generator=g), torch.randn(2, 5, 3, 8, generator=g)
+    lse_a, lse_b = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+    lse_a[0, 1, 2] = lse_b[0, 1, 2] = float("-inf")  # a row that saw no key in either part
+    lse_b[1, 0, 0] = float("-inf")
+    got = _device.attention_merge(out_a, lse_a, out_b, lse_b)
+    want = _ops.attention_merge(out_a, lse_a, out_b, lse_b)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(posenc.InvalidValueError, match="lse_b is NaN"):
+        _device.attention_merge(out_a, lse_a, out_b, torch.full_like(lse_b, float("nan")))

@@ -348,9 +348,10 @@ apply_rope = rope
 def rerotate_rope(k, from_freqs, to_freqs, *, style="half", positions=None):
     """Keys cached as rope(k, p; from_freqs) moved to rope(k, p; to_freqs) exactly (dynamic NTK
     growth, LongRoPE crossing its original length), differentiable (the gradient rotates back).
-    k float32 or float64 [batch, seq, heads, head_dim] (torch.ops.posenc.rerotate_rope)."""
-    _require_cpu(k, "k")
-    kw, (pos,) = _split_positions({"positions": positions}, "positions")
+    k [batch, seq, heads, head_dim]: float32 (the CPU kernel, or its CUDA form), float64 (both
+    rotations in float64), others through float32 (torch.ops.posenc.rerotate_rope)."""
+    _ops.require_device(k, "k")
+    kw, (pos,) = _split_positions({"positions": positions}, "positions", device=_device_of(k))
     kw.update(from_freqs=from_freqs, to_freqs=to_freqs, style=style)
     settings = _ops.typed("rerotate_rope", kw, "rerotate_rope")
     if k.dtype not in (torch.float32, torch.float64):
@@ -363,8 +364,9 @@ def attention_merge(out_a, lse_a, out_b, lse_b):
     attentions over them (out [batch, seq_q, heads, v_dim], lse [batch, heads, seq_q] as
     attention(..., return_lse=True) gives them), differentiable in all four (float32;
     torch.ops.posenc.attention_merge)."""
-    for t, what in ((out_a, "out_a"), (lse_a, "lse_a"), (out_b, "out_b"), (lse_b, "lse_b")):
-        _require_cpu(t, what)
+    _ops.require_device(out_a, "out_a")
+    for t, what in ((lse_a, "lse_a"), (out_b, "out_b"), (lse_b, "lse_b")):
+        _require_on(t, what, _device_of(out_a))
     return _ops.attention_merge(out_a.float(), lse_a.float(), out_b.float(), lse_b.float())
 
 
