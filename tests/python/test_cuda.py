@@ -69,6 +69,19 @@ def test_rerotation_and_merging_on_cuda_equal_the_cpu_functions():
     assert all(torch.equal(x, y.cpu()) for x, y in zip(a, b))
 
 
+def test_paged_attention_on_cuda_against_the_cpu_kernel():
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(3, 1, 8, 64, generator=g)
+    k_pages, v_pages = torch.randn(20, 16, 2, 64, generator=g), torch.randn(20, 16, 2, 64,
+                                                                            generator=g)
+    table = torch.tensor([[0, 4, 9], [3, 4, -1], [11, 12, 13]], dtype=torch.int32)
+    lens = torch.tensor([40, 20, 48], dtype=torch.int32)
+    want = pt.attention_paged(q, k_pages, v_pages, table, lens, "alibi", causal=True)
+    got = pt.attention_paged(q.to(CUDA), k_pages.to(CUDA), v_pages.to(CUDA), table.to(CUDA),
+                             lens.to(CUDA), "alibi", causal=True)
+    assert got.device.type == "cuda" and (got.cpu() - want).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("scheme,kw", [("none", {}), ("rope", {"base": 5e5}), ("alibi", {}),
                                        ("t5", {"scale": 1.0})])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -668,3 +668,37 @@ def test_backend_triton_refuses_what_its_kernels_lack():
         ptorch.attention(q, q.half(), q.half(), backend="triton")
     with pytest.raises(TypeError, match="float64"):
         ptorch.attention(q.double(), q.double(), q.double(), backend="triton")
+
+
+def test_paged_cache_rows_gathered_as_the_cpu_kernel_reads_them():
+    """posenc.triton._op.paged (the CUDA form of torch.ops.posenc.attention_paged) against the
+    CPU paged kernel: rows of different lengths sharing a page, a table wider than the rows'
+    pages with unused entries -1, both page layouts, GQA, two queries per row, ALiBi and RoPE,
+    float32 and bfloat16 (the CPU result of the same bf16 values in float32, rounded once)."""
+    from posenc import _ops
+    from posenc.triton import _op
+    rng = np.random.default_rng(21)
+    page, heads_q, heads_kv, dim, num_pages = 4, 4, 2, 16, 9
+    table = torch.tensor([[0, 3, 5, -1], [7, 3, -1, -1], [8, 1, 2, 6]], dtype=torch.int32)
+    lens = torch.tensor([11, 6, 16], dtype=torch.int32)
+    q = torch.tensor(rng.standard_normal((3, 2, heads_q, dim)), dtype=F32)
+    pool = torch.tensor(rng.standard_normal((2, num_pages, page, heads_kv, dim)), dtype=F32)
+    for layout in ("token_major", "head_major"):
+        kp, vp = pool[0], pool[1]
+        if layout == "head_major":
+            kp, vp = kp.transpose(1, 2).contiguous(), vp.transpose(1, 2).contiguous()
+        for scheme, dtype in (("alibi", F32), ("rope", BF16), ("none", F32)):
+            settings = _ops.typed("attention_paged", {"scheme": scheme, "causal": True,
+                                                      "layout": layout}, "attention_paged")
+            args = [t.to(dtype) for t in (q, kp, vp)]
+            got = _op.paged(*(t.to(DEVICE) for t in args), table.to(DEVICE), lens.to(DEVICE),
+                            [], [], None, settings).cpu()
+            assert got.dtype == dtype and got.shape == q.shape
+            want = _ops.attention_paged_impl(*(t.float() for t in args), table, lens, [], [],
+                                             None, **settings)
+            tol = 1e-5 if dtype == F32 else 2.0 ** -8 * want.abs() + 1e-5
+            assert torch.all((got.float() - want).abs() <= tol), (layout, scheme)
+    with pytest.raises(posenc.InvalidValueError, match=r"block_table\[1\]\[1\] = 9"):
+        _op.paged(q.to(DEVICE), pool[0].to(DEVICE), pool[1].to(DEVICE),
+                  torch.tensor([[0, 1], [2, 9], [0, 1]]), lens.clamp(max=8), [], [], None,
+                  _ops.typed("attention_paged", {"causal": True}, "attention_paged"))

@@ -104,11 +104,13 @@ def _as_tensor(value, what):
         raise TypeError(f"{what}: expected an array of numbers ({e})") from None
 
 
-def _int_tensor(value, what):
-    """An integer argument (block_table, seq_lens) as an integer CPU tensor, values unchanged: the
-    bindings check that each fits (a cast here would truncate floats and wrap large values)."""
+def _int_tensor(value, what, device=None):
+    """An integer argument (block_table, seq_lens) as an integer tensor, values unchanged: the
+    bindings check that each fits (a cast here would truncate floats and wrap large values).
+    device: the call's CUDA device (the tensor may be there or on the CPU), None: the CPU."""
     if isinstance(value, torch.Tensor):
-        _require_cpu(value, what)
+        if device is None or value.device.type != "cpu":
+            _require_on(value, what, device)
         t = value
     else:
         try:
@@ -286,14 +288,20 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, scheme=None, *, 
     for t, what in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: a torch.Tensor (use posenc.attention_paged for NumPy)")
-        _require_cpu(t, what)
-    kw, (qpos,) = _split_positions(kwargs, "query_positions")
+    # CUDA tensors: the Triton kernels over each row's keys gathered from the pages.
+    device = q.device if q.device.type == "cuda" else None
+    for t, what in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
+        _require_on(t, what, device)
+    kw, (qpos,) = _split_positions(kwargs, "query_positions", device=device)
     if scheme is not None:
         kw["scheme"] = scheme
     names, tables = _split_params(params)
     settings = _ops.typed("attention_paged", kw, "attention_paged")
     tables = [t.float() if t.dtype != torch.float32 else t for t in tables]
-    table, lens = _int_tensor(block_table, "block_table"), _int_tensor(seq_lens, "seq_lens")
+    for n, t in zip(names, tables):
+        _require_on(t, n, device)
+    table = _int_tensor(block_table, "block_table", device)
+    lens = _int_tensor(seq_lens, "seq_lens", device)
     return _ops.call_attention_paged(q, k_pages, v_pages, table, lens, tables, list(names), qpos,
                                      settings)
 

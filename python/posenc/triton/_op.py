@@ -161,3 +161,70 @@ def backward(q, k, v, out, lse, dout, tables, table_names, query_positions, key_
     if packed:
         dq, dk, dv = dq[0], dk[0], dv[0]
     return [dq, dk, dv] + [grads[n].to(named[n].dtype) for n in table_names]
+
+
+def _row_keys(pages, table, lens, page_size, layout):
+    """The keys (or values) of every row gathered from the pages and packed one row after the
+    other: [sum(lens), heads_kv, head_dim]."""
+    if layout == "head_major":  # [num_pages, heads_kv, page_size, head_dim]
+        pages = pages.transpose(1, 2)
+    rows = []
+    for b, n in enumerate(lens):
+        used = table[b, :(n + page_size - 1) // page_size]
+        rows.append(pages[used].flatten(0, 1)[:n])
+    return torch.cat(rows) if rows else pages.new_empty((0, *pages.shape[2:]))
+
+
+def paged(q, k_pages, v_pages, block_table, seq_lens, tables, table_names, query_positions,
+          settings):
+    """posenc.attention_paged on the Triton kernels: each row's keys gathered from its pages (by
+    the block table, on the device) and packed, then the packed-sequence attention of the
+    same q, whose default positions (keys 0 .. len - 1, queries len - seq_q + i) are the paged
+    call's. out [batch, seq_q, heads_q, v_dim] in q's dtype. q, k_pages and v_pages share one
+    dtype (float32, float16 or bfloat16)."""
+    layout = settings.get("layout") or "token_major"
+    if layout not in ("token_major", "head_major"):
+        raise ValueError(f"layout: 'token_major' or 'head_major' (got {layout!r})")
+    if q.dim() != 4 or k_pages.dim() != 4 or v_pages.dim() != 4:
+        raise posenc.ShapeError("attention_paged: q [batch, seq_q, heads_q, head_dim] and pages "
+                                "of 4 dimensions")
+    for t, what in ((k_pages, "k_pages"), (v_pages, "v_pages")):
+        if t.dtype != q.dtype:
+            raise TypeError(f"attention_paged: the Triton kernels take q and the pages of one "
+                            f"dtype (q {q.dtype}, {what} {t.dtype})")
+    batch, seq_q = q.shape[0], q.shape[1]
+    page_size = k_pages.shape[2 if layout == "head_major" else 1]
+    num_pages = k_pages.shape[0]
+    table = block_table.to("cpu", torch.int64)
+    lens = [int(n) for n in seq_lens.to("cpu", torch.int64)]
+    if table.dim() != 2 or table.shape[0] != batch or len(lens) != batch:
+        raise posenc.ShapeError(f"attention_paged: block_table [batch = {batch}, max_pages] and "
+                                f"seq_lens [{batch}]")
+    for b, n in enumerate(lens):
+        if n < 0 or n > table.shape[1] * page_size:
+            raise posenc.InvalidValueError(
+                f"attention_paged: seq_lens[{b}] = {n} is outside [0, max_pages * page_size = "
+                f"{table.shape[1]} * {page_size} = {table.shape[1] * page_size}]")
+        used = table[b, :(n + page_size - 1) // page_size]
+        bad = ((used < 0) | (used >= num_pages)).nonzero()
+        if len(bad):
+            j = int(bad[0])
+            raise posenc.InvalidValueError(
+                f"attention_paged: block_table[{b}][{j}] = {int(used[j])} is outside [0, "
+                f"num_pages = {num_pages})")
+    device_table = table.to(q.device)
+    k = _row_keys(k_pages, device_table, lens, page_size, layout)
+    v = _row_keys(v_pages, device_table, lens, page_size, layout)
+    counts = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+    masks = {"cu_seqlens_q": torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int64),
+             "cu_seqlens_k": counts}
+    packed_positions = None
+    if query_positions is not None:
+        ids = query_positions.to(torch.int64)
+        packed_positions = (ids.expand(batch, seq_q) if ids.dim() == 1 else ids).reshape(-1)
+    rest = {n: v for n, v in settings.items() if n != "layout"}
+    if settings.get("query_positions_offset") is not None:
+        raise _unsupported("an int query_positions offset with paged caches")
+    out, _ = forward(q.reshape(batch * seq_q, *q.shape[2:]), k, v, tables, table_names,
+                     packed_positions, None, masks, rest)
+    return out.to(q.dtype).reshape(batch, seq_q, *out.shape[1:])
