@@ -9,6 +9,11 @@ forward + backward:
   efficient, cuDNN: each tried, the fastest kept);
 - ALiBi and T5: posenc against FlexAttention compiled with the equivalent score_mod, and against
   SDPA with the bias materialized ([heads, L, L], made outside the timing);
+- DeBERTa (DeBERTa-v3-base's attention: 12 heads of 64, batch 8, L 2048, 256 log buckets over
+  512 positions, bidirectional) and Transformer-XL (the same shapes, d_model 768, causal): posenc
+  against the eager formulation of Hugging Face's model code (every score term materialized as
+  [batch, heads, L, L] and gathered by distance, softmax, then the values), with each side's
+  peak of extra memory;
 - the device's copy bandwidth (a bf16 tensor copied, bytes read and written), for scale.
 Times are CUDA-event medians of several runs after warm-up. A ratio > 1 means posenc is faster.
 Needs a CUDA GPU and the posenc package with its extension importable.
@@ -19,6 +24,7 @@ import math
 import statistics
 import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -76,6 +82,97 @@ def sdpa_fastest(q, k, v, repeats, bias=None):
         if best is None or row[1] < best[1]:
             best = row
     return best
+
+
+def peak_mb(fn):
+    """The peak of memory allocated beyond what was allocated before fn() (MB)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 1e6
+
+
+def relative_cases(dev, batch, heads, dim, length, backend="triton"):
+    """{name: (posenc call, eager call, the tensors with gradients)} of DeBERTa and
+    Transformer-XL at these sizes (bf16 on the device)."""
+    g = torch.Generator(device=dev).manual_seed(7)
+
+    def rand(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (scale * torch.randn(*shape, device=dev, generator=g)).to(dtype).requires_grad_()
+
+    q, k, v = (rand(batch, length, heads, dim) for _ in range(3))
+    idx = torch.arange(length, device=dev)
+    rel = idx[None, :] - idx[:, None]  # pos_k - pos_q
+    span = 256
+    pos_key, pos_query = rand(2 * span, heads, dim, scale=0.1), rand(2 * span, heads, dim,
+                                                                      scale=0.1)
+    bucket_kw = dict(position_buckets=span, max_relative_positions=512)
+    c2p = torch.as_tensor(posenc.deberta_c2p_index(idx.cpu().numpy()[:, None],
+                                                   idx.cpu().numpy()[None, :], **bucket_kw),
+                          device=dev).long()
+    p2c = torch.as_tensor(posenc.deberta_p2c_index(idx.cpu().numpy()[:, None],
+                                                   idx.cpu().numpy()[None, :], **bucket_kw),
+                          device=dev).long()
+    scale = 1 / math.sqrt(3 * dim)
+
+    def deberta_eager():
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, L, d]
+        s = qt @ kt.transpose(-1, -2)
+        c2p_all = qt @ pos_key.permute(1, 2, 0)  # [b, h, L, 2K]
+        s = s + torch.gather(c2p_all, -1, c2p.expand(batch, heads, length, length))
+        p2c_all = kt @ pos_query.permute(1, 2, 0)  # [b, h, L_k, 2K]
+        s = s + torch.gather(p2c_all, -1, p2c.t().expand(batch, heads, length,
+                                                          length)).transpose(-1, -2)
+        return (torch.softmax(s * scale, -1) @ vt).transpose(1, 2)
+
+    def deberta_posenc():
+        return pt.attention(q, k, v, "deberta", backend=backend,
+                            params={"pos_key": pos_key, "pos_query": pos_query}, **bucket_kw)
+
+    d_model = 768
+    u, w = rand(heads, dim, scale=0.1, dtype=torch.float32), rand(heads, dim, scale=0.1,
+                                                                   dtype=torch.float32)
+    r_net = rand(heads * dim, d_model, scale=0.05, dtype=torch.float32)
+    sinusoid = torch.as_tensor(np.stack([posenc.xl_sinusoid(d, d_model)
+                                         for d in range(length)]), device=dev)
+    causal = rel > 0
+
+    def xl_eager():
+        r = (sinusoid.float() @ r_net.t()).view(length, heads, dim).to(q.dtype)  # r(delta)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        ac = (qt + u.to(q.dtype)[None, :, None, :]) @ kt.transpose(-1, -2)
+        bd_all = (qt + w.to(q.dtype)[None, :, None, :]) @ r.permute(1, 2, 0)  # [b, h, L, L]
+        delta = (-rel).clamp(min=0)
+        bd = torch.gather(bd_all, -1, delta.expand(batch, heads, length, length))
+        s = ((ac + bd) / math.sqrt(dim)).masked_fill(causal, -math.inf)
+        return (torch.softmax(s, -1) @ vt).transpose(1, 2)
+
+    def xl_posenc():
+        return pt.attention(q, k, v, "xl", causal=True, backend=backend,
+                            params={"r_w_bias": u, "r_r_bias": w, "r_net": r_net})
+
+    inputs = (q, k, v, pos_key, pos_query, u, w, r_net)
+    return {"DeBERTa": (deberta_posenc, deberta_eager, inputs),
+            "Transformer-XL": (xl_posenc, xl_eager, inputs)}
+
+
+def relative_rows(lines, dev, repeats, batch=8, heads=12, dim=64, length=2048):
+    """DeBERTa and Transformer-XL: posenc against the eager formulation of the model code."""
+    cases = relative_cases(dev, batch, heads, dim, length)
+    lines += ["", f"DeBERTa and Transformer-XL: bf16, batch {batch}, {heads} heads of {dim}, "
+              f"L {length}", "", "| row | posenc fwd ms | eager fwd ms | ratio fwd | posenc "
+              "fwd+bwd ms | eager fwd+bwd ms | ratio fwd+bwd | posenc extra MB | eager extra "
+              "MB |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, (mine, eager, inputs) in cases.items():
+        times = []
+        for fn in (mine, eager):
+            fwd, both = forward_backward(fn, inputs)
+            times.append((timed(fwd, repeats), timed(both, repeats), peak_mb(both)))
+        (mf, mb, mm), (ef, eb, em) = times
+        lines.append(f"| {name} | {mf:.3f} | {ef:.3f} | {ef / mf:.2f} | {mb:.3f} | {eb:.3f} | "
+                     f"{eb / mb:.2f} | {mm:.0f} | {em:.0f} |")
 
 
 def main():
@@ -152,6 +249,7 @@ def main():
             add(scheme, mine, f"SDPA {name} + materialized bias", base)
         del q, k, v
         torch.cuda.empty_cache()
+    relative_rows(lines, dev, repeats)
     lines += ["", f"Copy bandwidth (bf16 copy, bytes read + written): {bandwidth:.0f} GB/s"]
     text = "\n".join(lines)
     print(text)

@@ -82,17 +82,28 @@ def test_paged_attention_on_cuda_against_the_cpu_kernel():
     assert got.device.type == "cuda" and (got.cpu() - want).abs().max() <= 1e-5
 
 
+# The learned tables of each scheme's case: shapes, and a scale for their values.
+_TABLES = {"t5": {"relative_attention_bias": (32, 8)},
+           "shaw": {"rel_k": (33, 64), "rel_v": (33, 8, 64)},
+           "xl": {"r_w_bias": (8, 64), "r_r_bias": (8, 64), "r_net": (512, 32)},
+           "deberta": {"pos_key": (64, 8, 64), "pos_query": (64, 8, 64)}}
+
+
 @pytest.mark.parametrize("scheme,kw", [("none", {}), ("rope", {"base": 5e5}), ("alibi", {}),
-                                       ("t5", {"scale": 1.0})])
+                                       ("t5", {"scale": 1.0}), ("shaw", {}), ("xl", {}),
+                                       ("deberta", {"position_buckets": 32,
+                                                    "max_relative_positions": 128})])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_on_cuda_against_the_float64_reference(scheme, kw, dtype):
     q, qg = _pair(2, 300, 8, 64, seed=2, dtype=dtype)
     k, kg = _pair(2, 300, 2, 64, seed=3, dtype=dtype)
     v, vg = _pair(2, 300, 2, 64, seed=4, dtype=dtype)
     params = gparams = None
-    if scheme == "t5":
-        t, tg = _pair(32, 8, seed=5)
-        params, gparams = {"relative_attention_bias": t}, {"relative_attention_bias": tg}
+    if scheme in _TABLES:
+        pairs = {n: _pair(*shape, seed=5 + i) for i, (n, shape) in
+                 enumerate(_TABLES[scheme].items())}
+        params = {n: (c * 0.1).detach().requires_grad_() for n, (c, _) in pairs.items()}
+        gparams = {n: (g * 0.1).detach().requires_grad_() for n, (_, g) in pairs.items()}
     ref = pt.attention(q.double(), k.double(), v.double(), scheme, causal=True,
                        params=None if params is None else {n: x.double() for n, x in
                                                            params.items()}, **kw)
@@ -106,6 +117,9 @@ def test_attention_on_cuda_against_the_float64_reference(scheme, kw, dtype):
     for name, a, b in (("q", q, qg), ("k", k, kg), ("v", v, vg)):
         assert (b.grad.cpu().double() - a.grad).abs().max() <= (
             tol * max(1.0, a.grad.abs().max())), name
+    for name in params or {}:  # float32 tables: float32 gradients, summed by atomics
+        a, b = params[name].grad, gparams[name].grad
+        assert (b.cpu().double() - a).abs().max() <= 1e-4 * max(1.0, a.abs().max()), name
 
 
 def test_positional_attention_compiles_and_exports_on_cuda():
@@ -122,10 +136,10 @@ def test_positional_attention_compiles_and_exports_on_cuda():
 
 def test_what_the_triton_kernels_lack_is_refused_on_cuda():
     q = torch.randn(1, 8, 2, 16, device=CUDA)
+    config = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "rope_theta": 1e4, "max_position_embeddings": 64}
     with pytest.raises(ValueError, match="backend='triton'"):
-        pt.attention(q, q, q, "deberta", params={"pos_key": torch.randn(8, 2, 16, device=CUDA),
-                                                 "pos_query": torch.randn(8, 2, 16,
-                                                                          device=CUDA)})
+        pt.attention(q, q, q, config=config)
     with pytest.raises(ValueError, match="CPU only"):
         pt.attention(q, q, q, backend="cpu")
     assert posenc.attention is not None

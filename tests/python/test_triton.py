@@ -249,6 +249,82 @@ def test_t5_causal_saturated_buckets():
              params={"relative_attention_bias": np.random.default_rng(2).standard_normal((8, 2))})
 
 
+def _shaw_tables(rng, k, heads, dim, v_dim=None, per_head=False):
+    shape = (2 * k + 1, heads) if per_head else (2 * k + 1,)
+    tables = {"rel_k": 0.5 * rng.standard_normal((*shape, dim))}
+    if v_dim is not None:
+        tables["rel_v"] = 0.5 * rng.standard_normal((*shape, v_dim))
+    return tables
+
+
+def test_shaw_shared_tables_keys_and_values():
+    """rel_k and rel_v shared by the heads, K = 3 (clipped on both sides), GQA, several tiles."""
+    rng = np.random.default_rng(40)
+    run_case("shaw", shape=(2, 21, 37, 4, 2, 16), causal=True,
+             params=_shaw_tables(rng, 3, 4, 16, 16))
+
+
+def test_shaw_per_head_rel_k_only_bidirectional_positions():
+    """Per-head rel_k without rel_v, explicit positions with gaps (distances beyond K)."""
+    rng = np.random.default_rng(41)
+    run_case("shaw", shape=(2, 9, 14, 2, 2, 24), params=_shaw_tables(rng, 5, 2, 24, per_head=True),
+             query_positions=torch.tensor(_rows_with_gaps(2, 9, 3, 2)),
+             key_positions=torch.tensor(_rows_with_gaps(2, 14, 0, 2)))
+
+
+def _xl_tables(rng, heads, dim, d_model):
+    return {"r_w_bias": 0.3 * rng.standard_normal((heads, dim)),
+            "r_r_bias": 0.3 * rng.standard_normal((heads, dim)),
+            "r_net": 0.2 * rng.standard_normal((heads * dim, d_model))}
+
+
+def test_xl_causal_memory_gqa():
+    """Transformer-XL with a memory segment (seq_k > seq_q), causal, GQA: u, v and r_net get
+    their gradients."""
+    rng = np.random.default_rng(42)
+    run_case("xl", shape=(2, 11, 29, 4, 2, 16), causal=True, params=_xl_tables(rng, 4, 16, 12))
+
+
+def test_xl_bidirectional_window_base():
+    """Without a causal mask distances of both signs index r; a window and another base."""
+    rng = np.random.default_rng(43)
+    run_case("xl", shape=(1, 17, 17, 2, 1, 16), window=6, base=500.0,
+             params=_xl_tables(rng, 2, 16, 8))
+
+
+def _deberta_tables(rng, span, heads, dim):
+    return {"pos_key": 0.5 * rng.standard_normal((2 * span, heads, dim)),
+            "pos_query": 0.5 * rng.standard_normal((2 * span, heads, dim))}
+
+
+def test_deberta_log_buckets_far_positions():
+    """DeBERTa-v2 log buckets (position_buckets 8, max_relative_positions 32) with distances far
+    beyond them, bidirectional, MQA; default scale 1 / sqrt(3 D)."""
+    rng = np.random.default_rng(44)
+    run_case("deberta", shape=(2, 13, 19, 2, 1, 16), position_buckets=8,
+             max_relative_positions=32, params=_deberta_tables(rng, 8, 2, 16),
+             key_positions=torch.tensor(_rows_with_gaps(2, 19, 0, 7)), query_positions=40)
+
+
+def test_deberta_paper_p2c_no_buckets_float64_log_causal():
+    """The paper's p2c index, plain clipping at K = 6, causal, several tiles."""
+    rng = np.random.default_rng(45)
+    run_case("deberta", shape=(1, 23, 23, 2, 2, 16), causal=True, max_relative_positions=6,
+             deberta_p2c="paper", params=_deberta_tables(rng, 6, 2, 16))
+
+
+def test_relative_schemes_in_half_precision():
+    """Shaw, XL and DeBERTa on float16 and bfloat16 inputs (tables float32), with documents."""
+    rng = np.random.default_rng(46)
+    docs = torch.tensor([[0] * 5 + [1] * 8])
+    run_case("shaw", F16, shape=(1, 13, 13, 2, 1, 16), causal=True, query_documents=docs,
+             key_documents=docs, params=_shaw_tables(rng, 2, 2, 16, 16))
+    run_case("xl", BF16, shape=(1, 10, 15, 2, 2, 16), causal=True,
+             params=_xl_tables(rng, 2, 16, 6))
+    run_case("deberta", BF16, shape=(1, 12, 12, 2, 1, 16), position_buckets=4,
+             max_relative_positions=10, params=_deberta_tables(rng, 4, 2, 16), softcap=3.0)
+
+
 def test_softcap_alibi_sinks():
     """A small cap (scores well into tanh's curve) on ALiBi, with sinks."""
     run_case("alibi", shape=(2, 5, 13, 4, 2, 16), softcap=1.5, scale=1.0,
@@ -511,7 +587,8 @@ from triton.compiler import ASTSource
 from posenc.triton import _backward, _forward
 
 INTS = {"QPos": "*i64", "KPos": "*i64", "QTiles": "*i64", "KTiles": "*i64", "Buckets": "*i32",
-        "QDoc": "*i32", "KDoc": "*i32", "QOpen": "*i32", "KOpen": "*i32", "Dense": "*u8"}
+        "QDoc": "*i32", "KDoc": "*i32", "QOpen": "*i32", "KOpen": "*i32", "Dense": "*u8",
+        "RelQIdx": "*i32", "RelKIdx": "*i32", "RelVIdx": "*i32"}
 
 def compile(kernel, dtype, constexprs, rotated=()):
     signature = {}
@@ -529,15 +606,20 @@ def compile(kernel, dtype, constexprs, rotated=()):
     triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 8})
 
-for dtype, scheme, rotary, flags in (("bf16", 1, 32, True), ("fp16", 3, 0, False),
-                                     ("fp32", 2, 0, True)):
+# (dtype, scheme, rotary dim, mask flags, the relative terms REL_Q, REL_K, REL_V, Q_BIAS)
+for dtype, scheme, rotary, flags, rel in (
+        ("bf16", 1, 32, True, (0, 0, 0, 0)), ("fp16", 3, 0, False, (0, 0, 0, 0)),
+        ("fp32", 2, 0, True, (0, 0, 0, 0)), ("fp32", 4, 0, True, (1, 0, 1, 0)),
+        ("bf16", 5, 0, False, (1, 0, 0, 1)), ("fp16", 6, 0, True, (1, 1, 0, 0))):
     c = dict(SCHEME=scheme, ROTARY=rotary, INTERLEAVED=flags, CAUSAL=flags, HAS_WINDOW=flags,
              HAS_CHUNK=flags, HAS_SOFTCAP=flags, HAS_SINKS=flags, HAS_DOCS=flags,
-             HAS_OPEN=flags, HAS_DENSE=flags, BLOCK_M=32, BLOCK_N=32,
-             BLOCK_D=64, BLOCK_DV=32, EMULATE_BF16=False)
+             HAS_OPEN=flags, HAS_DENSE=flags, REL_Q=bool(rel[0]), REL_K=bool(rel[1]),
+             REL_V=bool(rel[2]), Q_BIAS=bool(rel[3]), BLOCK_M=16 if rel[0] else 32,
+             BLOCK_N=16 if rel[0] else 32, BLOCK_D=64, BLOCK_DV=32, EMULATE_BF16=False)
     rotated = ("DQ", "DK") if rotary else ()
     compile(_forward.attention_forward_kernel, dtype, c)
-    compile(_backward.attention_backward_kv_kernel, dtype, c, rotated)
+    compile(_backward.attention_backward_kv_kernel, dtype, dict(c, NEED_DTABLE=scheme > 3),
+            rotated)
     compile(_backward.attention_backward_q_kernel, dtype, dict(c, NEED_DTABLE=scheme > 1),
             rotated)
     if rotary:
@@ -552,7 +634,8 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     compile each kernel for sm_90 (Hopper) on this machine, no GPU needed, in a process without
     TRITON_INTERPRET: bf16 with RoPE and every mask (block masks included), soft-cap and sinks;
     f16 with T5 and its table gradient; float32 with ALiBi, its slope gradient and every
-    mask."""
+    mask; Shaw (float32, keys and values), XL (bf16) and DeBERTa (f16, every mask) with their
+    table gradients."""
     import triton.backends
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")
@@ -574,7 +657,10 @@ def _backend_case(scheme, dtype, *, shape=(2, 5, 13, 4, 2, 16), tables=(), seed=
     rows = () if "cu_seqlens_q" in kw else (batch,)
     shapes = {"q": (*rows, seq_q, heads_q, dim), "k": (*rows, seq_k, heads_kv, dim),
               "v": (*rows, seq_k, heads_kv, dim), "slopes": (heads_q,),
-              "relative_attention_bias": (32, heads_q), "sinks": (heads_q,)}
+              "relative_attention_bias": (32, heads_q), "sinks": (heads_q,),
+              "rel_k": (9, dim), "rel_v": (9, heads_q, dim), "r_w_bias": (heads_q, dim),
+              "r_r_bias": (heads_q, dim), "r_net": (heads_q * dim, 10),
+              "pos_key": (12, heads_q, dim), "pos_query": (12, heads_q, dim)}
     data = {n: rng.standard_normal(shapes[n]) for n in ("q", "k", "v", *tables)}
     half = {n: torch.tensor(a, dtype=F32).to(dtype if n in "qkv" else F32).requires_grad_()
             for n, a in data.items()}
@@ -622,6 +708,18 @@ def test_backend_triton_t5_f16():
                   query_positions=torch.tensor([3, 9, 10, 11, 20]))
 
 
+def test_backend_triton_shaw_xl_deberta():
+    """The relative-table schemes through the ops, every table with its gradient: Shaw (shared
+    rel_k, per-head rel_v) in float32, XL in bfloat16 with sinks, DeBERTa in float16 with log
+    buckets and the paper's p2c."""
+    _backend_case("shaw", F32, tables=("rel_k", "rel_v"), causal=True)
+    _backend_case("xl", BF16, tables=("r_w_bias", "r_r_bias", "r_net", "sinks"), causal=True,
+                  base=300.0)
+    _backend_case("deberta", F16, tables=("pos_key", "pos_query"), position_buckets=6,
+                  max_relative_positions=20, deberta_p2c="paper",
+                  key_positions=torch.tensor([0, 1, 2, 5, 9, 14, 20, 27, 35, 44, 54, 65, 77]))
+
+
 def test_backend_triton_varlen_rope_gqa():
     """Packed sequences through the ops: out [total_q, heads_q, D], lse [heads_q, total_q]."""
     _backend_case("rope", F32, shape=(None, 11, 16, 4, 2, 16), causal=True,
@@ -656,10 +754,10 @@ def test_backend_triton_positional_attention_and_opcheck():
 def test_backend_triton_refuses_what_its_kernels_lack():
     import posenc.torch as ptorch
     q = torch.randn(1, 4, 2, 8)
-    table = torch.randn(8, 2, 8)
-    with pytest.raises(ValueError, match="backend='triton': scheme 'deberta'.*backend='cpu'"):
-        ptorch.attention(q, q, q, "deberta", backend="triton",
-                         params={"pos_key": table, "pos_query": table})
+    config = {"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "rope_theta": 1e4, "max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="backend='triton': 'config'.*backend='cpu'"):
+        ptorch.attention(q, q, q, backend="triton", config=config)
     with pytest.raises(ValueError, match="backend: 'auto', 'cpu' or 'triton'"):
         ptorch.attention(q, q, q, backend="gpu")
     with pytest.raises(TypeError, match="backend"):

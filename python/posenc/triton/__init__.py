@@ -2,11 +2,12 @@
 
 ``attention(q, k, v, scheme, ...)`` computes posenc's attention (docs/attention.md) with fused
 Triton kernels, forward and backward (FlashAttention-2 recomputation from the forward's
-log-sum-exp), for the schemes none, RoPE, ALiBi and T5, with causal, sliding-window and chunked
+log-sum-exp), for the schemes none, RoPE, ALiBi, T5, Shaw, Transformer-XL and DeBERTa, with
+causal, sliding-window and chunked
 masks, block masks (documents, prefix-LM, global tokens, a dense mask), packed variable-length
 sequences (cu_seqlens), explicit positions, GQA / MQA, soft-capping and attention sinks; float32,
 float16 and bfloat16 tensors, float32 arithmetic inside. It is differentiable with respect to q, k,
-v, sinks, ALiBi slopes and T5's relative_attention_bias (tensors with requires_grad), and to lse.
+v, sinks and the scheme's learned tables (tensors with requires_grad), and to lse.
 
 Kernels run on CUDA tensors. With the environment variable TRITON_INTERPRET=1 set before this
 package is imported, Triton's interpreter runs the same kernels on CPU tensors through NumPy
@@ -35,19 +36,21 @@ def _fully_masked_error(lse, plan):
 
 class _Attention(torch.autograd.Function):
     """The forward and backward kernels as one autograd function. Inputs with gradients:
-    q, k, v, sinks, ALiBi slopes, T5's table; outputs: out and lse."""
+    q, k, v, sinks and the scheme's learned tables (plan.table_names order); outputs: out and
+    lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, slopes, table, plan):
-        keep32 = q.dtype != torch.float32 and any(ctx.needs_input_grad[:6])
+    def forward(ctx, q, k, v, sinks, plan, names, *tables):
+        keep32 = q.dtype != torch.float32 and any(ctx.needs_input_grad)
         out = torch.empty((plan.batch, plan.seq_q, plan.heads_q, plan.v_dim),
                           dtype=torch.float32 if keep32 else q.dtype, device=q.device)
         lse = torch.empty((plan.batch, plan.heads_q, plan.seq_q), dtype=torch.float32,
                           device=q.device)
         _forward.forward(q, k, v, plan, out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        ctx.param_dtypes = [None if t is None else t.dtype for t in (sinks, slopes, table)]
+        ctx.plan, ctx.names = plan, names
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
+        ctx.table_like = [(t.dtype, t.shape) for t in tables]
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), lse
 
@@ -60,20 +63,25 @@ class _Attention(torch.autograd.Function):
         elif dout.stride(-1) != 1:
             dout = dout.contiguous()
         need = ctx.needs_input_grad
-        dq, dk, dv, dsinks, dtable = _backward.backward(
+        need_tables = need[6:]
+        dq, dk, dv, dsinks, dtables = _backward.backward(
             q, k, v, out, lse, dout, dlse, plan,
-            (need[0], need[1], need[2], need[3], need[4] or need[5]))
-        sinks_dtype, slopes_dtype, table_dtype = ctx.param_dtypes
+            (need[0], need[1], need[2], need[3], any(need_tables)))
+        grads = [None] * len(need_tables)
+        for i, (name, (dtype, shape)) in enumerate(zip(ctx.names, ctx.table_like)):
+            if need_tables[i]:
+                grads[i] = dtables[name].reshape(shape).to(dtype)
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-                dsinks.to(sinks_dtype) if need[3] else None,
-                dtable.to(slopes_dtype) if need[4] else None,
-                dtable.to(table_dtype) if need[5] else None, None)
+                dsinks.to(ctx.sinks_dtype) if need[3] else None, None, None, *grads)
 
 
 def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, chunk=None,
               softcap=None, sinks=None, query_positions=None, key_positions=None, slopes=None,
               max_bias=None, relative_attention_bias=None, num_buckets=None, max_distance=None,
-              bidirectional=None, rope=None, rope_style=None, query_documents=None,
+              bidirectional=None, rope=None, rope_style=None, rel_k=None, rel_v=None,
+              r_w_bias=None, r_r_bias=None, r_net=None, base=None, pos_key=None, pos_query=None,
+              position_buckets=None, max_relative_positions=None, deberta_p2c=None,
+              deberta_float64_log=None, query_documents=None,
               key_documents=None, prefix=None, global_positions=None, mask=None,
               cu_seqlens_q=None, cu_seqlens_k=None, allow_fully_masked=False, return_lse=False,
               block_m=None, block_n=None):
@@ -86,8 +94,9 @@ def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, 
     with return_lse=True also lse, float32 [batch, heads_q, seq_q], the log-sum-exp of each
     row's scores (sink included). Arithmetic is float32; out is rounded once to its dtype.
 
-    scheme: 'none', 'rope', 'alibi' or 't5'. Each score is scale * (q_i . k_j) plus the
-    scheme's bias, then soft-capped, then masked (docs/attention.md, "Score order"):
+    scheme: 'none', 'rope', 'alibi', 't5', 'shaw', 'xl' or 'deberta'. Each score is
+    scale * (q_i . k_j + the scheme's relative terms) plus the scheme's bias, then soft-capped,
+    then masked (docs/attention.md, "Score order"):
 
     - 'rope': q and k rotated at their positions. rope: a posenc.RopeFrequencies (default
       posenc.rope_frequencies(head_dim): base 1e4, every dim rotated); its rotary_dim, attention
@@ -99,6 +108,16 @@ def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, 
     - 't5': bias relative_attention_bias[bucket(pos_k - pos_q), h] with the table [num_buckets,
       heads_q] (required; num_buckets, when given, must match its rows), max_distance 128,
       bidirectional default not causal. T5 models need scale=1.
+    - 'shaw': rel_k [2K+1, head_dim] or [2K+1, 1 or heads_q, head_dim] (required) adds
+      q_i . rel_k[idx] to the content score, rel_v (optional, v_dim wide) adds
+      sum_j P_ij rel_v[idx] to the output; idx = clamp(pos_k - pos_q, -K, K) + K.
+    - 'xl': (q_i + r_w_bias) . k_j + (q_i + r_r_bias) . r(delta), delta = pos_q - pos_k,
+      r(delta) = r_net R(delta) with R the sinusoid of width d_model (r_net [heads_q * head_dim,
+      d_model]) and base (default 1e4); r_w_bias, r_r_bias [heads_q, head_dim].
+    - 'deberta': q_i . k_j + q_i . pos_key[c2p] + k_j . pos_query[p2c] (pos_key, pos_query
+      [2K, heads_q, head_dim]), posenc.deberta_c2p_index / deberta_p2c_index with
+      position_buckets, max_relative_positions, deberta_p2c ('model' or 'paper') and
+      deberta_float64_log; default scale 1 / sqrt(3 head_dim).
 
     scale: default 1 / sqrt(head_dim). causal: key visible iff pos_k <= pos_q. window w: iff
     |pos_k - pos_q| < w. chunk c: iff pos_k // c == pos_q // c. softcap C > 0: scores become
@@ -131,13 +150,19 @@ def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, 
     block_m, block_n: the tiles of query rows and keys of every kernel (powers of two >= 16, both
     or neither); by default each kernel's own, by dtype.
 
-    Gradients flow to q, k, v and to sinks, slopes and relative_attention_bias when they require
-    them (returned in each input's dtype; parameter gradients are summed in float64).
+    Gradients flow to q, k, v, sinks and the scheme's tables (slopes, relative_attention_bias,
+    rel_k, rel_v, r_w_bias, r_r_bias, r_net, pos_key, pos_query) when they require them
+    (returned in each input's dtype and shape).
     """
     settings = {name: value for name, value in (
         ("rope", rope), ("rope_style", rope_style), ("slopes", slopes), ("max_bias", max_bias),
         ("relative_attention_bias", relative_attention_bias), ("num_buckets", num_buckets),
-        ("max_distance", max_distance), ("bidirectional", bidirectional)) if value is not None}
+        ("max_distance", max_distance), ("bidirectional", bidirectional), ("rel_k", rel_k),
+        ("rel_v", rel_v), ("r_w_bias", r_w_bias), ("r_r_bias", r_r_bias), ("r_net", r_net),
+        ("base", base), ("pos_key", pos_key), ("pos_query", pos_query),
+        ("position_buckets", position_buckets),
+        ("max_relative_positions", max_relative_positions), ("deberta_p2c", deberta_p2c),
+        ("deberta_float64_log", deberta_float64_log)) if value is not None}
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     if packed:
         if query_documents is not None or key_documents is not None:
@@ -156,8 +181,8 @@ def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, 
         raise ValueError(f"q: on {q.device}; posenc.triton runs on CUDA tensors (CPU tensors "
                          "need TRITON_INTERPRET=1, set before triton is first imported)")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, lse = _Attention.apply(q, k, v, sinks, slopes if scheme == "alibi" else None,
-                                relative_attention_bias if scheme == "t5" else None, plan)
+    names = [n for n in _prepare.SCHEME_TABLES.get(scheme, ()) if n in settings]
+    out, lse = _Attention.apply(q, k, v, sinks, plan, names, *(settings[n] for n in names))
     if not allow_fully_masked and sinks is None and bool(torch.isneginf(lse).any()):
         raise _fully_masked_error(lse, plan)
     if packed:

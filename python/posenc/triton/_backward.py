@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 
 from . import _prepare
-from ._forward import (ALIBI, T5, EMULATE_BF16, dot, alibi_bias, block_info, head_slope,
-                       load_rotated, load_tile, rounded, scores, t5_bucket, tile_info,
+from ._forward import (ALIBI, T5, EMULATE_BF16, dot, alibi_bias, biased_queries, block_info,
+                       head_slope, load_rotated, load_tile, rounded, scores, t5_bucket, tile_info,
                        tile_visible, token_masks, visible)
+from ._relative import add_to_rows, dot_value_rows, rows_of, rows_weighted_by_cells
 
 
 # ---- the gradient of each scheme's bias: one function per scheme -------------------------------
@@ -64,14 +65,22 @@ def attention_backward_kv_kernel(
         Buckets, max_distance, QCos, QSin, KCos, KSin, qcos_stride_b, kcos_stride_b,
         seq_q, seq_k, group, head_dim, v_dim, scale, softcap, window, chunk,
         QDoc, KDoc, QOpen, KOpen, Dense, dense_stride_b,
+        RelQ, relq_stride_r, relq_stride_h, RelQIdx, relq_lo, relq_n,
+        RelK, relk_stride_r, relk_stride_h, RelKIdx, relk_lo, relk_n,
+        RelV, relv_stride_r, relv_stride_h, RelVIdx, relv_lo, relv_n, QBias, QRelBias,
+        DRelK, DRelV,
         SCHEME: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
         ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_DOCS: tl.constexpr,
-        HAS_OPEN: tl.constexpr, HAS_DENSE: tl.constexpr, BLOCK_M: tl.constexpr,
+        HAS_OPEN: tl.constexpr, HAS_DENSE: tl.constexpr, REL_Q: tl.constexpr,
+        REL_K: tl.constexpr, REL_V: tl.constexpr, Q_BIAS: tl.constexpr,
+        NEED_DTABLE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         EMULATE_BF16: tl.constexpr):
     """dk and dv of BLOCK_N keys of one (batch row, kv head); grid (key blocks,
-    batch * heads_kv). With RoPE, dk is the gradient of the rotated k (DK float32)."""
+    batch * heads_kv). With RoPE, dk is the gradient of the rotated k (DK float32). With
+    NEED_DTABLE, the key side table's (DRelK) and the value table's (DRelV) gradients of these
+    keys' cells are added to those buffers."""
     b = (tl.program_id(1) // heads_kv).to(tl.int64)  # 64-bit offsets for large tensors
     kv_head = tl.program_id(1) % heads_kv
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,6 +116,7 @@ def attention_backward_kv_kernel(
                 q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok,
                                  q_stride_l, dims, head_dim, QCos + b * qcos_stride_b,
                                  QSin + b * qcos_stride_b, ROTARY, INTERLEAVED, False)
+                qc, qr = biased_queries(q, QBias, QRelBias, head, dims, head_dim, Q_BIAS)
                 do = load_tile(DO + b * do_stride_b + head * do_stride_h, rows, row_ok,
                                do_stride_l, vdims, vdims < v_dim)
                 lse = tl.load(Lse + row_base + rows, mask=row_ok, other=0.0)
@@ -114,13 +124,30 @@ def attention_backward_kv_kernel(
                 vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen,
                               kopen, Dense + b * dense_stride_b, rows, cols, seq_k, CAUSAL,
                               HAS_WINDOW, HAS_CHUNK, HAS_DOCS, HAS_OPEN, HAS_DENSE)
-                s, t = scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
-                              table_stride_u, table_stride_h, Buckets, max_distance, SCHEME,
-                              HAS_SOFTCAP, EMULATE_BF16)
+                s, t = scores(qc, qr, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
+                              table_stride_u, table_stride_h, Buckets, max_distance, RelQ,
+                              relq_stride_r, relq_stride_h, RelQIdx, relq_lo, relq_n, RelK,
+                              relk_stride_r, relk_stride_h, RelKIdx, relk_lo, relk_n, dims,
+                              head_dim, SCHEME, REL_Q, REL_K, HAS_SOFTCAP, EMULATE_BF16)
                 dp = dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), EMULATE_BF16)
+                rel = kpos[None, :] - qpos[:, None]
+                if REL_V:
+                    rows_v = rows_of(rel, RelVIdx, relv_lo, relv_n)
+                    dp += dot_value_rows(do.to(tl.float32), rows_v, RelV, relv_stride_r,
+                                         relv_stride_h, head, vdims, v_dim)
                 p, ds = probabilities(s, t, vis, lse, dp, delta, HAS_SOFTCAP)
                 dv = dot(tl.trans(p), do, dv, EMULATE_BF16)
-                dk = dot(tl.trans(ds), q, dk, EMULATE_BF16)
+                dk = dot(tl.trans(ds), qc, dk, EMULATE_BF16)
+                if REL_K:
+                    rows_k = rows_of(rel, RelKIdx, relk_lo, relk_n)
+                    dk += rows_weighted_by_cells(ds, rows_k, RelK, relk_stride_r, relk_stride_h,
+                                                 head, dims, head_dim, 0)
+                    if NEED_DTABLE:
+                        add_to_rows(DRelK, relk_stride_r, relk_stride_h, head, rows_k,
+                                    ds * scale, k.to(tl.float32), dims, head_dim, vis, False)
+                if REL_V and NEED_DTABLE:
+                    add_to_rows(DRelV, relv_stride_r, relv_stride_h, head, rows_v, p,
+                                do.to(tl.float32), vdims, v_dim, vis, True)
 
     dk_ptr = DK + b * dk_stride_b + kv_head * dk_stride_h + cols[:, None] * dk_stride_l
     tl.store(dk_ptr + dims[None, :], rounded(dk * scale, DK.dtype.element_ty, EMULATE_BF16),
@@ -140,15 +167,23 @@ def attention_backward_q_kernel(
         Buckets, max_distance, QCos, QSin, KCos, KSin, qcos_stride_b, kcos_stride_b,
         seq_q, seq_k, group, head_dim, v_dim, scale, softcap, window, chunk,
         QDoc, KDoc, QOpen, KOpen, Dense, dense_stride_b,
+        RelQ, relq_stride_r, relq_stride_h, RelQIdx, relq_lo, relq_n,
+        RelK, relk_stride_r, relk_stride_h, RelKIdx, relk_lo, relk_n,
+        RelV, relv_stride_r, relv_stride_h, RelVIdx, relv_lo, relv_n, QBias, QRelBias,
+        DRelQ, DBias,
         SCHEME: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
         ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_DOCS: tl.constexpr,
-        HAS_OPEN: tl.constexpr, HAS_DENSE: tl.constexpr, NEED_DTABLE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr, EMULATE_BF16: tl.constexpr):
+        HAS_OPEN: tl.constexpr, HAS_DENSE: tl.constexpr, REL_Q: tl.constexpr,
+        REL_K: tl.constexpr, REL_V: tl.constexpr, Q_BIAS: tl.constexpr,
+        NEED_DTABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """dq of BLOCK_M query rows of one (batch row, query head), and with NEED_DTABLE the partial
-    bias gradient of those rows in DTable's row of this program (row stride dtable_stride);
-    grid (query blocks, batch * heads_q). With RoPE, dq is the gradient of the rotated q."""
+    bias gradient of those rows in DTable's row of this program (row stride dtable_stride), the
+    query side table's gradient of these rows' cells added to DRelQ, and with Q_BIAS
+    (Transformer-XL) the sums over these rows of the gradients of q + r_w_bias and q + r_r_bias
+    in this program's row [2, head_dim] of DBias; grid (query blocks, batch * heads_q). With
+    RoPE, dq is the gradient of the rotated q."""
     b = (tl.program_id(1) // heads_q).to(tl.int64)  # 64-bit offsets for large tensors
     head = tl.program_id(1) % heads_q
     kv_head = head // group
@@ -164,6 +199,7 @@ def attention_backward_q_kernel(
     q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok, q_stride_l, dims,
                      head_dim, QCos + b * qcos_stride_b, QSin + b * qcos_stride_b,
                      ROTARY, INTERLEAVED, False)
+    qc, qr = biased_queries(q, QBias, QRelBias, head, dims, head_dim, Q_BIAS)
     do = load_tile(DO + b * do_stride_b + head * do_stride_h, rows, row_ok, do_stride_l, vdims,
                    vdims < v_dim)
     row_base = (b * heads_q + head) * seq_q
@@ -177,6 +213,7 @@ def attention_backward_q_kernel(
     k_info = KTiles + b * k_tiles * 5
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    dqr = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)  # the query side table term's part
     dslope = tl.zeros((BLOCK_M,), tl.float32)
     for tile in range(0, k_tiles):
         klo, khi, kdlo, kdhi, kany = tile_info(k_info, tile)
@@ -194,19 +231,36 @@ def attention_backward_q_kernel(
             vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen, kopen,
                           Dense + b * dense_stride_b, rows, cols, seq_k, CAUSAL, HAS_WINDOW,
                           HAS_CHUNK, HAS_DOCS, HAS_OPEN, HAS_DENSE)
-            s, t = scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
-                          table_stride_u, table_stride_h, Buckets, max_distance, SCHEME,
-                          HAS_SOFTCAP, EMULATE_BF16)
+            s, t = scores(qc, qr, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
+                          table_stride_u, table_stride_h, Buckets, max_distance, RelQ,
+                          relq_stride_r, relq_stride_h, RelQIdx, relq_lo, relq_n, RelK,
+                          relk_stride_r, relk_stride_h, RelKIdx, relk_lo, relk_n, dims, head_dim,
+                          SCHEME, REL_Q, REL_K, HAS_SOFTCAP, EMULATE_BF16)
             dp = dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), EMULATE_BF16)
+            rel = kpos[None, :] - qpos[:, None]
+            if REL_V:
+                dp += dot_value_rows(do.to(tl.float32), rows_of(rel, RelVIdx, relv_lo, relv_n),
+                                     RelV, relv_stride_r, relv_stride_h, head, vdims, v_dim)
             _, ds = probabilities(s, t, vis, lse, dp, delta, HAS_SOFTCAP)
             dq = dot(ds, k, dq, EMULATE_BF16)
+            if REL_Q:
+                rows_q = rows_of(rel, RelQIdx, relq_lo, relq_n)
+                dqr += rows_weighted_by_cells(ds, rows_q, RelQ, relq_stride_r, relq_stride_h,
+                                              head, dims, head_dim, 1)
+                if NEED_DTABLE:
+                    add_to_rows(DRelQ, relq_stride_r, relq_stride_h, head, rows_q, ds * scale,
+                                qr.to(tl.float32), dims, head_dim, vis, True)
             if NEED_DTABLE:
-                rel = kpos[None, :] - qpos[:, None]
                 if SCHEME == ALIBI:
                     dslope += alibi_slope_grad(ds, rel)
                 if SCHEME == T5:
                     t5_table_grad(ds, rel, vis, dtable, Buckets, max_distance)
 
+    if NEED_DTABLE and Q_BIAS:  # d r_w_bias and d r_r_bias: the two parts of dq, summed
+        bias = DBias + program * 2 * head_dim + dims
+        tl.store(bias, tl.sum(dq, 0) * scale, mask=dims < head_dim)
+        tl.store(bias + head_dim, tl.sum(dqr, 0) * scale, mask=dims < head_dim)
+    dq += dqr
     dq_ptr = DQ + b * dq_stride_b + head * dq_stride_h + rows[:, None] * dq_stride_l
     tl.store(dq_ptr + dims[None, :], rounded(dq * scale, DQ.dtype.element_ty, EMULATE_BF16),
              mask=row_ok[:, None] & (dims < head_dim)[None, :])
@@ -249,21 +303,31 @@ def _rope_back(x, like, tables, plan, block=64):
     return y
 
 
+def _table_buffer(term):
+    """A zeroed float32 buffer of a term's table shape (its gradient), or the term absent: None."""
+    return None if term is None else torch.zeros_like(term.table)
+
+
 def backward(q, k, v, out, lse, dout, dlse, plan, needs):
     """Gradients of the attention. out: the forward's output (float32 for half inputs), lse
     float32 [batch, heads_q, seq_q], dout of out's shape, dlse (the gradient of lse) or None. needs:
-    (dq, dk, dv, dsinks, dtable) flags. Returns (dq, dk, dv, dsinks, dtable), None where not
-    needed; dtable is d slopes [heads_q] (ALiBi) or d relative_attention_bias [buckets,
-    heads_q] (T5), float64."""
+    (dq, dk, dv, dsinks, dtables) flags. Returns (dq, dk, dv, dsinks, dtables), None where not
+    needed; dtables maps each learned table of the scheme to its gradient, float64: ALiBi's
+    slopes [heads_q], T5's relative_attention_bias [buckets, heads_q], Shaw's rel_k and rel_v
+    (in their given layout), XL's r_w_bias, r_r_bias and r_net, DeBERTa's pos_key and pos_query."""
     need_dq, need_dk, need_dv, need_dsinks, need_dtable = needs
     rope = plan.rotary_dim > 0
+    relative = plan.rel_q is not None
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     if dlse is not None:
         delta = delta - dlse.float()
     args = plan.kernel_args()
-    dq = dk = dv = dsinks = dtable = None
+    dq = dk = dv = dsinks = dtables = None
+    d = plan.dummy
+    drel_q, drel_k, drel_v = (_table_buffer(t) if need_dtable else None
+                              for t in (plan.rel_q, plan.rel_k, plan.rel_v))
 
-    if need_dk or need_dv:
+    if need_dk or need_dv or need_dtable and (drel_k is not None or drel_v is not None):
         dk = torch.empty(k.shape, dtype=torch.float32 if rope else k.dtype, device=k.device)
         dv = torch.empty_like(v)
         block_m, block_n, warps = plan.tiles("backward_kv")
@@ -272,33 +336,54 @@ def backward(q, k, v, out, lse, dout, dlse, plan, needs):
         attention_backward_kv_kernel[grid](
             q, k, v, dout, lse, delta, dk, dv, q_tiles, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-            plan.heads_q, plan.heads_kv, **args, BLOCK_M=block_m, BLOCK_N=block_n,
+            plan.heads_q, plan.heads_kv, **args, DRelK=_or(drel_k, d), DRelV=_or(drel_v, d),
+            NEED_DTABLE=need_dtable and relative, BLOCK_M=block_m, BLOCK_N=block_n,
             EMULATE_BF16=EMULATE_BF16, num_warps=warps)
         if rope:
             dk = _rope_back(dk, k, plan.rope_k, plan)
 
+    need_bias = need_dtable and plan.q_bias is not None
     if need_dq or need_dtable:
         dq = torch.empty(q.shape, dtype=torch.float32 if rope else q.dtype, device=q.device)
         block_m, block_n, warps = plan.tiles("backward_q")
         q_blocks = triton.cdiv(plan.seq_q, block_m)
         programs = plan.batch * plan.heads_q * q_blocks
         width = plan.table.shape[0] if plan.scheme == _prepare.T5 else 1
-        partial = torch.zeros((programs, width) if need_dtable else (1,), dtype=torch.float32,
+        need_partial = need_dtable and plan.scheme in (_prepare.ALIBI, _prepare.T5)
+        partial = torch.zeros((programs, width) if need_partial else (1,), dtype=torch.float32,
                               device=q.device)
+        bias = torch.zeros((programs, 2, plan.head_dim) if need_bias else (1,),
+                           dtype=torch.float32, device=q.device)
         k_tiles = plan.tile_info(plan.key_pos, plan.key_docs, plan.key_open, block_n)
         grid = (q_blocks, plan.batch * plan.heads_q)
         attention_backward_q_kernel[grid](
             q, k, v, dout, lse, delta, dq, partial, k_tiles, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], plan.heads_q, width,
-            **args, NEED_DTABLE=need_dtable, BLOCK_M=block_m, BLOCK_N=block_n,
-            EMULATE_BF16=EMULATE_BF16, num_warps=warps)
+            **args, DRelQ=_or(drel_q, d), DBias=bias, NEED_DTABLE=need_dtable,
+            BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_BF16=EMULATE_BF16, num_warps=warps)
         if rope:
             dq = _rope_back(dq, q, plan.rope_q, plan)
-        if need_dtable:
+        if need_partial:
             sums = partial.view(plan.batch, plan.heads_q, q_blocks, width).double().sum((0, 2))
-            dtable = sums[:, 0] if plan.scheme == _prepare.ALIBI else sums.t()
+            dtables = {"slopes": sums[:, 0]} if plan.scheme == _prepare.ALIBI else {
+                "relative_attention_bias": sums.t()}
+
+    if need_dtable and relative:
+        dtables = {}
+        if plan.q_bias is not None:  # Transformer-XL: r = R W_r^T, u and v
+            sums = bias.view(plan.batch, plan.heads_q, -1, 2, plan.head_dim).double().sum((0, 2))
+            dtables["r_w_bias"], dtables["r_r_bias"] = sums[:, 0], sums[:, 1]
+            rows = drel_q.shape[0]
+            dtables["r_net"] = drel_q.double().view(rows, -1).t() @ plan.xl_sinusoid
+        for term, grad in ((plan.rel_q, drel_q), (plan.rel_k, drel_k), (plan.rel_v, drel_v)):
+            if term is not None and term.name is not None:
+                dtables[term.name] = grad.double()
 
     if need_dsinks:
         p_sink = torch.exp(plan.sinks.double()[None, :, None] - lse.double())
         dsinks = -(p_sink * delta.double()).sum((0, 2))
-    return dq, dk, dv, dsinks, dtable
+    return dq, dk, dv, dsinks, dtables
+
+
+def _or(t, default):
+    return default if t is None else t

@@ -4,7 +4,8 @@ One program computes one block of BLOCK_M query rows of one (batch row, query he
 keys in tiles of BLOCK_N with an online softmax (a running maximum m and sum l per row), so no
 [seq_q, seq_k] matrix is formed. For every tile the score is
 
-    s = scale * (q . k) + bias(rel)        rel = pos_k - pos_q; RoPE rotates q and k on load
+    s = scale * (q . k + terms) + bias(rel)   rel = pos_k - pos_q; RoPE rotates q and k on load;
+                                              terms: the relative tables' (_relative.py)
     s = softcap * tanh(s / softcap)        (when softcap is set)
     s = -inf where a mask hides the key    (causal, window, chunk, block masks)
 
@@ -21,6 +22,8 @@ rounded once to its dtype. See ``dot`` for how half-precision operands reach tl.
 
 import triton
 import triton.language as tl
+
+from ._relative import query_term, key_term, rows_of, value_term
 
 # The SCHEME constexpr of the schemes with a bias, as _prepare numbers them (0 none, 1 RoPE).
 ALIBI: tl.constexpr = tl.constexpr(2)
@@ -236,14 +239,25 @@ def t5_bias(rel, head, Table, table_stride_u, table_stride_h, Buckets, max_dista
 
 
 @triton.jit
-def scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table, table_stride_u,
-           table_stride_h, Buckets, max_distance, SCHEME: tl.constexpr,
+def scores(qc, qr, k, qpos, kpos, vis, head, slope, scale, softcap, Table, table_stride_u,
+           table_stride_h, Buckets, max_distance, RelQ, relq_stride_r, relq_stride_h, RelQIdx,
+           relq_lo, relq_n, RelK, relk_stride_r, relk_stride_h, RelKIdx, relk_lo, relk_n, dims,
+           head_dim, SCHEME: tl.constexpr, REL_Q: tl.constexpr, REL_K: tl.constexpr,
            HAS_SOFTCAP: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """The scores of a [rows, keys] tile in the score order: scale * q.k, then the scheme's bias,
-    then the soft-cap, then -inf where vis is False. Returns (s, t) with t = tanh(s / softcap)
-    before the mask (the backward's 1 - t^2), or t = s without a cap."""
-    s = dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), EMULATE_BF16) * scale
+    """The scores of a [rows, keys] tile in the score order: scale * (qc . k + the relative
+    tables' terms), then the scheme's bias, then the soft-cap, then -inf where vis is False.
+    qc: the content query rows (q, or q + r_w_bias for Transformer-XL), qr: those of the query
+    side table term (q, or q + r_r_bias). Returns (s, t) with t = tanh(s / softcap) before the
+    mask (the backward's 1 - t^2), or t = s without a cap."""
+    s = dot(qc, tl.trans(k), tl.zeros((qc.shape[0], k.shape[0]), tl.float32), EMULATE_BF16)
     rel = kpos[None, :] - qpos[:, None]
+    if REL_Q:
+        s += query_term(qr.to(tl.float32), rows_of(rel, RelQIdx, relq_lo, relq_n), RelQ,
+                        relq_stride_r, relq_stride_h, head, dims, head_dim)
+    if REL_K:
+        s += key_term(k.to(tl.float32), rows_of(rel, RelKIdx, relk_lo, relk_n), RelK,
+                      relk_stride_r, relk_stride_h, head, dims, head_dim)
+    s = s * scale
     if SCHEME == ALIBI:
         s += alibi_bias(rel, slope)
     if SCHEME == T5:
@@ -253,6 +267,20 @@ def scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table, table_stri
         t = _tanh(s / softcap)
         s = softcap * t
     return tl.where(vis, s, float("-inf")), t
+
+
+@triton.jit
+def biased_queries(q, QBias, QRelBias, head, dims, head_dim, Q_BIAS: tl.constexpr):
+    """(qc, qr): the query rows of the content score and of the query side table term; with
+    Q_BIAS (Transformer-XL) q + r_w_bias[head] and q + r_r_bias[head] in float32, else q."""
+    qc = q
+    qr = q
+    if Q_BIAS:
+        u = tl.load(QBias + head * head_dim + dims, mask=dims < head_dim, other=0.0)
+        w = tl.load(QRelBias + head * head_dim + dims, mask=dims < head_dim, other=0.0)
+        qc = q.to(tl.float32) + u[None, :]
+        qr = q.to(tl.float32) + w[None, :]
+    return qc, qr
 
 
 @triton.jit
@@ -279,10 +307,14 @@ def attention_forward_kernel(
         Buckets, max_distance, QCos, QSin, KCos, KSin, qcos_stride_b, kcos_stride_b,
         seq_q, seq_k, group, head_dim, v_dim, scale, softcap, window, chunk,
         QDoc, KDoc, QOpen, KOpen, Dense, dense_stride_b,
+        RelQ, relq_stride_r, relq_stride_h, RelQIdx, relq_lo, relq_n,
+        RelK, relk_stride_r, relk_stride_h, RelKIdx, relk_lo, relk_n,
+        RelV, relv_stride_r, relv_stride_h, RelVIdx, relv_lo, relv_n, QBias, QRelBias,
         SCHEME: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
         ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_DOCS: tl.constexpr,
-        HAS_OPEN: tl.constexpr, HAS_DENSE: tl.constexpr, BLOCK_M: tl.constexpr,
+        HAS_OPEN: tl.constexpr, HAS_DENSE: tl.constexpr, REL_Q: tl.constexpr,
+        REL_K: tl.constexpr, REL_V: tl.constexpr, Q_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         EMULATE_BF16: tl.constexpr):
     """out and lse of BLOCK_M query rows of one (batch row, query head); grid
@@ -301,6 +333,7 @@ def attention_forward_kernel(
     q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok, q_stride_l, dims,
                      head_dim, QCos + b * qcos_stride_b, QSin + b * qcos_stride_b,
                      ROTARY, INTERLEAVED, False)
+    qc, qr = biased_queries(q, QBias, QRelBias, head, dims, head_dim, Q_BIAS)
     slope = head_slope(Table, head, table_stride_h, SCHEME)
     k_base = K + b * k_stride_b + kv_head * k_stride_h
     v_base = V + b * v_stride_b + kv_head * v_stride_h
@@ -330,15 +363,21 @@ def attention_forward_kernel(
             vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen, kopen,
                           Dense + b * dense_stride_b, rows, cols, seq_k, CAUSAL, HAS_WINDOW,
                           HAS_CHUNK, HAS_DOCS, HAS_OPEN, HAS_DENSE)
-            s, _ = scores(q, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
-                          table_stride_u, table_stride_h, Buckets, max_distance, SCHEME,
-                          HAS_SOFTCAP, EMULATE_BF16)
+            s, _ = scores(qc, qr, k, qpos, kpos, vis, head, slope, scale, softcap, Table,
+                          table_stride_u, table_stride_h, Buckets, max_distance, RelQ,
+                          relq_stride_r, relq_stride_h, RelQIdx, relq_lo, relq_n, RelK,
+                          relk_stride_r, relk_stride_h, RelKIdx, relk_lo, relk_n, dims, head_dim,
+                          SCHEME, REL_Q, REL_K, HAS_SOFTCAP, EMULATE_BF16)
             m_new = tl.maximum(m, tl.max(s, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
             p = tl.exp(s - m_ref[:, None])
             alpha = tl.exp(m - m_ref)
             l = l * alpha + tl.sum(p, 1)
             acc = dot(p, v, acc * alpha[:, None], EMULATE_BF16)
+            if REL_V:  # Shaw's rel_v: sum_j p_ij rel_v[row(rel_ij)]
+                acc += value_term(p, rows_of(kpos[None, :] - qpos[:, None], RelVIdx, relv_lo,
+                                             relv_n), RelV, relv_stride_r, relv_stride_h, head,
+                                  vdims, v_dim)
             m = m_new
 
     seen = l > 0

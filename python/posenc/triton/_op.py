@@ -6,8 +6,7 @@ Block masks (``query_documents``, ``key_documents``, ``prefix``, ``mask`` and th
 ``global_positions``) and packed sequences (``cu_seqlens_q``, ``cu_seqlens_k``: rank-3 q, k, v,
 out [total_q, heads_q, v_dim] and lse [heads_q, total_q]) reach the kernels as one batch row with
 documents. What the Triton kernels do not compute yet is refused by name, with the CPU backend
-as the way to get it: the schemes shaw, xl and deberta and model configs (``config``,
-``layer``).
+as the way to get it: model configs (``config``, ``layer``).
 """
 
 import torch
@@ -20,9 +19,11 @@ from . import _backward, _forward, _prepare
 _ROPE = ("freqs_inv_freq", "freqs_attention_factor", "freqs_angles", "base", "rotary_dim",
          "style", "scaling", "seq_len", "angles")
 _SCHEME_SETTINGS = {"rope": _ROPE, "alibi": ("max_bias",),
-                    "t5": ("num_buckets", "max_distance", "bidirectional")}
+                    "t5": ("num_buckets", "max_distance", "bidirectional"), "xl": ("base",),
+                    "deberta": ("position_buckets", "max_relative_positions", "deberta_p2c",
+                                "deberta_float64_log")}
 # Tables by scheme (sinks: every scheme).
-_TABLES = {"alibi": ("slopes",), "t5": ("relative_attention_bias",)}
+_TABLES = _prepare.SCHEME_TABLES
 # Arguments with no meaning for these kernels (threads of the CPU kernels).
 _IGNORED = ("num_threads", "backend")
 
@@ -80,7 +81,7 @@ def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, se
         if settings.get(name) is not None:
             raise _unsupported(f"'{name}'")
     scheme = settings.get("scheme") or "none"
-    if scheme not in ("none", "rope", "alibi", "t5"):
+    if scheme not in _prepare.SCHEMES:
         raise _unsupported(f"scheme '{scheme}'")
     named = dict(zip(table_names, tables))
     for name in named:
@@ -97,17 +98,10 @@ def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, se
         "query_positions_offset")
     kpos = key_positions if key_positions is not None else settings.get("key_positions_offset")
     given = {}
-    if scheme == "alibi":
-        if "slopes" in named:
-            given["slopes"] = named["slopes"]
-        if settings.get("max_bias") is not None:
-            given["max_bias"] = settings["max_bias"]
-    elif scheme == "t5":
-        if "relative_attention_bias" in named:
-            given["relative_attention_bias"] = named["relative_attention_bias"]
-        for name in _SCHEME_SETTINGS["t5"]:
-            if settings.get(name) is not None:
-                given[name] = settings[name]
+    if scheme != "rope":
+        given = {n: t for n, t in named.items() if n != "sinks"}
+        given.update((n, settings[n]) for n in _SCHEME_SETTINGS.get(scheme, ())
+                     if settings.get(n) is not None)
     p = _prepare.prepare(q, k, v, scheme, causal=settings.get("causal", False),
                          scale=settings.get("scale"), window=settings.get("window"),
                          chunk=settings.get("chunk"), softcap=settings.get("softcap"),
@@ -154,13 +148,14 @@ def backward(q, k, v, out, lse, dout, tables, table_names, query_positions, key_
                     settings)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    want_table = any(n in named for n in ("slopes", "relative_attention_bias"))
-    dq, dk, dv, dsinks, dtable = _backward.backward(
+    want_table = any(n != "sinks" for n in named)
+    dq, dk, dv, dsinks, dtables = _backward.backward(
         q, k, v, out, lse, dout, None, p, (True, True, True, "sinks" in named, want_table))
-    grads = {"sinks": dsinks, "slopes": dtable, "relative_attention_bias": dtable}
+    grads = dict(dtables or {}, sinks=dsinks)
     if packed:
         dq, dk, dv = dq[0], dk[0], dv[0]
-    return [dq, dk, dv] + [grads[n].to(named[n].dtype) for n in table_names]
+    return [dq, dk, dv] + [grads[n].reshape(named[n].shape).to(named[n].dtype)
+                           for n in table_names]
 
 
 def _row_keys(pages, table, lens, page_size, layout):

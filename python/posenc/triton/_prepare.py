@@ -18,19 +18,26 @@ import torch
 
 import posenc
 
-NONE, ROPE, ALIBI, T5 = 0, 1, 2, 3
-SCHEMES = {"none": NONE, "rope": ROPE, "alibi": ALIBI, "t5": T5}
+from . import _relative
+
+NONE, ROPE, ALIBI, T5, SHAW, XL, DEBERTA = 0, 1, 2, 3, 4, 5, 6
+SCHEMES = {"none": NONE, "rope": ROPE, "alibi": ALIBI, "t5": T5, "shaw": SHAW, "xl": XL,
+           "deberta": DEBERTA}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_POSITION = 1 << 48  # posenc's largest position id
 
 # (BLOCK_M, BLOCK_N, num_warps) of each kernel, by the kind of tiles its dots take: "half"
 # (float16 / bfloat16 inputs) or "float32" (float32 inputs, and RoPE's rotated tiles). Chosen
 # from ptxas's register reports for sm_90 at head_dim 128: the half kernels without RoPE compile
-# with no or few spills, the float32 backward kernels still spill. Not yet timed on a GPU.
+# with no or few spills, the float32 backward kernels still spill. Not yet timed on a GPU. The
+# relative-table schemes (Shaw, XL, DeBERTa) gather a [BLOCK_M, BLOCK_N, head_dim] block of
+# table rows per tile: "relative" keeps those blocks small.
 TILES = {
     ("forward", "half"): (64, 64, 8), ("forward", "float32"): (32, 32, 4),
     ("backward_kv", "half"): (32, 64, 8), ("backward_kv", "float32"): (32, 32, 4),
     ("backward_q", "half"): (64, 32, 8), ("backward_q", "float32"): (32, 32, 4),
+    ("forward", "relative"): (16, 16, 4), ("backward_kv", "relative"): (16, 16, 4),
+    ("backward_q", "relative"): (16, 16, 4),
 }
 
 # The keywords that belong to one scheme; any other scheme refuses them (TypeError).
@@ -38,6 +45,15 @@ SCHEME_KEYWORDS = {
     "rope": ("rope", "rope_style"),
     "alibi": ("slopes", "max_bias"),
     "t5": ("relative_attention_bias", "num_buckets", "max_distance", "bidirectional"),
+    "shaw": ("rel_k", "rel_v"),
+    "xl": ("r_w_bias", "r_r_bias", "r_net", "base"),
+    "deberta": ("pos_key", "pos_query", "position_buckets", "max_relative_positions",
+                "deberta_p2c", "deberta_float64_log"),
+}
+# The learned tables of each scheme: the tensors that may get a gradient.
+SCHEME_TABLES = {
+    "alibi": ("slopes",), "t5": ("relative_attention_bias",), "shaw": ("rel_k", "rel_v"),
+    "xl": ("r_w_bias", "r_r_bias", "r_net"), "deberta": ("pos_key", "pos_query"),
 }
 
 
@@ -73,6 +89,11 @@ class Plan:
     query_open: torch.Tensor = None  # int32 [batch, seq_q]: 1 for global queries
     key_open: torch.Tensor = None    # int32 [batch, seq_k]: 1 for global and prefix keys
     dense: torch.Tensor = None       # uint8 [batch or 1, seq_q, seq_k]: nonzero may attend
+    rel_q: _relative.Term = None     # the query side table term (Shaw rel_k, XL r, DeBERTa c2p)
+    rel_k: _relative.Term = None     # the key side table term (DeBERTa p2c)
+    rel_v: _relative.Term = None     # the value table term (Shaw rel_v)
+    q_bias: tuple = None             # XL: (r_w_bias, r_r_bias) float32 [heads_q, head_dim]
+    xl_sinusoid: torch.Tensor = None  # XL: R(delta) float64 [rows of rel_q, d_model]
     dtype: torch.dtype = torch.float32
     blocks: tuple = None            # the caller's (block_m, block_n), or None: TILES
     dummy: torch.Tensor = field(default=None, repr=False)  # stands for absent tensors
@@ -85,6 +106,8 @@ class Plan:
     def tiles(self, kernel):
         """(BLOCK_M, BLOCK_N, num_warps) of a kernel ('forward', 'backward_kv', 'backward_q')."""
         kind = "float32" if self.dtype == torch.float32 or self.rotary_dim else "half"
+        if self.rel_q is not None:
+            kind = "relative"
         block_m, block_n, warps = TILES[kernel, kind]
         if self.blocks is not None:
             block_m, block_n = self.blocks
@@ -137,7 +160,21 @@ class Plan:
             Dense=_or(self.dense, d), dense_stride_b=_row_stride(_or(self.dense, d)),
             HAS_DOCS=self.query_docs is not None, HAS_OPEN=self.key_open is not None,
             HAS_DENSE=self.dense is not None,
+            **self.relative_args(),
         )
+
+    def relative_args(self):
+        """The relative-table terms' kernel arguments (absent terms point at the dummy)."""
+        d = self.dummy
+        args = {}
+        for prefix, term in (("RelQ", self.rel_q), ("RelK", self.rel_k), ("RelV", self.rel_v)):
+            args.update(term.args(prefix, d) if term is not None else
+                        _relative.absent_args(prefix, d))
+        u, w = self.q_bias or (d, d)
+        args.update(QBias=u, QRelBias=w, REL_Q=self.rel_q is not None,
+                    REL_K=self.rel_k is not None, REL_V=self.rel_v is not None,
+                    Q_BIAS=self.q_bias is not None)
+        return args
 
 
 def _or(t, default):
@@ -285,9 +322,10 @@ def prepare(q, k, v, scheme, *, causal, scale, window, chunk, softcap, sinks, qu
     device = q.device
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
+    default_scale = 1.0 / math.sqrt(3 * d if scheme == "deberta" else d)
     plan = Plan(scheme=SCHEMES[scheme], batch=b, seq_q=lq, seq_k=lk, heads_q=hq, heads_kv=hkv,
                 head_dim=d, v_dim=v.shape[3],
-                scale=1.0 / math.sqrt(d) if scale is None else _number(scale, "scale"),
+                scale=default_scale if scale is None else _number(scale, "scale"),
                 causal=bool(causal), dtype=q.dtype,
                 dummy=torch.zeros(1, dtype=torch.float32, device=device))
     if block_m is not None or block_n is not None:
@@ -314,6 +352,12 @@ def prepare(q, k, v, scheme, *, causal, scale, window, chunk, softcap, sinks, qu
         _prepare_alibi(plan, settings, device)
     elif plan.scheme == T5:
         _prepare_t5(plan, settings, device)
+    elif plan.scheme == SHAW:
+        _relative.prepare_shaw(plan, settings, device)
+    elif plan.scheme == XL:
+        _relative.prepare_xl(plan, settings, device)
+    elif plan.scheme == DEBERTA:
+        _relative.prepare_deberta(plan, settings, device)
     return plan
 
 
