@@ -168,13 +168,14 @@ _KEYWORDS = {
     "add_sinusoidal": (_POSITIONS,) + _SINUSOIDAL,
     "sinusoidal_encode": _SINUSOIDAL,
 }
-_KEYWORDS["attention_half"] = _KEYWORDS["attention"]
 # Which kernels compute attention and its gradient: "auto" (posenc's CPU kernels on CPU tensors,
 # the Triton kernels of posenc.triton on CUDA tensors), "cpu" or "triton" (on CPU tensors: through
 # Triton's interpreter, TRITON_INTERPRET=1).
 _BACKEND = _Keyword("backend", "choice", "auto")
 _BACKENDS = ("auto", "cpu", "triton")
 _KEYWORDS["attention"] = _KEYWORDS["attention_backward"] = _KEYWORDS["attention"] + (_BACKEND,)
+# attention_half: the CPU half kernels, or the Triton kernels on q, k, v of one half dtype.
+_KEYWORDS["attention_half"] = _KEYWORDS["attention"]
 _KEYWORDS["rope_half"] = _KEYWORDS["rope"]
 _KEYWORDS["learned_backward"] = _KEYWORDS["add_learned"]
 
@@ -572,14 +573,31 @@ def _attention_grad(ctx, dout, _dlse):
 attention.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 
+def _triton_half_dtypes(q, k, v):
+    """TypeError unless q, k and v share one half dtype: the Triton kernels take one dtype (a
+    float32 q with half k and v is the CPU's mixed kernel; nothing is cast silently)."""
+    _half_dtypes("attention_half", q, k, v)
+    if q.dtype != k.dtype:
+        raise TypeError(f"attention_half: the Triton kernels take q, k and v of one dtype (got q "
+                        f"{q.dtype} with {k.dtype} k and v); give q in {k.dtype} (the mixed "
+                        f"float32-q kernel is the CPU backend's)")
+
+
 def attention_half_impl(q, k, v, tables, table_names, query_positions=None, key_positions=None,
                         cu_seqlens_q=None, cu_seqlens_k=None, query_documents=None,
                         key_documents=None, prefix=None, mask=None, **settings):
     """The native half-precision forward: k, v bf16 or f16, q of their dtype (out of that dtype)
-    or float32 (the mixed kernel, float32 out). No gradient."""
-    kw, params = _attention_kwargs(
-        "attention_half", tables, table_names, query_positions, key_positions,
-        (cu_seqlens_q, cu_seqlens_k, query_documents, key_documents, prefix, mask), settings)
+    or float32 (the mixed kernel, float32 out). No gradient. With the Triton backend (CUDA
+    tensors, or backend='triton'): posenc.triton's kernels on q, k, v of one half dtype, their
+    float32 out rounded once to it."""
+    masks = (cu_seqlens_q, cu_seqlens_k, query_documents, key_documents, prefix, mask)
+    if uses_triton(q, settings.get("backend", "auto")):
+        _triton_half_dtypes(q, k, v)
+        out, _ = _triton_op().forward(q, k, v, list(tables), list(table_names), query_positions,
+                                      key_positions, _mask_dict(masks), settings)
+        return out.to(q.dtype)
+    kw, params = _attention_kwargs("attention_half", tables, table_names, query_positions,
+                                   key_positions, masks, settings)
     _half_dtypes("attention_half", q, k, v)
     half_q = q.dtype in _HALF
     out = _posenc._attention_half(_bits(q, "q") if half_q else _np(q, "q"), _bits(k, "k"),
@@ -593,6 +611,10 @@ attention_half = _define("attention_half", attention_half_impl,
 
 @attention_half.register_fake
 def _(q, k, v, *args, **settings):
+    # Out of q's half dtype, or float32 for a float32 q (the CPU's mixed kernel; the Triton
+    # backend refuses it).
+    if uses_triton(q, settings.get("backend", "auto")):
+        _triton_half_dtypes(q, k, v)
     return q.new_empty(_out_shape(q, v), dtype=q.dtype if q.dtype in _HALF else torch.float32)
 
 
@@ -652,16 +674,17 @@ def _pool(t, what):
 def rope_append_impl(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions=None,
                      **settings):
     """posenc.rope_append: the new keys rotated and written (with the values) into the pages, in
-    place."""
-    kw = _with_positions(_binding_kwargs("rope_append", settings), "positions", positions)
+    place. CUDA tensors: posenc._device's form, the same slots and bits written on the device
+    (block_table, seq_lens and positions may be CPU or CUDA tensors)."""
+    kw = _binding_kwargs("rope_append", settings)
+    if positions is not None and "positions" in kw:
+        raise ValueError("positions, positions_offset: give the ids or the offset, not both")
+    _device.append_dtypes(k_new, v_new, k_pages, v_pages)
+    if any(device_path(t) for t in (k_new, v_new, k_pages, v_pages)):
+        _device.rope_append(k_new, v_new, k_pages, v_pages, block_table, seq_lens, positions, kw)
+        return
+    _with_positions(kw, "positions", positions)
     half = k_pages.dtype in _HALF
-    if v_pages is not None and v_pages.dtype != k_pages.dtype:
-        raise TypeError(f"rope_append: k_pages and v_pages must share one dtype (got "
-                        f"{k_pages.dtype} and {v_pages.dtype})")
-    for t, what in ((k_new, "k_new"), (v_new, "v_new")):
-        if t is not None and t.dtype not in (torch.float32, k_pages.dtype):
-            raise TypeError(f"rope_append: {what} must be torch.float32 or the pages' dtype "
-                            f"{k_pages.dtype} (got {t.dtype})")
 
     def new(t, what):
         if t is None:

@@ -506,6 +506,59 @@ forward runs first. Parameter gradients have the shape the parameter was given i
 
 }  // namespace
 
+namespace {
+
+pb::object optional_value(const std::optional<int64_t>& x) {
+  return x ? pb::object(pb::int_(*x)) : pb::object(pb::none());
+}
+pb::object optional_value(const std::optional<double>& x) {
+  return x ? pb::object(pb::float_(*x)) : pb::object(pb::none());
+}
+
+// What an attention call resolves to, for a backend that computes it outside posenc's kernels:
+// the scheme (a model config's, checked against the inputs), the options with a config layer's
+// scale, window, chunk, soft-cap and query temperature filled in, and the scheme's settings
+// (RoPE's frequencies, style and offset; ALiBi's computed slopes; T5's max_distance and
+// bidirectional; DeBERTa's buckets; XL's base).
+pb::dict resolved(const Call& c) {
+  pb::dict d;
+  d["scheme"] = c.built.name;
+  d["causal"] = c.opt.causal;
+  d["scale"] = optional_value(c.opt.scale);
+  d["window"] = optional_value(c.opt.window);
+  d["chunk"] = optional_value(c.opt.chunk);
+  d["softcap"] = optional_value(c.opt.softcap);
+  d["query_temperature"] = c.opt.query_temperature
+                               ? pb::object(pb::make_tuple(c.opt.query_temperature->floor_scale,
+                                                           c.opt.query_temperature->attn_scale))
+                               : pb::object(pb::none());
+  pb::dict settings;
+  if (const auto* r = std::get_if<Rope>(&c.built.scheme)) {
+    settings["inv_freq"] = r->freqs.inv_freq;
+    settings["attention_factor"] = r->freqs.attention_factor;
+    settings["angles"] = r->freqs.angles == RopeAngles::kFloat32 ? "float32" : "accurate";
+    settings["style"] = r->style == RopeStyle::kInterleaved ? "interleaved" : "half";
+    settings["offset"] = r->offset;
+  } else if (const auto* a = std::get_if<Alibi>(&c.built.scheme)) {
+    settings["slopes"] = a->slopes;
+    settings["max_bias"] = a->max_bias;
+  } else if (const auto* t = std::get_if<T5Bias>(&c.built.scheme)) {
+    settings["max_distance"] = t->max_distance;
+    settings["bidirectional"] = t->bidirectional.value_or(!c.opt.causal);
+  } else if (const auto* x = std::get_if<TransformerXL>(&c.built.scheme)) {
+    settings["base"] = x->base;
+  } else if (const auto* db = std::get_if<DeBERTa>(&c.built.scheme)) {
+    settings["position_buckets"] = db->buckets.position_buckets;
+    settings["max_relative_positions"] = db->buckets.max_relative_positions;
+    settings["deberta_float64_log"] = db->buckets.float64_log;
+    settings["deberta_p2c"] = db->buckets.p2c == DebertaP2c::kModel ? "model" : "paper";
+  }
+  d["settings"] = settings;
+  return d;
+}
+
+}  // namespace
+
 void bind_attention(pb::module_& m, pb::module_& ref) {
   m.def(
       "schemes",
@@ -551,6 +604,17 @@ void bind_attention(pb::module_& m, pb::module_& ref) {
       "model config fixes it, help), relative and bias_map. posenc.SCHEMES holds the names.");
   const std::set<std::string> fwd_extra = {"out", "return_lse"};
   const std::set<std::string> grad_extra = {"out", "lse"};
+  m.def(
+      "_resolve_attention",
+      [](const pb::object& q, const pb::object& k, const pb::object& v, const pb::object& scheme,
+         const pb::kwargs& kw) {
+        return resolved(parse("attention", q, k, v, scheme, kw, Inputs::kAuto, {}));
+      },
+      arg("q"), arg("k"), arg("v"), arg("scheme") = pb::none(),
+      "_resolve_attention(q, k, v, scheme=None, **attention keywords) -> dict: what the call "
+      "resolves to (scheme, causal, scale, window, chunk, softcap, query_temperature, and the "
+      "scheme's settings), with posenc.attention's checks and errors; nothing is computed. q, k, "
+      "v and the params' arrays are read for their shapes only (zero-stride views serve).");
   m.def(
       "attention",
       [fwd_extra](const pb::object& q, const pb::object& k, const pb::object& v,

@@ -1,8 +1,10 @@
 """posenc.torch on CUDA tensors against the same calls on CPU tensors: every op with a CUDA form
-(attention through the Triton kernels, RoPE and the absolute encodings through posenc._device),
-forward and backward, eager and under torch.compile(fullgraph=True) and torch.export. Skipped
-without a CUDA device (scripts/gpu_check.sh runs it on a GPU machine)."""
+(attention and attention_half through the Triton kernels, RoPE, the absolute encodings and the
+paged cache's rope_append through posenc._device), forward and backward, eager and under
+torch.compile(fullgraph=True) and torch.export. Skipped without a CUDA device
+(scripts/gpu_check.sh runs it on a GPU machine)."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -11,6 +13,7 @@ if not torch.cuda.is_available():
 
 import posenc  # noqa: E402
 import posenc.torch as pt  # noqa: E402
+from posenc import _ops  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -136,10 +139,131 @@ def test_positional_attention_compiles_and_exports_on_cuda():
 
 def test_what_the_triton_kernels_lack_is_refused_on_cuda():
     q = torch.randn(1, 8, 2, 16, device=CUDA)
-    config = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2,
-              "num_key_value_heads": 2, "rope_theta": 1e4, "max_position_embeddings": 64}
-    with pytest.raises(ValueError, match="backend='triton'"):
-        pt.attention(q, q, q, config=config)
+    config = {"model_type": "llama4_text", "hidden_size": 32, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 5e5,
+              "max_position_embeddings": 64, "num_hidden_layers": 4,
+              "no_rope_layers": [1, 1, 1, 0], "attn_temperature_tuning": True,
+              "floor_scale": 8192, "attn_scale": 0.1}
+    with pytest.raises(ValueError, match="backend='triton'.*query temperature"):
+        pt.attention(q, q, q, config=config, layer=3)
     with pytest.raises(ValueError, match="CPU only"):
         pt.attention(q, q, q, backend="cpu")
     assert posenc.attention is not None
+
+
+# ---- rope_append and attention_half ------------------------------------------------------------
+
+def _pages(layout, dtype, seed=14, dim=64):
+    """Random pages of 4 slots (12 of them), a table whose rows share page 3 (read only) and have
+    unused entries -1, and lengths that count 5 new tokens per row (row 0's cross a page)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (12, 4, 2, dim) if layout == "token_major" else (12, 2, 4, dim)
+    k_pages, v_pages = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    table = torch.tensor([[3, 0, 7, -1], [3, 9, 10, -1], [11, 2, 5, 8]], dtype=torch.int32)
+    return k_pages, v_pages, table, torch.tensor([11, 9, 14], dtype=torch.int32)
+
+
+def _bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_append_on_cuda_equals_the_cpu_kernel(layout, dtype):
+    k_pages, v_pages, table, lens = _pages(layout, dtype)
+    g = torch.Generator().manual_seed(15)
+    k_new, v_new = torch.randn(3, 5, 2, 64, generator=g), torch.randn(3, 5, 2, 64, generator=g)
+    ids = torch.randint(0, 1 << 20, (3, 5), generator=g)
+    cases = [({"base": 5e5}, None), ({"style": "interleaved", "rotary_dim": 32}, ids),
+             ({"rotary_dim": 16, "offset": 48}, ids[0]),
+             ({"scaling": {"rope_type": "dynamic", "factor": 2.0,
+                           "original_max_position_embeddings": 4}}, None),
+             ({"positions": 7}, None)]
+    for kw, positions in cases:
+        settings = _ops.typed("rope_append", dict(kw, layout=layout), "rope_append")
+        for new in sorted({torch.float32, dtype}, key=str):
+            kn, vn = k_new.to(new), v_new.to(new)
+            cpu = [k_pages.clone(), v_pages.clone()]
+            gpu = [k_pages.to(CUDA), v_pages.to(CUDA)]
+            torch.ops.posenc.rope_append(kn, vn, *cpu, table, lens, positions, **settings)
+            # The tables may stay on the CPU or move to the device.
+            torch.ops.posenc.rope_append(kn.to(CUDA), vn.to(CUDA), *gpu, table.to(CUDA), lens,
+                                         None if positions is None else positions.to(CUDA),
+                                         **settings)
+            for a, b in zip(cpu, gpu):
+                assert b.device.type == "cuda" and torch.equal(_bits(a), _bits(b.cpu())), kw
+            assert not torch.equal(cpu[0], k_pages)
+
+
+def test_rope_append_on_cuda_rounds_and_refuses_as_the_cpu_kernel():
+    # The float64 rotation rounded to float32, then to bf16 / f16: a key just above a tie in
+    # float64 that float32 rounds onto the tie ends on the even neighbour, as on the CPU.
+    freqs = posenc.RopeFrequencies([1.0, 0.01], attention_factor=1 + 2.0 ** -30)
+    settings = _ops.typed("rope_append", {"freqs": freqs}, "rope_append")
+    for dtype, x in ((torch.bfloat16, 1 + 2.0 ** -8), (torch.float16, 1 + 2.0 ** -11)):
+        k_new = torch.full((1, 1, 1, 4), x)
+        pages = [torch.zeros(1, 2, 1, 4, dtype=dtype), torch.zeros(1, 2, 1, 4, dtype=dtype,
+                                                                   device=CUDA)]
+        for kn, kp in ((k_new, pages[0]), (k_new.to(CUDA), pages[1])):
+            torch.ops.posenc.rope_append(kn, None, kp, None, torch.tensor([[0]]),
+                                         torch.tensor([1]), torch.tensor([0]), **settings)
+        assert torch.equal(pages[0], pages[1].cpu()) and pages[0][0, 0, 0, 0].item() == 1.0
+    # A refused call writes nothing: a page index in use outside the pool, seq_lens beyond the
+    # row's pages, keys on another device.
+    k_pages, v_pages, table, lens = _pages("token_major", torch.bfloat16)
+    kp, vp = k_pages.to(CUDA), v_pages.to(CUDA)
+    kn = torch.randn(3, 5, 2, 64, device=CUDA)
+    bad = table.clone()
+    bad[2, 3] = 12
+    with pytest.raises(posenc.InvalidValueError, match=r"block_table\[2\]\[3\] = 12 is outside"):
+        torch.ops.posenc.rope_append(kn, kn, kp, vp, bad.to(CUDA), lens.to(CUDA))
+    with pytest.raises(posenc.InvalidValueError, match=r"seq_lens\[1\] = 17 exceeds"):
+        torch.ops.posenc.rope_append(kn, kn, kp, vp, table, torch.tensor([11, 17, 14]))
+    with pytest.raises(ValueError, match="k_new is on device 'cpu'"):
+        torch.ops.posenc.rope_append(kn.cpu(), None, kp, None, table, lens)
+    assert torch.equal(kp.cpu(), k_pages) and torch.equal(vp.cpu(), v_pages)
+
+
+def _ulp(ref, dtype):
+    _, e = np.frexp(np.abs(ref))
+    if dtype == torch.float16:
+        return np.exp2(np.maximum(e - 11, -24).astype(np.float64))
+    return np.exp2((e - 8).astype(np.float64))
+
+
+@pytest.mark.parametrize("scheme,kw", [("none", {}), ("rope", {"base": 5e5}),
+                                       ("rope", {"rotary_dim": 32, "style": "interleaved"}),
+                                       ("alibi", {})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_half_on_cuda_against_the_cpu_kernel(scheme, kw, dtype):
+    g = torch.Generator().manual_seed(16)
+    q = torch.randn(2, 300, 8, 64, generator=g).to(dtype)
+    k = torch.randn(2, 300, 2, 64, generator=g).to(dtype)
+    v = torch.randn(2, 300, 2, 64, generator=g).to(dtype)
+    settings = _ops.typed("attention_half", dict(kw, scheme=scheme, causal=True),
+                          "attention_half")
+    want = torch.ops.posenc.attention_half(q, k, v, [], [], **settings)
+    got = torch.ops.posenc.attention_half(q.to(CUDA), k.to(CUDA), v.to(CUDA), [], [],
+                                          **settings)
+    assert got.device.type == "cuda" and got.dtype == want.dtype == dtype
+    ref = pt.attention(q.double(), k.double(), v.double(), scheme, causal=True, **kw).numpy()
+    got = got.cpu().double().numpy()
+    # posenc's half-precision rule (test_triton.py): half an ulp plus 2e-5 (1 + |value|) of the
+    # float64 reference; the CPU kernel's result, rounded too, within one more half ulp.
+    tol = 2e-5 * (1 + np.abs(ref)) + 0.5 * _ulp(ref, dtype)
+    assert np.all(np.abs(got - ref) <= tol)
+    assert np.all(np.abs(got - want.double().numpy()) <= tol + 0.5 * _ulp(ref, dtype))
+    args = (q.to(CUDA), k.to(CUDA), v.to(CUDA))
+    compiled = torch.compile(lambda *t: torch.ops.posenc.attention_half(*t, [], [], **settings),
+                             fullgraph=True)
+    assert torch.equal(compiled(*args), torch.ops.posenc.attention_half(*args, [], [],
+                                                                        **settings))
+
+
+def test_attention_half_on_cuda_takes_one_dtype():
+    q = torch.randn(1, 8, 2, 16, device=CUDA)
+    k = torch.randn(1, 8, 2, 16, device=CUDA, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="the Triton kernels take q, k and v of one dtype"):
+        torch.ops.posenc.attention_half(q, k, k, [], [])
+    with pytest.raises(ValueError, match="CPU only"):
+        torch.ops.posenc.attention_half(q.bfloat16(), k, k, [], [], backend="cpu")

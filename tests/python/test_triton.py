@@ -15,6 +15,7 @@ and bfloat16.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -549,6 +550,39 @@ def test_fully_masked_row_is_an_error():
                      key_positions=np.arange(5) + 1)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's, on the interpreter's NaN
+def test_non_finite_inputs_are_named_as_posenc_names_them():
+    """A NaN or an infinity in q, k or v (packed sequences and the ops too) raises posenc's
+    InvalidValueError naming the tensor and the element, as posenc.attention does; with
+    allow_fully_masked there is no check and it propagates."""
+    import posenc.torch as ptorch
+    rng = np.random.default_rng(50)
+    base = {n: torch.tensor(rng.standard_normal(s), dtype=F32) for n, s in
+            (("q", (2, 5, 4, 16)), ("k", (2, 7, 2, 16)), ("v", (2, 7, 2, 16)))}
+    for name, at, value in (("q", (1, 3, 2, 5), float("nan")), ("k", (0, 6, 1, 0), float("inf")),
+                            ("v", (1, 2, 0, 15), float("-inf"))):
+        t = dict(base)
+        t[name] = t[name].clone()
+        t[name][at] = value
+        want = f"attention: {name}: non-finite value {value} at {list(at)}"
+        cpu = f"{name}: non-finite value {value} at {list(at)}"
+        with pytest.raises(posenc.InvalidValueError, match=re.escape(want)):
+            pt.attention(t["q"], t["k"], t["v"], "alibi", causal=True)
+        with pytest.raises(posenc.InvalidValueError, match=re.escape(cpu)):
+            ptorch.attention(t["q"], t["k"], t["v"], "alibi", causal=True, backend="cpu")
+        with pytest.raises(posenc.InvalidValueError, match=re.escape(cpu)):
+            ptorch.attention(t["q"], t["k"], t["v"], "alibi", causal=True, backend="triton")
+        out = pt.attention(t["q"], t["k"], t["v"], "alibi", causal=True,
+                           allow_fully_masked=True)
+        assert not bool(torch.isfinite(out).all())
+    packed = base["v"][0].clone()
+    packed[4, 1, 2] = float("nan")
+    with pytest.raises(posenc.InvalidValueError, match=re.escape("v: non-finite value nan at "
+                                                                 "[4, 1, 2]")):
+        pt.attention(base["q"][0], base["k"][0], packed, cu_seqlens_q=torch.tensor([0, 2, 5]),
+                     cu_seqlens_k=torch.tensor([0, 3, 7]))
+
+
 def test_argument_errors():
     q = torch.zeros(1, 3, 4, 16)
     k = torch.zeros(1, 5, 3, 16)
@@ -588,7 +622,7 @@ from posenc.triton import _backward, _forward
 
 INTS = {"QPos": "*i64", "KPos": "*i64", "QTiles": "*i64", "KTiles": "*i64", "Buckets": "*i32",
         "QDoc": "*i32", "KDoc": "*i32", "QOpen": "*i32", "KOpen": "*i32", "Dense": "*u8",
-        "RelQIdx": "*i32", "RelKIdx": "*i32", "RelVIdx": "*i32"}
+        "RelQIdx": "*i32", "RelKIdx": "*i32", "RelVIdx": "*i32", "NonFinite": "*i32"}
 
 def compile(kernel, dtype, constexprs, rotated=()):
     signature = {}
@@ -751,13 +785,89 @@ def test_backend_triton_positional_attention_and_opcheck():
                           {"scheme": "alibi", "causal": True, "backend": "triton"})
 
 
+def _config_path(name):
+    return os.path.join(os.environ.get("POSENC_TEST_CONFIGS_DIR", os.path.join(
+        os.path.dirname(__file__), "..", "configs")), name)
+
+
+# (config file, layer, heads_q, heads_kv, head_dim, tables, other keywords)
+_CONFIG_CASES = [
+    ("llama-3.1-8b.json", None, 32, 8, 128, (), {"causal": True}),
+    ("gemma-2-2b.json", 0, 8, 4, 256, (), {"causal": True, "query_positions": 4100,
+                                            "key_positions": 4090}),
+    ("gpt-j-6b.json", None, 16, 16, 256, (), {"causal": True}),
+    ("llama-2-7b-dynamic-2x.json", None, 32, 32, 128, (), {"causal": True,
+                                                           "query_positions": 9000}),
+    ("qwen2.5-7b-yarn.json", None, 28, 4, 128, (), {"causal": True, "window": 3}),
+    ("bloom-560m.json", None, 16, 16, 64, (), {"causal": True}),
+    ("t5-base.json", None, 12, 12, 64, ("relative_attention_bias",), {}),
+    ("deberta-v3-base.json", None, 12, 12, 64, ("pos_key", "pos_query"), {}),
+    ("gpt-oss-20b.json", 0, 64, 8, 64, ("sinks",), {"causal": True}),
+]
+
+
+@pytest.mark.parametrize("case", _CONFIG_CASES, ids=[c[0] for c in _CONFIG_CASES])
+def test_backend_triton_model_configs(case):
+    """A model config (and a layer) through backend='triton' against backend='cpu' in float64:
+    the scheme, frequencies (llama3, dynamic NTK past the context, YaRN's attention factor,
+    GPT-J's interleaved partial rotary), the layer's window, soft-cap and scale (Gemma 2), the
+    computed ALiBi slopes (BLOOM), T5's scale and buckets, DeBERTa's log buckets and default
+    scale, gpt-oss' sinks, forward and every gradient."""
+    import posenc.torch as ptorch
+    name, layer, hq, hkv, dim, tables, kw = case
+    lq, lk = 5, 7
+    rng = np.random.default_rng(len(name))
+    shapes = {"q": (1, lq, hq, dim), "k": (1, lk, hkv, dim), "v": (1, lk, hkv, dim),
+              "relative_attention_bias": (32, hq), "pos_key": (512, hq, dim),
+              "pos_query": (512, hq, dim), "sinks": (hq,)}
+    data = {n: rng.standard_normal(shapes[n]) * (0.3 if n not in "qkv" else 1.0)
+            for n in ("q", "k", "v", *tables)}
+    results = []
+    for backend, dtype in (("triton", F32), ("cpu", F64)):
+        ts = {n: torch.tensor(a, dtype=dtype, requires_grad=True) for n, a in data.items()}
+        out = ptorch.attention(ts["q"], ts["k"], ts["v"], config=_config_path(name), layer=layer,
+                               params={n: ts[n] for n in tables} or None, backend=backend, **kw)
+        out.backward(torch.ones_like(out))
+        results.append((out, {n: t.grad for n, t in ts.items()}))
+    (out, grads), (ref, ref_grads) = results
+    _check(f"{name} out", out, ref.detach().numpy(), F32, half_rounded=False)
+    for n in grads:
+        _check(f"{name} d{n}", grads[n], ref_grads[n].numpy(), F32, half_rounded=False)
+
+
+def test_backend_triton_config_refusals():
+    """What the kernels lack in a config is refused by name; the config's own errors are posenc's
+    (a Gemma 2 config without a layer; base with a config)."""
+    import posenc.torch as ptorch
+    q = torch.randn(1, 3, 40, 128)
+    k = torch.randn(1, 3, 8, 128)
+    with pytest.raises(ValueError, match="backend='triton'.*query temperature"):
+        ptorch.attention(q, k, k, config=_config_path("llama-4-scout-17b-16e-instruct.json"),
+                         layer=3, causal=True, backend="triton")
+    q = torch.randn(1, 3, 8, 256)
+    k = torch.randn(1, 3, 4, 256)
+    with pytest.raises(ValueError, match="differ in position handling.*choose a layer"):
+        ptorch.attention(q, k, k, config=_config_path("gemma-2-2b.json"), backend="triton")
+    with pytest.raises(ValueError, match="base"):
+        ptorch.attention(q, k, k, config=_config_path("gemma-2-2b.json"), layer=1, base=500.0,
+                         backend="triton")
+    with pytest.raises(ValueError, match="head_dim"):
+        ptorch.attention(q[..., :64], k[..., :64], k[..., :64],
+                         config=_config_path("gemma-2-2b.json"), layer=1, backend="triton")
+
+
 def test_backend_triton_refuses_what_its_kernels_lack():
     import posenc.torch as ptorch
     q = torch.randn(1, 4, 2, 8)
     config = {"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2,
               "num_key_value_heads": 2, "rope_theta": 1e4, "max_position_embeddings": 64}
-    with pytest.raises(ValueError, match="backend='triton': 'config'.*backend='cpu'"):
-        ptorch.attention(q, q, q, backend="triton", config=config)
+    got = ptorch.attention(q, q, q, backend="triton", config=config, causal=True)
+    want = ptorch.attention(q, q, q, backend="cpu", config=config, causal=True)
+    _check("llama config", got, want.double().numpy(), F32, half_rounded=False)
+    with pytest.raises(ValueError, match="backend='triton':.*query temperature.*backend='cpu'"):
+        ptorch.attention(torch.randn(1, 3, 40, 128), torch.randn(1, 3, 8, 128),
+                         torch.randn(1, 3, 8, 128), backend="triton",
+                         config=_config_path("llama-4-scout-17b-16e-instruct.json"), layer=3)
     with pytest.raises(ValueError, match="backend: 'auto', 'cpu' or 'triton'"):
         ptorch.attention(q, q, q, backend="gpu")
     with pytest.raises(TypeError, match="backend"):

@@ -310,14 +310,22 @@ def rope_append(k_new, k_pages, block_table, seq_lens, *, v_new=None, v_pages=No
                 positions=None, **kwargs):
     """Writes new keys, rotated by RoPE, and their values into their page slots, in place (see
     posenc.rope_append): torch.ops.posenc.rope_append, which mutates k_pages and v_pages.
-    Pages float32, bf16 or f16; k_new, v_new float32 or the pages' dtype. Returns None."""
+    Pages float32, bf16 or f16; k_new, v_new float32 or the pages' dtype. Returns None. CUDA
+    pages: every tensor on their device (block_table, seq_lens and positions may stay on the
+    CPU), written by posenc._device's form, bit for bit what the CPU kernel writes."""
+    for t, what in ((k_new, "k_new"), (k_pages, "k_pages")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: a torch.Tensor (use posenc.rope_append for NumPy)")
+    device = k_pages.device if k_pages.device.type == "cuda" else None
     for t, what in ((k_new, "k_new"), (k_pages, "k_pages"), (v_new, "v_new"),
                     (v_pages, "v_pages")):
         if t is not None:
-            _require_cpu(t, what)
-    kw, (pos,) = _split_positions({**kwargs, "positions": positions}, "positions")
+            _require_on(t, what, device)
+    kw, (pos,) = _split_positions({**kwargs, "positions": positions}, "positions",
+                                  device=device)
     settings = _ops.typed("rope_append", kw, "rope_append")
-    table, lens = _int_tensor(block_table, "block_table"), _int_tensor(seq_lens, "seq_lens")
+    table = _int_tensor(block_table, "block_table", device)
+    lens = _int_tensor(seq_lens, "seq_lens", device)
     _ops.call_rope_append(k_new, v_new, k_pages, v_pages, table, lens, pos, settings)
 
 

@@ -145,7 +145,9 @@ def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, 
     A query row that sees no key raises posenc.InvalidValueError, as posenc.attention does
     (checked after the kernel, which costs one device synchronization), unless
     allow_fully_masked=True: then its output is 0 and its lse -inf. With sinks such a row is no
-    error: out 0, lse = sink.
+    error: out 0, lse = sink. The same check names a non-finite element of q, k or v, as
+    posenc.attention does (InvalidValueError); with allow_fully_masked or sinks there is no
+    check and NaN and infinity propagate.
 
     block_m, block_n: the tiles of query rows and keys of every kernel (powers of two >= 16, both
     or neither); by default each kernel's own, by dtype.
@@ -163,6 +165,7 @@ def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, 
         ("position_buckets", position_buckets),
         ("max_relative_positions", max_relative_positions), ("deberta_p2c", deberta_p2c),
         ("deberta_float64_log", deberta_float64_log)) if value is not None}
+    inputs = (("q", q), ("k", k), ("v", v))
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     if packed:
         if query_documents is not None or key_documents is not None:
@@ -183,8 +186,7 @@ def attention(q, k, v, scheme="none", *, causal=False, scale=None, window=None, 
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     names = [n for n in _prepare.SCHEME_TABLES.get(scheme, ()) if n in settings]
     out, lse = _Attention.apply(q, k, v, sinks, plan, names, *(settings[n] for n in names))
-    if not allow_fully_masked and sinks is None and bool(torch.isneginf(lse).any()):
-        raise _fully_masked_error(lse, plan)
+    _forward.check_result(lse, plan, inputs, allow_fully_masked)
     if packed:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

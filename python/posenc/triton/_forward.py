@@ -20,8 +20,11 @@ rotates the widened rows with float32 cos and sin of angles computed in float64)
 rounded once to its dtype. See ``dot`` for how half-precision operands reach tl.dot.
 """
 
+import torch
 import triton
 import triton.language as tl
+
+import posenc
 
 from ._relative import query_term, key_term, rows_of, value_term
 
@@ -300,7 +303,7 @@ def block_range(pos, ok):
 
 @triton.jit
 def attention_forward_kernel(
-        Q, K, V, Out, Lse, KTiles,
+        Q, K, V, Out, Lse, NonFinite, KTiles,
         q_stride_b, q_stride_l, q_stride_h, k_stride_b, k_stride_l, k_stride_h,
         v_stride_b, v_stride_l, v_stride_h, o_stride_b, o_stride_l, o_stride_h, heads_q,
         QPos, KPos, qpos_stride_b, kpos_stride_b, Sinks, Table, table_stride_u, table_stride_h,
@@ -318,7 +321,8 @@ def attention_forward_kernel(
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         EMULATE_BF16: tl.constexpr):
     """out and lse of BLOCK_M query rows of one (batch row, query head); grid
-    (query blocks, batch * heads_q)."""
+    (query blocks, batch * heads_q). NonFinite (int32 [1]) becomes 1 when an output element is
+    not finite (a non-finite value: the host then names the input that holds one)."""
     b = (tl.program_id(1) // heads_q).to(tl.int64)  # 64-bit offsets for large tensors
     head = tl.program_id(1) % heads_q
     kv_head = head // group
@@ -387,15 +391,44 @@ def attention_forward_kernel(
     tl.store(o_ptr, rounded(out, Out.dtype.element_ty, EMULATE_BF16),
              mask=row_ok[:, None] & (vdims < v_dim)[None, :])
     tl.store(Lse + (b * heads_q + head) * seq_q + rows, lse, mask=row_ok)
+    written = row_ok[:, None] & (vdims < v_dim)[None, :]
+    bad = written & ((out != out) | (tl.abs(out) == float("inf")))
+    tl.atomic_max(NonFinite, tl.max(tl.where(bad, 1, 0)))
 
 
 def forward(q, k, v, plan, out, lse):
     """Runs the forward kernel: out [batch, seq_q, heads_q, v_dim] (any float dtype; the
-    result is rounded to it), lse float32 [batch, heads_q, seq_q] contiguous."""
+    result is rounded to it), lse float32 [batch, heads_q, seq_q] contiguous. plan.nonfinite:
+    int32 [1], 1 when an output element is not finite."""
     block_m, block_n, warps = plan.tiles("forward")
+    plan.nonfinite = torch.zeros(1, dtype=torch.int32, device=q.device)
     k_tiles = plan.tile_info(plan.key_pos, plan.key_docs, plan.key_open, block_n)
     grid = (triton.cdiv(plan.seq_q, block_m), plan.batch * plan.heads_q)
     attention_forward_kernel[grid](
-        q, k, v, out, lse, k_tiles, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        q, k, v, out, lse, plan.nonfinite, k_tiles, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *out.stride()[:3], plan.heads_q, **plan.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,
         EMULATE_BF16=EMULATE_BF16, num_warps=warps)
+
+
+def check_result(lse, plan, inputs, allow_fully_masked):
+    """posenc's errors for a forward's result, with one device synchronization: a non-finite
+    input (InvalidValueError naming the first such element of the tensors `inputs`, [(name,
+    tensor)], in order, as the CPU entry points do), then a query row that sees no key. Skipped
+    (no synchronization) with allow_fully_masked or sinks, where NaN and infinity propagate."""
+    if allow_fully_masked or plan.sinks is not None:
+        return
+    nonfinite, no_key = torch.stack([
+        (plan.nonfinite[0] > 0) | (torch.isnan(lse) | torch.isposinf(lse)).any(),
+        torch.isneginf(lse).any()]).tolist()
+    if nonfinite:
+        for name, t in inputs:
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                at = [int(x) for x in torch.nonzero(bad)[0]]
+                raise posenc.InvalidValueError(f"attention: {name}: non-finite value "
+                                               f"{float(t[tuple(at)])} at {at}")
+        raise posenc.InvalidValueError("attention: a score or an output is not finite (float32 "
+                                       "overflow of q . k)")
+    if no_key:
+        from . import _fully_masked_error
+        raise _fully_masked_error(lse, plan)

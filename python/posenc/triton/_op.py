@@ -5,10 +5,13 @@ become a Plan of this package and one launch of its kernels.
 Block masks (``query_documents``, ``key_documents``, ``prefix``, ``mask`` and the setting
 ``global_positions``) and packed sequences (``cu_seqlens_q``, ``cu_seqlens_k``: rank-3 q, k, v,
 out [total_q, heads_q, v_dim] and lse [heads_q, total_q]) reach the kernels as one batch row with
-documents. What the Triton kernels do not compute yet is refused by name, with the CPU backend
-as the way to get it: model configs (``config``, ``layer``).
+documents. A model config (``config``, ``layer``) is resolved by posenc's own scheme builder
+(the CPU library's, so its checks and choices are the CPU backend's). What the Triton kernels
+do not compute yet is refused by name, with the CPU backend as the way to get it: Llama 4's
+query temperature and DeepSeek's RoPE offset.
 """
 
+import numpy as np
 import torch
 
 import posenc
@@ -77,9 +80,9 @@ def _unpacked(q, k, v, query_positions, key_positions, masks):
 def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, settings):
     """(Plan, {table name: tensor}) of one op call (q, k, v of one batch row for packed
     sequences: masks then hold their documents); ValueError naming what this backend lacks."""
-    for name in ("config", "layer"):
-        if settings.get(name) is not None:
-            raise _unsupported(f"'{name}'")
+    if settings.get("config") is not None or settings.get("layer") is not None:
+        return _plan_from_config(q, k, v, tables, table_names, query_positions, key_positions,
+                                 masks, settings)
     scheme = settings.get("scheme") or "none"
     if scheme not in _prepare.SCHEMES:
         raise _unsupported(f"scheme '{scheme}'")
@@ -117,10 +120,78 @@ def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, se
     return p, named
 
 
-def forward(q, k, v, tables, table_names, query_positions, key_positions, masks, settings):
+def _host_positions(p, batch, n, default_start, what):
+    """Position ids (a tensor or an int offset, or None) as int64 NumPy [1 or batch, n]."""
+    ids = _prepare._positions(p.cpu() if isinstance(p, torch.Tensor) else p, batch, n,
+                              default_start, torch.device("cpu"), what)
+    return ids.numpy()
+
+
+def _plan_from_config(q, k, v, tables, table_names, query_positions, key_positions, masks,
+                      settings):
+    """The Plan of a call with a model config (or a layer): posenc's own scheme builder resolves
+    the config, the layer and the settings (``_posenc._resolve_attention``: the scheme, its
+    frequencies or slopes or buckets, the layer's scale, window, chunk and soft-cap, explicit
+    values first, with posenc.attention's checks and messages), then the kernels run what it
+    resolved. Llama 4's query temperature and DeepSeek's RoPE offset are refused."""
+    from .. import _ops
+    from .._posenc import _resolve_attention
+    named = dict(zip(table_names, tables))
+    b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
+    kw = _ops._binding_kwargs("attention", {n: x for n, x in settings.items()
+                                            if n not in ("query_positions_offset",
+                                                         "key_positions_offset")})
+    for name in ("num_threads", "allow_fully_masked"):
+        kw.pop(name, None)
+    kpos = key_positions if key_positions is not None else settings.get("key_positions_offset")
+    qpos = query_positions if query_positions is not None else settings.get(
+        "query_positions_offset")
+    kw["key_positions"] = _host_positions(kpos, b, lk, 0, "key_positions")
+    kw["query_positions"] = _host_positions(qpos, b, lq, lk - lq, "query_positions")
+    scheme = kw.pop("scheme", None)
+
+    def shape_only(t):
+        return np.broadcast_to(np.float32(0), tuple(t.shape))
+
+    r = _resolve_attention(shape_only(q), shape_only(k), shape_only(v), scheme,
+                           params={n: shape_only(t) for n, t in named.items()}, **kw)
+    if r["query_temperature"] is not None:
+        raise _unsupported("a layer's query temperature (Llama 4's NoPE layers)")
+    scheme, resolved = r["scheme"], r["settings"]
+    if scheme not in _prepare.SCHEMES:
+        raise _unsupported(f"scheme '{scheme}'")
+    given = {n: t for n, t in named.items() if n != "sinks"}
+    if scheme == "alibi" and "slopes" not in given:
+        given["slopes"] = torch.tensor(resolved["slopes"], dtype=torch.float32,
+                                       device=q.device)
+    elif scheme in ("t5", "xl", "deberta"):
+        given.update(resolved)
+    p = _prepare.prepare(q, k, v, "none" if scheme == "rope" else scheme, causal=r["causal"],
+                         scale=r["scale"], window=r["window"], chunk=r["chunk"],
+                         softcap=r["softcap"], sinks=named.get("sinks"), query_positions=qpos,
+                         key_positions=kpos, settings=given,
+                         query_documents=masks.get("query_documents"),
+                         key_documents=masks.get("key_documents"), prefix=masks.get("prefix"),
+                         global_positions=settings.get("global_positions"),
+                         mask=masks.get("mask"))
+    if scheme == "rope":
+        if resolved["offset"]:
+            raise _unsupported("a RoPE offset (DeepSeek's rotated dims after the others)")
+        freqs = posenc.RopeFrequencies(resolved["inv_freq"],
+                                       attention_factor=resolved["attention_factor"],
+                                       angles=resolved["angles"])
+        p.scheme = _prepare.ROPE
+        _prepare._prepare_rope(p, {"rope": freqs, "rope_style": resolved["style"]})
+    return p, named
+
+
+def forward(q, k, v, tables, table_names, query_positions, key_positions, masks, settings,
+            inputs=None):
     """(out, lse) of the op: out float32 for half inputs (the backward's delta reads it; the
     caller rounds it once), in q's dtype otherwise; lse float32. Packed sequences: out [total_q,
-    heads_q, v_dim], lse [heads_q, total_q]."""
+    heads_q, v_dim], lse [heads_q, total_q]. inputs: [(name, tensor)] searched for a non-finite
+    element when the result is not finite (default q, k, v)."""
+    inputs = inputs or (("q", q), ("k", k), ("v", v))
     q, k, v, query_positions, key_positions, masks, packed = _unpacked(
         q, k, v, query_positions, key_positions, masks)
     p, _ = plan(q, k, v, tables, table_names, query_positions, key_positions, masks, settings)
@@ -130,10 +201,7 @@ def forward(q, k, v, tables, table_names, query_positions, key_positions, masks,
                       else q.dtype, device=q.device)
     lse = torch.empty((p.batch, p.heads_q, p.seq_q), dtype=torch.float32, device=q.device)
     _forward.forward(q, k, v, p, out, lse)
-    if not settings.get("allow_fully_masked") and "sinks" not in table_names:
-        if bool(torch.isneginf(lse).any()):
-            from . import _fully_masked_error
-            raise _fully_masked_error(lse, p)
+    _forward.check_result(lse, p, inputs, settings.get("allow_fully_masked"))
     return (out[0], lse[0]) if packed else (out, lse)
 
 
@@ -221,5 +289,6 @@ def paged(q, k_pages, v_pages, block_table, seq_lens, tables, table_names, query
     if settings.get("query_positions_offset") is not None:
         raise _unsupported("an int query_positions offset with paged caches")
     out, _ = forward(q.reshape(batch * seq_q, *q.shape[2:]), k, v, tables, table_names,
-                     packed_positions, None, masks, rest)
+                     packed_positions, None, masks, rest,
+                     inputs=(("q", q), ("k_pages", k_pages), ("v_pages", v_pages)))
     return out.to(q.dtype).reshape(batch, seq_q, *out.shape[1:])

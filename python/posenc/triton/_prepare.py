@@ -94,6 +94,7 @@ class Plan:
     rel_v: _relative.Term = None     # the value table term (Shaw rel_v)
     q_bias: tuple = None             # XL: (r_w_bias, r_r_bias) float32 [heads_q, head_dim]
     xl_sinusoid: torch.Tensor = None  # XL: R(delta) float64 [rows of rel_q, d_model]
+    nonfinite: torch.Tensor = None   # int32 [1], set by the forward: an output is not finite
     dtype: torch.dtype = torch.float32
     blocks: tuple = None            # the caller's (block_m, block_n), or None: TILES
     dummy: torch.Tensor = field(default=None, repr=False)  # stands for absent tensors
