@@ -1,8 +1,9 @@
 // bench/harness.cc - see harness.h.
 //
-// Size: about 1,050 lines, one file because the timing, the baselines (bandwidth, sgemm, naive
-// attention), the attention and RoPE workloads and the suite are the one harness behind
-// `posenc bench`; each section is marked, and the suite at the end names every entry.
+// Size: about 1,200 lines, one file because the timing, the baselines (bandwidth, sgemm, naive
+// attention; the FMA peak is in fma_peak.cc, compiled per SIMD target), the attention and RoPE
+// workloads and the suite are the one harness behind `posenc bench`; each section is marked, and
+// the suite at the end names every entry.
 #include "harness.h"
 
 #include <cblas.h>
@@ -292,6 +293,25 @@ double ratio(const Result& r, const Result& baseline) {
   const double a = r.rate();
   const double b = baseline.rate();
   return a > 0 && b > 0 ? a / b : 0.0;
+}
+
+bool compares_with_fma_peak(const Result& r) {
+  return !r.is_bandwidth() && r.flops > 0 && r.name != "fma_peak";
+}
+
+std::vector<RatioField> ratio_fields(const Result& r, const std::map<std::string, Result>& done) {
+  std::vector<RatioField> fields;
+  for (std::size_t i = 0; i < r.baselines.size(); ++i) {
+    const auto it = done.find(r.baselines[i]);
+    if (it == done.end()) continue;
+    fields.push_back(
+        {i == 0 ? "ratio" : "ratio_" + r.baselines[i], r.baselines[i], ratio(r, it->second)});
+  }
+  if (compares_with_fma_peak(r)) {
+    const auto it = done.find("fma_peak");
+    if (it != done.end()) fields.push_back({"vs_fma_peak", "fma_peak", ratio(r, it->second)});
+  }
+  return fields;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1077,6 +1097,7 @@ std::vector<Entry> suite(const SuiteOptions& options) {
   const bool quick = options.quick;
   const TimingOptions timing = quick ? quick_timing() : TimingOptions{};
   const int64_t buffer = int64_t{quick ? 64 : 256} << 20;
+  const int64_t fma_steps = int64_t{1} << (quick ? 20 : 22);
   const int64_t gemm_n = quick ? 1024 : 4096;
   const int64_t rope_seq = quick ? 1024 : 4096;
   const int64_t attn_seq = quick ? 512 : 4096;
@@ -1101,6 +1122,7 @@ std::vector<Entry> suite(const SuiteOptions& options) {
   std::vector<Entry> all;
   all.push_back({"copy_bandwidth", [=] { return bench_copy_bandwidth(threads, buffer, timing); }});
   all.push_back({"read_bandwidth", [=] { return bench_read_bandwidth(threads, buffer, timing); }});
+  all.push_back({"fma_peak", [=] { return bench_fma_peak(threads, fma_steps, timing); }});
   all.push_back({"sgemm", [=] { return bench_sgemm(threads, gemm_n, timing); }});
   all.push_back({"rope_neox_" + dims_name(rope_seq, 32, 128),
                  [=] { return bench_rope(rope_seq, 32, 128, threads, timing); }});
@@ -1158,9 +1180,21 @@ std::vector<Entry> suite(const SuiteOptions& options) {
                  [=] { return bench_document_mask(mask_docs, 128, threads, timing); }});
 
   if (options.filter.empty()) return all;
+  // Comma-separated alternatives: a substring of the name, or "=NAME" for that name only.
+  std::vector<std::string> alternatives;
+  for (std::size_t at = 0; at <= options.filter.size();) {
+    const std::size_t end = std::min(options.filter.find(',', at), options.filter.size());
+    if (end > at) alternatives.push_back(options.filter.substr(at, end - at));
+    at = end + 1;
+  }
+  const auto selected = [&](const std::string& name) {
+    return std::any_of(alternatives.begin(), alternatives.end(), [&](const std::string& a) {
+      return a[0] == '=' ? name == a.substr(1) : name.find(a) != std::string::npos;
+    });
+  };
   std::vector<Entry> kept;
   for (auto& e : all) {
-    if (e.name.find(options.filter) != std::string::npos) kept.push_back(std::move(e));
+    if (selected(e.name)) kept.push_back(std::move(e));
   }
   return kept;
 }

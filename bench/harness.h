@@ -3,12 +3,16 @@
 // Every number is put next to what this machine can do anyway:
 //   copy_bandwidth   memcpy of a buffer larger than the caches; GB/s = 2 x bytes / s (read+write)
 //   read_bandwidth   sum-reduce of a large float buffer; GB/s = bytes / s
+//   fma_peak         the float32 FMA peak: independent FMA chains at the widest vector width
+//                    Highway dispatches to, one set of chains per thread (bench/fma_peak.cc);
+//                    GFLOP/s = 2 x lanes x chains x iterations x threads / s
 //   sgemm            OpenBLAS cblas_sgemm, N x N x N; GFLOP/s = 2 N^3 / s
 //   attention_naive  the materialized float32 attention eager frameworks run: per (batch, head)
 //                    S = scale Q K^T (sgemm), causal mask, row softmax, O = P V (sgemm)
 // Bandwidth-bound items (RoPE, decode) are compared to a bandwidth baseline, compute-bound ones
-// (attention) to sgemm. Attention FLOPs are the useful ones: 4 Lq Lk D H, halved when causal
-// (the masked half is not work), whatever the implementation computes.
+// (attention) to sgemm, and every compute-bound one to fma_peak too (vs_fma_peak, ratio_fields).
+// Attention FLOPs are the useful ones: 4 Lq Lk D H, halved when causal (the masked half is not
+// work), whatever the implementation computes.
 //
 // Not thread-safe: the measurements set OpenBLAS's global thread count.
 #pragma once
@@ -17,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -136,6 +141,22 @@ Result bench_copy_bandwidth(int threads, int64_t bytes, const TimingOptions& opt
 Result bench_read_bandwidth(int threads, int64_t bytes, const TimingOptions& options);
 // C = A B, all n x n float32, OpenBLAS with `threads` threads.
 Result bench_sgemm(int threads, int64_t n, const TimingOptions& options);
+
+// The FMA chains fma_peak runs on this CPU (Highway dynamic dispatch, after POSENC_SIMD_TARGET).
+struct FmaChains {
+  std::string target;  // the Highway target, e.g. "AVX3", "AVX2"
+  int64_t lanes = 0;   // float32 lanes per vector
+  int chains = 0;      // independent accumulator vectors per thread (16 on AVX-512, 12 on AVX2)
+};
+FmaChains fma_chains();
+// FLOPs of `iterations` steps of the chains on `threads` threads: each step is one FMA (2 FLOPs)
+// per lane of every chain, 2 x lanes x chains x iterations x threads.
+double fma_peak_flops(int64_t lanes, int chains, int64_t iterations, int threads);
+// "fma_peak": every thread runs its own chains for `iterations` steps, the threads started
+// together in one OpenMP region; a call's time is the region's, which ends with the slowest
+// thread. flops: fma_peak_flops. Extra fields lanes, chains, iterations; info target (the
+// Highway target the chains ran on).
+Result bench_fma_peak(int threads, int64_t iterations, const TimingOptions& options);
 
 // The naive materialized float32 attention (what PyTorch eager does), no positional terms:
 // per (batch, head) S = scale Q K^T [seq_q, seq_k] with sgemm, causal mask (key j visible from
@@ -288,7 +309,10 @@ Result bench_rope(int64_t seq, int64_t heads, int64_t head_dim, int threads,
 struct SuiteOptions {
   int threads = 0;     // 0 = all available
   bool quick = false;  // smaller sizes, shorter timing: seconds instead of minutes
-  std::string filter;  // run only entries whose name contains this ("" = all)
+  // Entries to run ("" = all): comma-separated alternatives; an entry runs when its name
+  // contains one of them, or equals one written "=NAME" (that name only, not the longer names
+  // it starts). "fma_peak,sgemm,=attention_none_causal_L512_H8_D128" runs exactly three.
+  std::string filter;
 };
 
 // A named entry of the suite, run on demand.
@@ -297,16 +321,32 @@ struct Entry {
   std::function<Result()> run;
 };
 
-// The entries in order, baselines first (copy_bandwidth, read_bandwidth, sgemm, rope,
+// The entries in order, baselines first (copy_bandwidth, read_bandwidth, fma_peak, sgemm, rope,
 // attention per scheme, naive attention, decode, peak memory, backward per scheme, backward
-// peak memory). Full sizes: 256 MiB buffers,
+// peak memory). Full sizes: 256 MiB buffers, fma_peak 2^22 steps per call,
 // sgemm 4096, rope [1, 4096, 32, 128], attention [1, 4096, 8, 128] causal, decode q [1, 1, 32,
-// 128] k, v [1, 32768, 8, 128], peak memory at 32768 tokens. Quick: 64 MiB, sgemm 1024, rope
-// [1, 1024, 32, 128], attention at 512 tokens, decode at 4096, peak memory at 2048 (the names
-// say the sizes).
+// 128] k, v [1, 32768, 8, 128], peak memory at 32768 tokens. Quick: 64 MiB, 2^20 steps, sgemm
+// 1024, rope [1, 1024, 32, 128], attention at 512 tokens, decode at 4096, peak memory at 2048
+// (the names say the sizes).
 std::vector<Entry> suite(const SuiteOptions& options);
 
 // Rate of `r` divided by the rate of `baseline` (0 when either is not positive).
 double ratio(const Result& r, const Result& baseline);
+
+// Whether `r` is compared with fma_peak: compute-bound (GFLOP/s) and not fma_peak itself.
+bool compares_with_fma_peak(const Result& r);
+
+// One ratio `posenc bench` reports: `key` is the output field, `baseline` the entry compared
+// with, `value` the rate of the entry over the baseline's.
+struct RatioField {
+  std::string key;
+  std::string baseline;
+  double value = 0;
+};
+// The ratios of `r` to the entries measured before it in the same run (`done`, by name), in
+// output order: "ratio" for the first of r.baselines and "ratio_<name>" for the others, then
+// "vs_fma_peak" (GFLOP/s over fma_peak's) when compares_with_fma_peak(r). A baseline that did
+// not run is left out.
+std::vector<RatioField> ratio_fields(const Result& r, const std::map<std::string, Result>& done);
 
 }  // namespace posenc::bench

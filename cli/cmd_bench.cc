@@ -1,6 +1,6 @@
 // cli/cmd_bench.cc - `posenc bench`: time the library against this machine's baselines.
 //
-//   posenc bench [--threads N] [--quick] [--filter TEXT] [--json]
+//   posenc bench [--threads N] [--quick] [--filter TEXT[,TEXT...]] [--json]
 //
 // --json: one JSON object per line, e.g.
 //   {"name": "rope_neox_4096x32x128", "median_s": 0.0031, "min_s": 0.0030, "reps": 161,
@@ -8,8 +8,9 @@
 //    "simd_target": "AVX3", "quick": false}
 // Bandwidth-bound entries carry "gbps", compute-bound ones "gflops" (useful FLOPs); "ratio" is
 // the rate over the first baseline's (RoPE: copy_bandwidth, decode: read_bandwidth, attention:
-// sgemm) and
-// "ratio_<name>" over the others'. Attention entries with positions also carry "vs_none": their
+// sgemm) and "ratio_<name>" over the others'; compute-bound entries also carry "vs_fma_peak",
+// their GFLOP/s over fma_peak's (the processor's float32 FMA peak, whose row names the Highway
+// "target" its FMA chains ran on). Attention entries with positions also carry "vs_none": their
 // time over a no-position run timed in alternation with them (median of the pairs' ratios), and
 // "none_median_s"; paged decoding "vs_contiguous" (over the contiguous token-major cache) and
 // head-major decoding "vs_token_major", timed the same way. Without --json: a table with the
@@ -87,12 +88,9 @@ void print_json(const bench::Result& r, const Context& ctx) {
                      ", \"threads\": " + std::to_string(r.threads);
   line += r.is_bandwidth() ? ", \"gbps\": " + json_number(r.gbps())
                            : ", \"gflops\": " + json_number(r.gflops());
-  for (std::size_t i = 0; i < r.baselines.size(); ++i) {
-    const auto it = ctx.done.find(r.baselines[i]);
-    if (i == 0) line += ", \"baseline\": " + json_string(r.baselines[i]);
-    if (it == ctx.done.end()) continue;
-    line += i == 0 ? ", \"ratio\": " : ", \"ratio_" + r.baselines[i] + "\": ";
-    line += json_number(bench::ratio(r, it->second));
+  if (!r.baselines.empty()) line += ", \"baseline\": " + json_string(r.baselines.front());
+  for (const bench::RatioField& f : bench::ratio_fields(r, ctx.done)) {
+    line += ", " + json_string(f.key) + ": " + json_number(f.value);
   }
   for (const auto& [key, value] : r.extra) {
     line += ", " + json_string(key) + ": " + json_number(value);
@@ -122,13 +120,24 @@ void print_table_row(const bench::Result& r, const Context& ctx) {
   std::string line = pad(r.name, kNameWidth) + pad(format_seconds(r.timing.median_s), 11, true) +
                      pad(format_seconds(r.timing.min_s), 11, true) + pad(rate, 17, true);
   std::string ratios;
-  for (const std::string& b : r.baselines) {
-    const auto it = ctx.done.find(b);
-    if (it == ctx.done.end()) continue;
-    ratios +=
-        (ratios.empty() ? "  " : ", ") + format_fixed(bench::ratio(r, it->second), 3) + " x " + b;
+  for (const bench::RatioField& f : bench::ratio_fields(r, ctx.done)) {
+    ratios += (ratios.empty() ? "  " : ", ") + format_fixed(f.value, 3) + " x " + f.baseline;
   }
   line += ratios;
+  if (r.name == "fma_peak") {
+    // The Highway target and the chains: "AVX3, 16 chains x 16 lanes".
+    std::string target;
+    double chains = 0, lanes = 0;
+    for (const auto& [key, value] : r.info) {
+      if (key == "target") target = value;
+    }
+    for (const auto& [key, value] : r.extra) {
+      if (key == "chains") chains = value;
+      if (key == "lanes") lanes = value;
+    }
+    line += "  " + target + ", " + format_fixed(chains, 0) + " chains x " + format_fixed(lanes, 0) +
+            " lanes";
+  }
   for (const auto& [key, value] : r.extra) {
     if (key == "peak_mb" || key == "inputs_outputs_mb" || key == "workspace_mb" ||
         key == "naive_scores_mb") {
@@ -175,11 +184,14 @@ Command add_bench_command(CLI::App& parent) {
   auto a = std::make_shared<BenchArgs>();
   CLI::App* app = parent.add_subcommand(
       "bench",
-      "Time RoPE, attention per scheme and decode against memory bandwidth, OpenBLAS sgemm and "
-      "a naive materialized attention (minutes; --quick: seconds)");
+      "Time RoPE, attention per scheme and decode against memory bandwidth, the float32 FMA "
+      "peak, OpenBLAS sgemm and a naive materialized attention (minutes; --quick: seconds)");
   app->add_option("--threads", a->threads, "Threads (0 = all available)")->capture_default_str();
   app->add_flag("--quick", a->quick, "Smaller sizes and shorter timing (names show the sizes)");
-  app->add_option("--filter", a->filter, "Run only the entries whose name contains this text");
+  app->add_option("--filter", a->filter,
+                  "Run only the entries whose name contains this text; comma-separated "
+                  "alternatives, =NAME for exactly that entry (e.g. "
+                  "fma_peak,sgemm,=attention_none_causal_L512_H8_D128)");
   app->add_flag("--json", a->json, "One JSON object per line instead of the table");
   return {app, [a] { return run_bench(*a); }};
 }

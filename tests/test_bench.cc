@@ -7,11 +7,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "harness.h"
+#include "hwy/targets.h"
 #include "kernels/bf16_dot.h"
+#include "kernels/simd.h"
 #include "posenc/attention.h"
 #include "test_util.h"
 
@@ -95,6 +98,149 @@ TEST(BenchBaselines, RunOnSmallBuffers) {
     EXPECT_DOUBLE_EQ(gemm.flops, 2.0 * 64 * 64 * 64);
     EXPECT_GT(gemm.gflops(), 0);
   }
+}
+
+TEST(BenchFmaPeak, FlopCountIsTwoLanesChainsIterationsThreads) {
+  EXPECT_DOUBLE_EQ(pb::fma_peak_flops(16, 16, 1000, 1), 2.0 * 16 * 16 * 1000);
+  EXPECT_DOUBLE_EQ(pb::fma_peak_flops(8, 12, 1 << 20, 3), 2.0 * 8 * 12 * (1 << 20) * 3);
+  // The entry counts what its chains ran.
+  const pb::Result r = pb::bench_fma_peak(2, 1000, tiny_timing());
+  EXPECT_DOUBLE_EQ(r.flops, 2.0 * extra(r, "lanes") * extra(r, "chains") * 1000 * 2);
+  EXPECT_EQ(extra(r, "iterations"), 1000);
+}
+
+std::string info(const pb::Result& r, const std::string& key) {
+  for (const auto& [k, v] : r.info) {
+    if (k == key) return v;
+  }
+  ADD_FAILURE() << r.name << ": no field " << key;
+  return "";
+}
+
+// On every target compiled in that this CPU supports: the entry runs there and says so, with
+// 16 chains where there are 32 vector registers (AVX-512) and 12 otherwise.
+TEST(BenchFmaPeak, RunsOnTheDispatchedTargetAndNamesIt) {
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    SCOPED_TRACE(hwy::TargetName(target));
+    posenc::kernels::set_simd_target_for_test(target);
+    const pb::FmaChains c = pb::fma_chains();
+    EXPECT_EQ(c.target, hwy::TargetName(target));
+    EXPECT_EQ(c.target, pb::simd_target());
+    EXPECT_GE(c.lanes, 1);
+    const bool avx512 = c.target.rfind("AVX3", 0) == 0;
+    EXPECT_EQ(c.chains, avx512 ? 16 : 12);
+    if (avx512) {
+      EXPECT_EQ(c.lanes, 16);
+    } else if (c.target == "AVX2") {
+      EXPECT_EQ(c.lanes, 8);
+    }
+    for (int threads : {1, 2}) {
+      const pb::Result r = pb::bench_fma_peak(threads, 1 << 12, tiny_timing());
+      EXPECT_EQ(r.name, "fma_peak");
+      EXPECT_EQ(r.threads, threads);
+      EXPECT_FALSE(r.is_bandwidth());
+      EXPECT_GT(r.gflops(), 0);
+      EXPECT_EQ(info(r, "target"), c.target);
+      EXPECT_EQ(extra(r, "lanes"), static_cast<double>(c.lanes));
+      EXPECT_EQ(extra(r, "chains"), c.chains);
+      EXPECT_TRUE(r.baselines.empty());
+    }
+  }
+  posenc::kernels::set_simd_target_for_test(0);
+}
+
+// fma_peak and sgemm of one quick suite run (selected with the filter): the FMA peak is above
+// what a GEMM reaches, so at least half of sgemm's rate (a loose bound, no absolute speed).
+TEST(BenchFmaPeak, AtLeastHalfOfSgemmInTheSameQuickRun) {
+  pb::SuiteOptions o;
+  o.quick = true;
+  o.threads = 1;
+  o.filter = "=fma_peak,=sgemm";
+  const std::vector<pb::Entry> entries = pb::suite(o);
+  ASSERT_EQ(entries.size(), 2u);
+  ASSERT_EQ(entries[0].name, "fma_peak");
+  ASSERT_EQ(entries[1].name, "sgemm");
+  const pb::Result fma = entries[0].run();
+  const pb::Result gemm = entries[1].run();
+  EXPECT_GT(fma.gflops(), 0);
+  EXPECT_FALSE(info(fma, "target").empty());
+  EXPECT_GE(fma.gflops(), 0.5 * gemm.gflops())
+      << "fma_peak " << fma.gflops() << " GFLOP/s, sgemm " << gemm.gflops() << " GFLOP/s";
+  // sgemm is compute-bound too: compared with the peak, and its only ratio.
+  const std::map<std::string, pb::Result> done{{fma.name, fma}};
+  const std::vector<pb::RatioField> f = pb::ratio_fields(gemm, done);
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_EQ(f[0].key, "vs_fma_peak");
+  EXPECT_NEAR(f[0].value, gemm.gflops() / fma.gflops(), 1e-9 * gemm.gflops() / fma.gflops());
+}
+
+// vs_fma_peak: every compute-bound entry's GFLOP/s over fma_peak's, after its other ratios; never
+// on bandwidth-bound entries nor on fma_peak itself; left out when fma_peak did not run.
+TEST(BenchFmaPeak, RatioFieldsOfComputeAndBandwidthEntries) {
+  pb::AttentionShape s;
+  s.seq_q = s.seq_k = 32;
+  s.heads_q = s.heads_kv = 2;
+  s.head_dim = 16;
+  pb::AttentionShape d = s;
+  d.seq_q = 1;
+  d.heads_q = 8;
+  std::map<std::string, pb::Result> done;
+  for (pb::Result r :
+       {pb::bench_copy_bandwidth(1, 1 << 20, tiny_timing()),
+        pb::bench_read_bandwidth(1, 1 << 20, tiny_timing()),
+        pb::bench_fma_peak(1, 1 << 12, tiny_timing()), pb::bench_sgemm(1, 64, tiny_timing())}) {
+    done.emplace(r.name, std::move(r));
+  }
+  const pb::Result& fma = done.at("fma_peak");
+  const auto field = [](const std::vector<pb::RatioField>& f, const std::string& key) {
+    const auto it =
+        std::find_if(f.begin(), f.end(), [&](const pb::RatioField& x) { return x.key == key; });
+    return it == f.end() ? nullptr : &*it;
+  };
+  const pb::Result compute[] = {
+      pb::bench_attention("none", s, 1, tiny_timing()),
+      pb::bench_attention("rope", s, 1, tiny_timing()),
+      pb::bench_naive_attention(s, 1, tiny_timing()),
+      pb::bench_attention_backward("none", s, 1, tiny_timing()),
+      pb::bench_attention_half("bf16", s, 1, tiny_timing()),
+  };
+  for (const pb::Result& r : compute) {
+    SCOPED_TRACE(r.name);
+    const std::vector<pb::RatioField> f = pb::ratio_fields(r, done);
+    ASSERT_EQ(f.size(), 2u);
+    EXPECT_EQ(f[0].key, "ratio");
+    EXPECT_EQ(f[0].baseline, "sgemm");
+    EXPECT_EQ(f[1].key, "vs_fma_peak");
+    EXPECT_EQ(f[1].baseline, "fma_peak");
+    const double want = r.gflops() / fma.gflops();
+    EXPECT_GT(want, 0);
+    EXPECT_NEAR(f[1].value, want, 1e-9 * want);
+    // Without fma_peak in the run, the field is left out (as a ratio to sgemm is without sgemm).
+    std::map<std::string, pb::Result> no_peak = done;
+    no_peak.erase("fma_peak");
+    EXPECT_EQ(field(pb::ratio_fields(r, no_peak), "vs_fma_peak"), nullptr);
+    EXPECT_TRUE(pb::compares_with_fma_peak(r));
+  }
+  const pb::Result bandwidth[] = {
+      done.at("copy_bandwidth"),
+      done.at("read_bandwidth"),
+      pb::bench_decode(d, 1, tiny_timing()),
+      pb::bench_decode_half("bf16", d, 1, tiny_timing()),
+      pb::bench_rope(8, 4, 16, 1, tiny_timing()),
+  };
+  for (const pb::Result& r : bandwidth) {
+    SCOPED_TRACE(r.name);
+    EXPECT_FALSE(pb::compares_with_fma_peak(r));
+    EXPECT_EQ(field(pb::ratio_fields(r, done), "vs_fma_peak"), nullptr);
+  }
+  EXPECT_FALSE(pb::compares_with_fma_peak(fma));
+  EXPECT_TRUE(pb::ratio_fields(fma, done).empty());
+  // Decode: both bandwidth baselines, read first.
+  const std::vector<pb::RatioField> dec = pb::ratio_fields(bandwidth[2], done);
+  ASSERT_EQ(dec.size(), 2u);
+  EXPECT_EQ(dec[0].key, "ratio");
+  EXPECT_EQ(dec[1].key, "ratio_copy_bandwidth");
+  EXPECT_DOUBLE_EQ(dec[1].value, pb::ratio(bandwidth[2], done.at("copy_bandwidth")));
 }
 
 // naive_attention against the float64 reference: causal and not, MHA and GQA, seq_q < seq_k
@@ -288,13 +434,35 @@ TEST(BenchSuite, NamesFollowTheContract) {
         "peak_memory_attention_backward_rope_causal_L32768_H8_D128"}) {
     EXPECT_NE(std::find(full.begin(), full.end(), want), full.end()) << want;
   }
-  // Baselines come first.
-  ASSERT_GE(full.size(), 3u);
-  EXPECT_EQ(full[0], "copy_bandwidth");
-  EXPECT_EQ(full[2], "sgemm");
+  // Baselines come first, fma_peak before sgemm (so that sgemm has its vs_fma_peak).
+  const std::vector<std::string> baselines = {"copy_bandwidth", "read_bandwidth", "fma_peak",
+                                              "sgemm"};
+  ASSERT_GE(full.size(), 4u);
+  EXPECT_EQ(std::vector<std::string>(full.begin(), full.begin() + 4), baselines);
   const std::vector<std::string> quick = names(true);
   EXPECT_NE(std::find(quick.begin(), quick.end(), "attention_none_causal_L512_H8_D128"),
             quick.end());
+  ASSERT_GE(quick.size(), 4u);
+  EXPECT_EQ(std::vector<std::string>(quick.begin(), quick.begin() + 4), baselines);
+  for (const auto* n : {&full, &quick}) {
+    EXPECT_EQ(std::count(n->begin(), n->end(), "fma_peak"), 1);
+    const auto attention = std::find_if(n->begin(), n->end(), [](const std::string& x) {
+      return x.find("attention") != std::string::npos;
+    });
+    EXPECT_LT(std::find(n->begin(), n->end(), "fma_peak"), attention);
+  }
+  EXPECT_EQ(names(false, "fma_peak"), std::vector<std::string>{"fma_peak"});
+  EXPECT_EQ(names(true, "fma_peak"), std::vector<std::string>{"fma_peak"});
+  // Comma-separated alternatives, "=NAME" for that name only, in suite order.
+  EXPECT_EQ(names(false, "attention_none_causal_L4096_H8_D128,sgemm,fma_peak"),
+            (std::vector<std::string>{"fma_peak", "sgemm", "attention_none_causal_L4096_H8_D128",
+                                      "attention_none_causal_L4096_H8_D128_bf16"}));
+  EXPECT_EQ(names(false, "fma_peak,sgemm,=attention_none_causal_L4096_H8_D128"),
+            (std::vector<std::string>{"fma_peak", "sgemm", "attention_none_causal_L4096_H8_D128"}));
+  EXPECT_EQ(names(true, "=fma_peak,,=rope_neox_1024x32x128"),
+            (std::vector<std::string>{"fma_peak", "rope_neox_1024x32x128"}));
+  EXPECT_TRUE(names(false, "=attention_none").empty());
+  EXPECT_TRUE(names(false, ",").empty());
   EXPECT_EQ(names(false, "decode"),
             (std::vector<std::string>{
                 "decode_gqa_32x8_L32768_D128", "decode_gqa_32x8_L32768_D128_bf16",

@@ -264,11 +264,13 @@ def demo(out_dir="posenc-demo", *, format="png", seed=None, skip_checks=False, q
 def bench(*, quick=True, threads=0, filter=""):
     """Times the library against this machine's baselines (`posenc bench`); returns one dict per
     entry (name, median_s, min_s, reps, threads, gbps or gflops, baselines and extra fields such
-    as vs_none or peak_mb, ratio against the first baseline when it ran).
+    as vs_none or peak_mb, ratio against the first baseline when it ran, and vs_fma_peak, a
+    GFLOP/s rate over fma_peak's, when fma_peak ran).
 
     quick=True: seconds (small sizes); quick=False: minutes (L = 4096 attention, ...).
-    filter: run only the entries whose name contains this text (baselines they compare with are
-    not run unless they match too).
+    filter: run only the entries whose name contains this text; comma-separated alternatives run
+    the entries that match any of them, and "=NAME" matches that name only (baselines they
+    compare with are not run unless they match too).
     """
     from . import _posenc_extras  # the benchmark harness, loaded on demand
     done = {}
@@ -283,6 +285,9 @@ def bench(*, quick=True, threads=0, filter=""):
             other = done[base].get(key)
             if other:
                 r["ratio"] = r[key] / other
+        peak = done.get("fma_peak", {}).get("gflops")
+        if peak and "gflops" in r and name != "fma_peak":
+            r["vs_fma_peak"] = r["gflops"] / peak
         done[name] = r
         results.append(r)
     return results

@@ -52,6 +52,19 @@ def test_bench_quick_entry():
     assert rows[0]["median_s"] > 0 and rows[0]["gbps"] > 0
 
 
+def test_bench_fma_peak_and_vs_fma_peak():
+    """fma_peak names its target; a compute-bound entry gets vs_fma_peak = its GFLOP/s over the
+    peak's; a bandwidth entry gets none; "=NAME" selects that name only."""
+    rows = posenc.bench(quick=True, filter="fma_peak,=sgemm,rope_neox", threads=1)
+    by = {r["name"]: r for r in rows}
+    assert set(by) == {"fma_peak", "sgemm"} | {n for n in by if n.startswith("rope_neox")}
+    peak = by["fma_peak"]
+    assert peak["gflops"] > 0 and peak["target"] and peak["lanes"] >= 1 and peak["chains"] >= 8
+    assert "vs_fma_peak" not in peak
+    assert abs(by["sgemm"]["vs_fma_peak"] - by["sgemm"]["gflops"] / peak["gflops"]) <= 1e-12
+    assert all("vs_fma_peak" not in r for n, r in by.items() if n.startswith("rope_neox"))
+
+
 def test_the_core_module_loads_without_the_figures_and_the_benchmarks():
     """import posenc loads the core extension only; posenc.plot and posenc.bench load the extras
     module (cairo, the benchmark harness) on first use, and its errors are posenc's."""
