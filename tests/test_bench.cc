@@ -149,9 +149,10 @@ TEST(BenchFmaPeak, RunsOnTheDispatchedTargetAndNamesIt) {
   posenc::kernels::set_simd_target_for_test(0);
 }
 
-// fma_peak and sgemm of one quick suite run (selected with the filter): the FMA peak is above
-// what a GEMM reaches, so at least half of sgemm's rate (a loose bound, no absolute speed).
-TEST(BenchFmaPeak, AtLeastHalfOfSgemmInTheSameQuickRun) {
+// fma_peak and sgemm of one quick suite run, selected by the filter's exact names, in that order;
+// fma_peak names its target; sgemm's one ratio is vs_fma_peak. (No bound between the two rates:
+// timings belong to benchmarks, and under a sanitizer or a loaded machine either may lag.)
+TEST(BenchFmaPeak, SelectedBeforeSgemmInTheSameQuickRun) {
   pb::SuiteOptions o;
   o.quick = true;
   o.threads = 1;
@@ -163,10 +164,8 @@ TEST(BenchFmaPeak, AtLeastHalfOfSgemmInTheSameQuickRun) {
   const pb::Result fma = entries[0].run();
   const pb::Result gemm = entries[1].run();
   EXPECT_GT(fma.gflops(), 0);
+  EXPECT_GT(gemm.gflops(), 0);
   EXPECT_FALSE(info(fma, "target").empty());
-  EXPECT_GE(fma.gflops(), 0.5 * gemm.gflops())
-      << "fma_peak " << fma.gflops() << " GFLOP/s, sgemm " << gemm.gflops() << " GFLOP/s";
-  // sgemm is compute-bound too: compared with the peak, and its only ratio.
   const std::map<std::string, pb::Result> done{{fma.name, fma}};
   const std::vector<pb::RatioField> f = pb::ratio_fields(gemm, done);
   ASSERT_EQ(f.size(), 1u);
