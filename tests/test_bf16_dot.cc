@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -227,6 +228,141 @@ TEST(Bf16Dot, StridedViewsEqualContiguous) {
             View<const bf16, 4>::contiguous(vc.data(), {1, L, hk, dim}), alibi, {.causal = true},
             View<bf16, 4>::contiguous(o2.data(), {1, 1, hq, dim}));
   for (int64_t i = 0; i < hq * dim; ++i) ASSERT_EQ(o1[i].bits, o2[i].bits) << i;
+}
+
+// Prefill score tiles: pairs packed from a float32 tile of widened bf16 keys, against float64
+// dot products; cols limits each block of 4 rows to the vectors of 16 keys its rows need.
+TEST(Bf16Dot, PrefillKernelMatchesFloat64Dots) {
+  if (!kernels::bf16_dot_supported()) GTEST_SKIP() << "no AVX512_BF16 on this processor";
+  constexpr int64_t kTile = 64;
+  int64_t stream = 500;
+  for (const int64_t dim : {1, 2, 8, 17, 32, 33, 64, 100, 128, 256}) {
+    for (const int64_t rows : {4, 12}) {
+      for (const bool limited : {false, true}) {
+        Rng rng(posenc_test::test_seed(), ++stream);
+        SCOPED_TRACE("dim " + std::to_string(dim) + " rows " + std::to_string(rows) +
+                     (limited ? " cols" : "") + " " + posenc_test::seed_trace());
+        const int64_t qstride = (dim + 31) / 32 * 32;
+        const auto qf = cases::randn_f(rng.engine(), rows * qstride);
+        const auto kf = cases::randn_f(rng.engine(), kTile * dim);
+        std::vector<uint16_t> qb(qf.size(), 0);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t x = 0; x < dim; ++x)
+            qb[r * qstride + x] = bf16_from_float(qf[r * qstride + x]).bits;
+        // kt32[x][c]: key c's dim x, a bf16 value widened.
+        auto kt32 = hwy::AllocateAligned<float>(dim * kTile);
+        for (int64_t c = 0; c < kTile; ++c)
+          for (int64_t x = 0; x < dim; ++x)
+            kt32[x * kTile + c] = to_float(bf16_from_float(kf[c * dim + x]));
+        auto kt = hwy::AllocateAligned<uint32_t>((dim + 1) / 2 * kTile);
+        kernels::pack_bf16_pairs(kt32.get(), dim, kt.get());
+        std::vector<int32_t> cols(rows);
+        for (int64_t r = 0; r < rows; ++r) cols[r] = static_cast<int32_t>((r * 7 + 1) % 65);
+        std::vector<float> s(rows * kTile, -7.0f);
+        kernels::prefill_scores_bf16_dot(qb.data(), qstride, dim, kt.get(), rows, s.data(), kTile,
+                                         limited ? cols.data() : nullptr);
+        for (int64_t r = 0; r < rows; ++r) {
+          int64_t need = kTile;
+          if (limited) {
+            need = 0;
+            for (int64_t i = r / 4 * 4; i < r / 4 * 4 + 4; ++i)
+              need = std::max<int64_t>(need, cols[i]);
+          }
+          const int64_t written = (need + 15) / 16 * 16;
+          for (int64_t c = 0; c < kTile; ++c) {
+            if (c >= written) {
+              ASSERT_EQ(s[r * kTile + c], -7.0f) << "row " << r << " key " << c;
+              continue;
+            }
+            double want = 0, mag = 0;
+            for (int64_t x = 0; x < dim; ++x) {
+              const double a = to_float(bf16{qb[r * qstride + x]});
+              const double b = kt32[x * kTile + c];
+              want += a * b;
+              mag += std::fabs(a * b);
+            }
+            const double bound = static_cast<double>(dim) * 0x1p-24 * mag + 1e-30;
+            ASSERT_LE(std::fabs(s[r * kTile + c] - want), bound) << "row " << r << " key " << c;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Prefill attention, bf16 q, k, v and out, every scheme: the oracle's bound with the path on and
+// off, threads bit-identical; GQA, an odd head dim, several tiles with a causal diagonal, a
+// window, and queries fewer than keys.
+TEST(Bf16Dot, PrefillEverySchemeAgainstTheOracle) {
+  if (!kernels::bf16_dot_supported()) GTEST_SKIP() << "no AVX512_BF16 on this processor";
+  struct PrefillShape {
+    int64_t batch, seq_q, seq_k, heads_q, heads_kv, dim;
+    bool causal;
+    std::optional<int64_t> window;
+  };
+  const std::vector<PrefillShape> shapes = {
+      {1, 130, 130, 4, 2, 32, true, std::nullopt},  // GQA, three tiles, the diagonal
+      {2, 70, 200, 2, 2, 17, true, 90},             // odd head dim, a window, queries last
+      {1, 96, 96, 2, 1, 128, false, std::nullopt},  // MQA, bidirectional
+  };
+  uint64_t stream = 1900;
+  std::map<std::string, std::array<double, 2>> worst;
+  for (const PrefillShape& sh : shapes) {
+    const std::array<int64_t, 4> qs{sh.batch, sh.seq_q, sh.heads_q, sh.dim},
+        ks{sh.batch, sh.seq_k, sh.heads_kv, sh.dim};
+    for (const auto& name : cases::kSchemes) {
+      Rng rng(posenc_test::test_seed(), ++stream);
+      SCOPED_TRACE(name + " dim " + std::to_string(sh.dim) + " queries " +
+                   std::to_string(sh.seq_q) + " " + posenc_test::seed_trace());
+      const auto box =
+          cases::make_scheme(name, sh.heads_q, sh.dim, rng.engine(), static_cast<int>(stream % 4));
+      const auto qf = cases::randn_f(rng.engine(), sh.batch * sh.seq_q * sh.heads_q * sh.dim);
+      const auto kf = cases::randn_f(rng.engine(), sh.batch * sh.seq_k * sh.heads_kv * sh.dim);
+      const auto vf = cases::randn_f(rng.engine(), sh.batch * sh.seq_k * sh.heads_kv * sh.dim);
+      std::vector<bf16> q(qf.size()), k(kf.size()), v(vf.size());
+      for (size_t i = 0; i < q.size(); ++i) q[i] = bf16_from_float(qf[i]);
+      for (size_t i = 0; i < k.size(); ++i) k[i] = bf16_from_float(kf[i]);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_from_float(vf[i]);
+      std::vector<double> qd(q.size()), kd(k.size()), vd(v.size()), want(q.size());
+      for (size_t i = 0; i < q.size(); ++i) qd[i] = to_float(q[i]);
+      for (size_t i = 0; i < k.size(); ++i) kd[i] = to_float(k[i]);
+      for (size_t i = 0; i < v.size(); ++i) vd[i] = to_float(v[i]);
+      AttentionOptions opt{.causal = sh.causal, .window = sh.window};
+      ref::attention(View<const double, 4>::contiguous(qd.data(), qs),
+                     View<const double, 4>::contiguous(kd.data(), ks),
+                     View<const double, 4>::contiguous(vd.data(), ks), box->scheme, opt,
+                     View<double, 4>::contiguous(want.data(), qs));
+      auto run = [&](int threads) {
+        std::vector<bf16> out(q.size());
+        opt.num_threads = threads;
+        attention(View<const bf16, 4>::contiguous(q.data(), qs),
+                  View<const bf16, 4>::contiguous(k.data(), ks),
+                  View<const bf16, 4>::contiguous(v.data(), ks), box->scheme, opt,
+                  View<bf16, 4>::contiguous(out.data(), qs));
+        std::vector<uint16_t> bits(out.size());
+        for (size_t i = 0; i < out.size(); ++i) bits[i] = out[i].bits;
+        return bits;
+      };
+      for (int mode : {1, 0}) {
+        Bf16DotMode m(mode);
+        const auto first = run(1);
+        ASSERT_EQ(run(2), first) << "path " << mode << ", 2 threads";
+        ASSERT_EQ(run(3), first) << "path " << mode << ", 3 threads";
+        for (size_t i = 0; i < first.size(); ++i) {
+          const double got = to_float(bf16{first[i]});
+          const double err = std::fabs(got - want[i]);
+          ASSERT_LE(err, half_ulp_bf16(want[i]) + 2e-5 * (1 + std::fabs(want[i])))
+              << "path " << mode << ", element " << i << ": " << got << " vs " << want[i];
+          auto& w = worst[name];
+          w[1 - mode] = std::max(w[1 - mode], err);
+        }
+      }
+    }
+  }
+  std::printf("prefill   vdpbf16ps: max|err|    widening: max|err|\n");
+  for (const auto& [name, w] : worst) {
+    std::printf("%-9s %18.3e %20.3e\n", name.c_str(), w[0], w[1]);
+  }
 }
 
 }  // namespace

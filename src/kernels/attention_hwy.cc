@@ -86,8 +86,10 @@ struct Scratch {
   hwy::AlignedFreeUniquePtr<int32_t[]> kdoc, kopen, dense;
   std::vector<float> m, l, wsum;
   std::vector<uint64_t> seen;                // decoding: SeenKeys
-  hwy::AlignedFreeUniquePtr<uint16_t[]> qb;  // decoding with vdpbf16ps: bf16 query rows
+  hwy::AlignedFreeUniquePtr<uint16_t[]> qb;  // vdpbf16ps (decoding, prefill): bf16 query rows
   size_t qb_n = 0;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> kt16;  // prefill with vdpbf16ps: the tile's dim pairs
+  size_t kt16_n = 0;
   size_t qp_n = 0, kt_n = 0, vt_n = 0, s_n = 0, o_n = 0, extra_n = 0, extra2_n = 0, part_n = 0;
 
   static void Ensure(hwy::AlignedFreeUniquePtr<float[]>& p, size_t& have, size_t want) {
@@ -115,6 +117,12 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
     bf16dot_ = use_dot_ && p_.q16 != nullptr && p_.k16 != nullptr && p_.q_type == DType::kBF16 &&
                p_.kv_type == DType::kBF16 && p_.rope.cs == nullptr && p_.xl_sin == nullptr &&
                bf16_dot_used(rows_per_kv_) && (p_.pages == nullptr || p_.page_size % 4 == 0);
+    // Prefill with a bf16 query and bf16 keys: the score tiles by vdpbf16ps on pairs of dims
+    // (bf16_dot.h), the rest as for float32. Not with RoPE in the kernel or Transformer-XL
+    // (their query rows are float32 by then).
+    bf16pre_ = !use_dot_ && p_.q16 != nullptr && p_.k16 != nullptr && p_.q_type == DType::kBF16 &&
+               p_.kv_type == DType::kBF16 && p_.rope.cs == nullptr && p_.xl_sin == nullptr &&
+               bf16_dot_prefill();
 #endif
     qb_stride_ = RoundUp(dim_, 32);
     if (p.deberta_pos_key != nullptr) {
@@ -249,7 +257,7 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
       if (!Valid(it, r)) std::fill(qp + r * dim_, qp + (r + 1) * dim_, 0.0f);
     }
     std::fill(qp + it.rows * dim_, qp + alloc_rows * dim_, 0.0f);
-    if (bf16dot_) {
+    if (bf16dot_ || bf16pre_) {
       const size_t want = static_cast<size_t>(alloc_rows * qb_stride_);
       if (sc.qb_n < want) {
         sc.qb = hwy::AllocateAligned<uint16_t>(want);
@@ -264,7 +272,7 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
       const float* src = qp + r * dim_;
       if (p_.q16 != nullptr) {
         WidenRow(p_.q_type, p_.q16 + at, qp + r * dim_, dim_);
-        if (bf16dot_) std::memcpy(sc.qb.get() + r * qb_stride_, p_.q16 + at, 2 * dim_);
+        if (bf16dot_ || bf16pre_) std::memcpy(sc.qb.get() + r * qb_stride_, p_.q16 + at, 2 * dim_);
       } else {
         src = p_.q + at;
       }
@@ -482,6 +490,18 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
     const int32_t* cols = nullptr;
     if (!full && consec && p_.mask.causal && p_.kopen == nullptr) {
       cols = TileColumns(it, j0, nk, s, ss, sc);
+    }
+    if (bf16pre_) {
+      // The tile's keys as pairs of bf16 dims, then S by vdpbf16ps (bf16_dot.h).
+      if (sc.kt16_n < static_cast<size_t>(RoundUp(dim_, 2) * kTileK / 2)) {
+        sc.kt16_n = static_cast<size_t>(RoundUp(dim_, 2) * kTileK / 2);
+        sc.kt16 = hwy::AllocateAligned<uint32_t>(sc.kt16_n);
+      }
+      pack_bf16_pairs(kt, dim_, sc.kt16.get());
+      prefill_scores_bf16_dot(sc.qb.get(), qb_stride_, dim_, sc.kt16.get(), it.rows_pad, s, ss,
+                              cols);
+      if (ps.fetch != nullptr) ps.fetch->Issue(ps.fetch_n * (it.rows_pad / 4));
+      return cols;
     }
     if (ps.q_in_place) {
       for (int64_t g = 0; g < group_; ++g) {
@@ -895,6 +915,7 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
   }
 
   bool bf16dot_ = false;   // decoding scores by vdpbf16ps (bf16_dot.h)
+  bool bf16pre_ = false;   // prefill score tiles by vdpbf16ps (bf16_dot.h)
   int64_t qb_stride_ = 0;  // bf16 query rows (bf16dot_): dim rounded up to 32
   // The schemes' per-call tables (terms/deberta-inl.h, terms/xl-inl.h), when present.
   std::unique_ptr<DebertaForward> deb_;

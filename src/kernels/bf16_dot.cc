@@ -101,6 +101,76 @@ void decode_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim,
   }
 }
 
+namespace {
+
+// Rows [r, r + 4) against keys [0, 16 nv): acc[i][j] over the pairs p < np, then stored.
+template <int NV>
+inline void PrefillBlock(const uint32_t* q0, int64_t qs32, int64_t np, const uint32_t* kt, float* s,
+                         int64_t ss) {
+  __m512 acc[4][NV];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    __m512bh kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(kt + p * 64 + 16 * j);
+    for (int i = 0; i < 4; ++i) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(q0[i * qs32 + p]));
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w, kv[j]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + i * ss + 16 * j, acc[i][j]);
+}
+
+}  // namespace
+
+void prefill_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim, const uint32_t* kt,
+                             int64_t rows_pad, float* s, int64_t ss, const int32_t* cols) {
+  const int64_t np = (dim + 1) / 2;
+  const int64_t qs32 = q_stride / 2;  // q rows as pairs (q_stride is even)
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qb);
+  for (int64_t r = 0; r < rows_pad; r += 4) {
+    int64_t nc = 64;
+    if (cols != nullptr) {
+      nc = 0;
+      for (int64_t i = r; i < r + 4; ++i) nc = std::max<int64_t>(nc, cols[i]);
+      nc = std::min<int64_t>(nc, 64);
+    }
+    const int64_t nv = (nc + 15) / 16;
+    const uint32_t* q0 = q32 + r * qs32;
+    float* s0 = s + r * ss;
+    if (nv == 4) {
+      PrefillBlock<4>(q0, qs32, np, kt, s0, ss);
+    } else if (nv == 3) {
+      PrefillBlock<3>(q0, qs32, np, kt, s0, ss);
+    } else if (nv == 2) {
+      PrefillBlock<2>(q0, qs32, np, kt, s0, ss);
+    } else if (nv == 1) {
+      PrefillBlock<1>(q0, qs32, np, kt, s0, ss);
+    }
+  }
+}
+
+void pack_bf16_pairs(const float* kt32, int64_t dim, uint32_t* kt) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < dim / 2; ++p) {
+    const float* lo = kt32 + 2 * p * 64;
+    const float* hi = lo + 64;
+    for (int64_t c = 0; c < 64; c += 16) {
+      const __m512i a = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(lo + c)), 16);
+      const __m512i b = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(hi + c)), high);
+      _mm512_storeu_si512(kt + p * 64 + c, _mm512_or_si512(a, b));
+    }
+  }
+  if (dim % 2 != 0) {  // the last dim paired with a zero
+    const float* lo = kt32 + (dim - 1) * 64;
+    for (int64_t c = 0; c < 64; c += 16) {
+      _mm512_storeu_si512(kt + (dim / 2) * 64 + c,
+                          _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(lo + c)), 16));
+    }
+  }
+}
+
 }  // namespace posenc::kernels
 
 #else  // no AVX512_BF16 in this build: never called (bf16_dot_supported() is false)
@@ -113,6 +183,15 @@ void decode_scores_bf16_dot(const uint16_t*, int64_t, int64_t, int64_t, int64_t,
                             int64_t, int64_t, int64_t, float*, int64_t, float*,
                             const PrefetchRows&) {
   throw Error("internal: decode_scores_bf16_dot called in a build without AVX512_BF16");
+}
+
+void prefill_scores_bf16_dot(const uint16_t*, int64_t, int64_t, const uint32_t*, int64_t, float*,
+                             int64_t, const int32_t*) {
+  throw Error("internal: prefill_scores_bf16_dot called in a build without AVX512_BF16");
+}
+
+void pack_bf16_pairs(const float*, int64_t, uint32_t*) {
+  throw Error("internal: pack_bf16_pairs called in a build without AVX512_BF16");
 }
 
 }  // namespace posenc::kernels

@@ -115,4 +115,31 @@ void decode_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim,
                             int64_t kstride, int64_t hstride, int64_t nk, float* s,
                             int64_t s_stride, float* part, const PrefetchRows& ahead);
 
+// ---- Prefill: the score tiles of the fused kernel (attention_hwy.cc) ----
+//
+// The same instruction on the key tiles of prefill: a tile's keys as pairs of adjacent dims
+// (kt[p * 64 + c] holds the bf16 bits of k_c[2p] in its low half and of k_c[2p + 1] in its high
+// half), so that one vdpbf16ps with q_r's pair p broadcast adds q_r[2p] k_c[2p] + q_r[2p + 1]
+// k_c[2p + 1] to the scores of 16 keys: half the instructions of the float32 broadcast-FMA
+// micro-kernel for the same products, each exact in float32.
+
+// Whether prefill with a bf16 query and bf16 keys (not rotated in the kernel) computes its score
+// tiles with vdpbf16ps: the processor has it and POSENC_BF16_DOT is 1. Not under auto: on Intel
+// processors the instruction issues on one port where the float32 FMA has two, and the path
+// measured slower than the widening kernel (docs/performance.md); it has not been measured on
+// AMD's, whose vdpbf16ps has the FMA's throughput with twice the products.
+bool bf16_dot_prefill();
+
+// S[r][c] = q_r . k_c for rows r < rows_pad (a multiple of 4) and keys c < 64: q as bf16 bits,
+// row r at qb + r * q_stride (dim values, then a zero up to an even count); kt as above, for
+// p < (dim + 1) / 2. S rows ss floats apart. cols (may be null): per row, how many leading keys
+// it needs; a block of 4 rows then computes only the vectors of 16 keys its rows need and leaves
+// the others unwritten. Call only when bf16_dot_supported().
+void prefill_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim, const uint32_t* kt,
+                             int64_t rows_pad, float* s, int64_t ss, const int32_t* cols);
+
+// kt (as above, 64 keys) from a transposed float32 tile kt32[x * 64 + c] whose values are bf16
+// values widened (so the bits are kept exactly); a zero pairs an odd dim's last one.
+void pack_bf16_pairs(const float* kt32, int64_t dim, uint32_t* kt);
+
 }  // namespace posenc::kernels

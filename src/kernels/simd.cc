@@ -121,6 +121,8 @@ bool bf16_dot_used(int64_t rows_per_kv_head) {
   return p == Bf16Dot::kOn || (p == Bf16Dot::kAuto && rows_per_kv_head >= 8);
 }
 
+bool bf16_dot_prefill() { return bf16_dot_policy() == Bf16Dot::kOn; }
+
 bool bf16_dot_prefetch() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool prefetch = !__builtin_cpu_is("intel");
