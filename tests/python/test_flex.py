@@ -373,3 +373,43 @@ def test_score_mod_from_sizes_and_tables():
     assert maxerr(out.transpose(1, 2), want) <= 5e-6
     with pytest.raises(ValueError, match="heads"):
         fx.score_mod("alibi")
+
+
+def test_backend_flex_of_posenc_torch_and_the_modules():
+    """backend="flex" on posenc.torch.attention and PositionalAttention runs posenc.torch.flex
+    with the same keywords (the module's settings as keywords): the same out and gradients as
+    posenc.torch.flex.attention, within its tolerance of the float64 oracle; what FlexAttention
+    cannot take is refused by name."""
+    rng = _rng("backend_flex")
+    q, k, v = (_tensor(rng, 1, 9, 4, 16) for _ in range(3))
+    slopes = torch.tensor(np.abs(rng.standard_normal(4)) * 0.3)
+    kw = {"causal": True, "window": 5}
+    runs = {}
+    for name, call in (
+            ("backend", lambda q, k, v, s: pt.attention(q, k, v, "alibi", backend="flex",
+                                                        params={"slopes": s}, **kw)),
+            ("flex", lambda q, k, v, s: fx.attention(q, k, v, "alibi", params={"slopes": s},
+                                                     **kw)),
+            ("oracle", lambda q, k, v, s: pt.attention(q, k, v, "alibi", backend="cpu",
+                                                       params={"slopes": s}, **kw))):
+        dtype = torch.float64 if name == "oracle" else torch.float32
+        ts = [t.to(dtype).requires_grad_() for t in (q, k, v, slopes)]
+        out = call(*ts)
+        out.backward(torch.ones_like(out))
+        runs[name] = [out.detach()] + [t.grad for t in ts]
+    for got, want, ref in zip(runs["backend"], runs["flex"], runs["oracle"]):
+        assert torch.equal(got, want)
+        assert maxerr(got, ref) <= 2e-6 * max(1.0, float(ref.abs().max()))
+    module = pt.PositionalAttention("rope", 4, 2, 16, causal=True, base=500.0, backend="flex")
+    assert "backend='flex'" in repr(module)
+    q32, k32, v32 = q.float(), k[:, :, :2].float(), v[:, :, :2].float()
+    got = module(q32, k32, v32)
+    want = fx.attention(q32, k32, v32, "rope", causal=True, base=500.0)
+    assert torch.equal(got, want)
+    with pytest.raises(fx.UnsupportedScheme, match="Transformer-XL"):
+        pt.attention(q, q, q, "xl", backend="flex")
+    with pytest.raises(ValueError, match="backend='flex': 'config'"):
+        pt.attention(q, q, q, backend="flex", config={"model_type": "llama", "hidden_size": 64,
+                                                      "num_attention_heads": 4})
+    with pytest.raises(ValueError, match="'auto', 'cpu', 'triton' or 'flex'"):
+        pt.PositionalAttention("alibi", 4, 4, 16, backend="sdpa")

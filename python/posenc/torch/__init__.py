@@ -209,12 +209,14 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_args
     q's dtype, so gradients come back in each input's dtype. Tables may be half too (widened).
 
     backend: which kernels run: "auto" (default: posenc's CPU kernels on CPU tensors,
-    posenc.triton's fused Triton kernels on CUDA tensors), "cpu" or "triton" (CUDA tensors; CPU
-    tensors under TRITON_INTERPRET=1, through Triton's interpreter). The Triton kernels take
-    q, k, v of one dtype (float32, float16, bfloat16; out of that dtype, lse float32) and the
-    schemes none, rope, alibi and t5 with causal, window, chunk, softcap, sinks and explicit
-    positions; what they lack (other schemes, configs, packed sequences, block masks) is a
-    ValueError naming it.
+    posenc.triton's fused Triton kernels on CUDA tensors), "cpu", "triton" (CUDA tensors; CPU
+    tensors under TRITON_INTERPRET=1, through Triton's interpreter) or "flex"
+    (posenc.torch.flex.attention: PyTorch's FlexAttention on the tensors' device, the same
+    keywords). The Triton kernels take q, k, v of one dtype (float32, float16, bfloat16; out of
+    that dtype, lse float32), every scheme, model configs, packed sequences and block masks;
+    what they lack (Llama 4's query temperature, DeepSeek's RoPE offset) is a ValueError naming
+    it. FlexAttention cannot express Transformer-XL or Shaw's rel_v (UnsupportedScheme) nor
+    take a model config.
 
     Packed sequences: q [total_q, heads_q, D], k and v [total_k, heads_kv, D] with cu_seqlens_q
     and cu_seqlens_k (int tensors [num_seqs + 1]) give out [total_q, heads_q, v_dim] and lse
@@ -231,6 +233,11 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_args
     backend = kwargs.get("backend", (_base_args or {}).get("backend", "auto"))
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+    if backend == "flex":
+        if _base_args:
+            raise ValueError("backend='flex': call posenc.torch.attention with the scheme's "
+                             "keywords (a module passes them itself)")
+        return _flex_attention(q, k, v, scheme, params, return_lse, kwargs)
     if _ops.uses_triton(q, backend):
         return _attention_triton(q, k, v, scheme, params, return_lse, _base_args, kwargs)
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
@@ -253,6 +260,19 @@ def attention(q, k, v, scheme=None, *, params=None, return_lse=False, _base_args
         out = out.to(out_dtype)  # rounded once (autograd casts the gradient back to float32)
     lse = lse.detach()
     return (out, lse) if return_lse else out
+
+
+def _flex_attention(q, k, v, scheme, params, return_lse, kwargs):
+    """posenc.torch.attention with backend="flex": posenc.torch.flex.attention (FlexAttention,
+    on the tensors' device) with the same keywords; what it cannot compute (Transformer-XL,
+    Shaw's rel_v, a model config) is refused by name."""
+    from . import flex
+    kw = {n: x for n, x in kwargs.items() if n != "backend"}
+    for name in ("config", "layer"):
+        if kw.get(name) is not None:
+            raise ValueError(f"backend='flex': '{name}' is not taken by posenc.torch.flex (give "
+                             "the scheme's settings, or use backend='cpu' / 'triton')")
+    return flex.attention(q, k, v, scheme, params=params, return_lse=return_lse, **kw)
 
 
 def _attention_triton(q, k, v, scheme, params, return_lse, base, kwargs):
@@ -461,6 +481,9 @@ class _Scheme(nn.Module):
         ...; params: extra tensors by name (e.g. sinks) beside the scheme's tables."""
         tables = self.tables()
         tables.update(params or {})
+        if kwargs.get("backend") == "flex":  # FlexAttention takes the settings as keywords
+            return _flex_attention(q, k, v, self.scheme, tables or None, False,
+                                   {**self.settings(), **kwargs})
         return attention(q, k, v, self.scheme, params=tables or None,
                          _base_args=self.__dict__["_settings_args"], **kwargs)
 
@@ -730,7 +753,8 @@ class PositionalAttention(nn.Module):
     query head (gpt-oss), the Parameter `.sinks` [heads] (initialised to 0), added to every row's
     softmax denominator. chunk: chunked local attention (Llama 4) for every call. backend: the
     kernels of every call, as posenc.torch.attention's ("auto": posenc's CPU kernels on CPU
-    tensors, posenc.triton's on CUDA tensors; "cpu"; "triton").
+    tensors, posenc.triton's on CUDA tensors; "cpu"; "triton"; "flex": FlexAttention through
+    posenc.torch.flex, the module's settings as its keywords).
     """
 
     def __init__(self, scheme=None, heads=None, kv_heads=None, head_dim=None, *, causal=False,
@@ -753,8 +777,8 @@ class PositionalAttention(nn.Module):
         self.kv_heads = kv_heads or heads
         self.causal, self.layout = causal, layout
         self.chunk = chunk
-        if backend not in _ops._BACKENDS:
-            raise ValueError(f"backend: 'auto', 'cpu' or 'triton' (got {backend!r})")
+        if backend not in _ops._BACKENDS + ("flex",):
+            raise ValueError(f"backend: 'auto', 'cpu', 'triton' or 'flex' (got {backend!r})")
         self.backend = backend
         self.sinks = nn.Parameter(torch.zeros(heads)) if sinks else None
         module = _SCHEMES[scheme]
