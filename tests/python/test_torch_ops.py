@@ -254,6 +254,26 @@ def test_a_tensor_on_another_device_gets_one_clear_error(device):
         _ops.require_cpu(x, "q")
 
 
+def test_index_tensors_on_the_cpu_follow_the_call_to_its_device():
+    """Positions, documents, prefix lengths, cu_seqlens and a dense mask built on the CPU (as
+    transformers' masks and posenc.hf build them) are moved to the device of a CUDA call (here
+    the meta device stands for it); a CPU call keeps them, and refuses them on another device."""
+    from posenc import torch as ptm
+    device = torch.device("meta")
+    docs = torch.zeros(2, 3, dtype=torch.int32)
+    masks = ptm._split_masks({"query_documents": docs, "mask": [[[1, 0, 1]] * 3] * 2,
+                              "cu_seqlens_q": torch.tensor([0, 3])}, device)
+    assert {n: t.device.type for n, t in masks.items()} == {
+        "query_documents": "meta", "mask": "meta", "cu_seqlens_q": "meta"}
+    kw, (qpos, kpos) = ptm._split_positions({"query_positions": torch.arange(3),
+                                             "key_positions": 4}, "query_positions",
+                                            "key_positions", device=device)
+    assert qpos.device.type == "meta" and kpos is None and kw == {"key_positions": 4}
+    assert ptm._split_masks({"query_documents": docs})["query_documents"] is docs
+    with pytest.raises(ValueError, match="query_documents is on device 'meta'"):
+        ptm._split_masks({"query_documents": docs.to(device)})
+
+
 # ---- torch.compile and torch.export -----------------------------------------------------------
 
 class DecoderBlock(nn.Module):

@@ -910,3 +910,89 @@ def test_paged_cache_rows_gathered_as_the_cpu_kernel_reads_them():
         _op.paged(q.to(DEVICE), pool[0].to(DEVICE), pool[1].to(DEVICE),
                   torch.tensor([[0, 1], [2, 9], [0, 1]]), lens.clamp(max=8), [], [], None,
                   _ops.typed("attention_paged", {"causal": True}, "attention_paged"))
+
+
+# ---- transformers models on the Triton kernels -------------------------------------------------
+
+def _triton_for_every_call(monkeypatch):
+    """Every posenc attention call of this test takes the Triton kernels (as CUDA tensors do
+    with backend 'auto'), here through the interpreter on CPU tensors. Returns a counter of the
+    Triton forwards that ran."""
+    from posenc import _ops
+    from posenc.triton import _op
+    real = _ops.uses_triton
+    monkeypatch.setattr(_ops, "uses_triton",
+                        lambda q, backend: backend in ("auto", "triton") or real(q, backend))
+    calls = {"n": 0}
+    real_forward = _op.forward
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real_forward(*a, **k)
+
+    monkeypatch.setattr(_op, "forward", counted)
+    return calls
+
+
+def test_transformers_llama_left_padded_training_step(monkeypatch):
+    """A Llama-style model (GQA, RoPE applied by the model) with attn_implementation="posenc",
+    left-padded batch with the usual labels, on the Triton kernels: loss and every parameter
+    gradient as eager attention's."""
+    transformers = pytest.importorskip("transformers")
+    import posenc.hf
+    assert posenc.hf.register() == "posenc"
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   attention_dropout=0.0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                          dtype=torch.float32)
+    model.train()
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    calls = _triton_for_every_call(monkeypatch)
+    out = {}
+    for impl in ("eager", "posenc"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        res = model(ids, attention_mask=mask, labels=labels)
+        res.loss.backward()
+        out[impl] = (float(res.loss.detach()), {n: p.grad.clone() for n, p in
+                                                model.named_parameters() if p.grad is not None})
+    assert calls["n"] == 2  # one forward per layer, on the Triton kernels
+    (la, ga), (lb, gb) = out["eager"], out["posenc"]
+    assert abs(la - lb) <= 1e-5 * abs(la), (la, lb)
+    big = max(float(g.abs().max()) for g in ga.values())
+    for n in ga:
+        err = float((ga[n] - gb[n]).abs().max())
+        assert err <= 2e-5 * float(ga[n].abs().max()) + 1e-7 * big, (n, err)
+
+
+@pytest.mark.parametrize("family", ["t5", "deberta-v3", "bloom"])
+def test_transformers_patched_bias_families(monkeypatch, family):
+    """posenc.hf.patch's T5 (bucketed bias table), DeBERTa-v3 (c2p and p2c over log buckets) and
+    BLOOM (ALiBi) on the Triton kernels, padded batches: logits and every parameter gradient
+    (the tables' included) as the unpatched model's."""
+    pytest.importorskip("transformers")
+    import test_hf_patch as hp
+    cfg = {"t5": hp.t5_config, "deberta-v3": hp.deberta_config, "bloom": hp.bloom_config}[
+        family]()
+    ref, patched = hp.pair(cfg)
+    ids, mask = hp.inputs(cfg, 2, 11, pad="right" if family != "bloom" else "left")
+    dec_ids = dec_mask = None
+    if family == "t5":
+        dec_ids, dec_mask = hp.inputs(cfg, 2, 7, seed=1, pad="right")
+    want, want_grads = hp.forward_backward(ref, cfg, ids, mask, dec_ids, dec_mask)
+    calls = _triton_for_every_call(monkeypatch)
+    got, got_grads = hp.forward_backward(patched, cfg, ids, mask, dec_ids, dec_mask)
+    assert calls["n"] >= 2  # every attention layer's forward on the Triton kernels
+    rows = hp.real_rows(cfg, mask, dec_mask)
+    assert hp._rel(got, want, rows) <= 2e-5
+    assert set(got_grads) == set(want_grads)
+    for n in want_grads:
+        err = float((got_grads[n] - want_grads[n]).abs().max())
+        assert err <= 2e-5 * max(1.0, float(want_grads[n].abs().max())), (n, err)

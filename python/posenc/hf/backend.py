@@ -371,8 +371,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             if mask.chunk_shift is not None:
                 shift = mask.chunk_shift.to(torch.int64).reshape(b, 1)
                 if isinstance(qpos, int):
-                    qpos = torch.arange(lq, dtype=torch.int64) + qpos
-                    kpos = torch.arange(lk, dtype=torch.int64) + kpos
+                    qpos = torch.arange(lq, dtype=torch.int64, device=shift.device) + qpos
+                    kpos = torch.arange(lk, dtype=torch.int64, device=shift.device) + kpos
                 qpos, kpos = qpos + shift, kpos + shift
             if isinstance(qpos, torch.Tensor) and qpos.dim() == 1:
                 qpos, kpos = qpos.expand(b, lq), kpos.expand(b, lk)
@@ -382,8 +382,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             pad = mask.padding
             if docs is not None or pad is not None:
                 if docs is None:
-                    qdocs = torch.zeros(b, lq, dtype=torch.int32)
-                    kdocs = torch.zeros(b, lk, dtype=torch.int32)
+                    qdocs = torch.zeros(b, lq, dtype=torch.int32, device=query.device)
+                    kdocs = torch.zeros(b, lk, dtype=torch.int32, device=query.device)
                 else:
                     docs = docs.to(torch.int64).expand(b, lq)
                     docs = docs - docs.min()
@@ -391,6 +391,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                 if pad is not None:
                     # a padding key gets a document id that no query has
                     outside = int(qdocs.max()) + 1
+                    kdocs = kdocs.to(pad.device)
                     kdocs = torch.where(pad.to(torch.bool), kdocs,
                                         torch.full_like(kdocs, outside))
                     opts["allow_fully_masked"] = True  # the queries at padding positions

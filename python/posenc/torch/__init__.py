@@ -83,14 +83,23 @@ def _device_of(x):
     return None if x.device.type == "cpu" else x.device
 
 
+def _on_call_device(value, what, device):
+    """An index tensor (positions, documents, prefix lengths, a dense mask, cu_seqlens) of a call
+    on `device`: a CPU tensor of a CUDA call is moved there (it describes the call, and callers
+    such as transformers' masks build it on the CPU); a tensor on a third device is refused."""
+    if device is not None and value.device.type == "cpu":
+        return value.to(device)
+    _require_on(value, what, device)
+    return value
+
+
 def _tensor_arg(value, what, device=None):
     """A positions argument: a tensor (an int64 tensor on the call's device for the op), or None /
     an int (an int offset: a keyword argument of the op)."""
     if value is None or isinstance(value, (int, np.integer)):
         return None
     if isinstance(value, torch.Tensor):
-        _require_on(value, what, device)
-        return value
+        return _on_call_device(value, what, device)
     t = _as_tensor(value, what)
     return t if device is None else t.to(device)
 
@@ -152,9 +161,10 @@ def _split_masks(kw, device=None):
         if value is None:
             continue
         if isinstance(value, torch.Tensor):
-            _require_on(value, n, device)
+            value = _on_call_device(value, n, device)
         else:
             value = _as_tensor(value, n)
+            value = value if device is None else value.to(device)
         masks[n] = value
     return masks
 
