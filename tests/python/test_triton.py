@@ -68,6 +68,22 @@ def _interpreted(request):
                     "test_in_a_fresh_process")
 
 
+def test_cpu_tensors_without_the_interpreter_get_a_clear_error():
+    """In a process without TRITON_INTERPRET, backend='triton' on CPU tensors is posenc's
+    ValueError saying where the kernels run (not an error from Triton's driver)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    code = ("import torch, posenc.torch as pt\n"
+            "q = torch.randn(1, 4, 2, 16)\n"
+            "try:\n"
+            "    pt.attention(q, q, q, 'alibi', backend='triton')\n"
+            "except ValueError as e:\n"
+            "    assert 'run on CUDA tensors' in str(e) and 'TRITON_INTERPRET' in str(e), e\n"
+            "    print('refused')\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "refused" in r.stdout, r.stderr[-3000:]
+
+
 @pytest.mark.skipif(not IN_A_SUBPROCESS, reason="the cases run in this process")
 def test_in_a_fresh_process():
     """Every case of this file, in a new Python process with TRITON_INTERPRET=1."""
@@ -571,7 +587,8 @@ def test_non_finite_inputs_are_named_as_posenc_names_them():
         with pytest.raises(posenc.InvalidValueError, match=re.escape(cpu)):
             ptorch.attention(t["q"], t["k"], t["v"], "alibi", causal=True, backend="cpu")
         with pytest.raises(posenc.InvalidValueError, match=re.escape(cpu)):
-            ptorch.attention(t["q"], t["k"], t["v"], "alibi", causal=True, backend="triton")
+            ptorch.attention(t["q"].to(DEVICE), t["k"].to(DEVICE), t["v"].to(DEVICE), "alibi",
+                             causal=True, backend="triton")
         out = pt.attention(t["q"], t["k"], t["v"], "alibi", causal=True,
                            allow_fully_masked=True)
         assert not bool(torch.isfinite(out).all())
@@ -825,8 +842,12 @@ def test_backend_triton_model_configs(case):
     results = []
     for backend, dtype in (("triton", F32), ("cpu", F64)):
         ts = {n: torch.tensor(a, dtype=dtype, requires_grad=True) for n, a in data.items()}
-        out = ptorch.attention(ts["q"], ts["k"], ts["v"], config=_config_path(name), layer=layer,
-                               params={n: ts[n] for n in tables} or None, backend=backend, **kw)
+        dev = {n: t.to(DEVICE) if backend == "triton" else t for n, t in ts.items()}
+        extra = {n: x.to(DEVICE) if isinstance(x, torch.Tensor) and backend == "triton" else x
+                 for n, x in kw.items()}
+        out = ptorch.attention(dev["q"], dev["k"], dev["v"], config=_config_path(name),
+                               layer=layer, params={n: dev[n] for n in tables} or None,
+                               backend=backend, **extra).cpu()
         out.backward(torch.ones_like(out))
         results.append((out, {n: t.grad for n, t in ts.items()}))
     (out, grads), (ref, ref_grads) = results
@@ -934,6 +955,7 @@ def _triton_for_every_call(monkeypatch):
     return calls
 
 
+@pytest.mark.skipif(ON_GPU, reason="sends CPU tensors to the kernels (the interpreter's case)")
 def test_transformers_llama_left_padded_training_step(monkeypatch):
     """A Llama-style model (GQA, RoPE applied by the model) with attn_implementation="posenc",
     left-padded batch with the usual labels, on the Triton kernels: loss and every parameter
@@ -972,6 +994,7 @@ def test_transformers_llama_left_padded_training_step(monkeypatch):
         assert err <= 2e-5 * float(ga[n].abs().max()) + 1e-7 * big, (n, err)
 
 
+@pytest.mark.skipif(ON_GPU, reason="sends CPU tensors to the kernels (the interpreter's case)")
 @pytest.mark.parametrize("family", ["t5", "deberta-v3", "bloom"])
 def test_transformers_patched_bias_families(monkeypatch, family):
     """posenc.hf.patch's T5 (bucketed bias table), DeBERTa-v3 (c2p and p2c over log buckets) and
@@ -996,3 +1019,420 @@ def test_transformers_patched_bias_families(monkeypatch, family):
     for n in want_grads:
         err = float((got_grads[n] - want_grads[n]).abs().max())
         assert err <= 2e-5 * max(1.0, float(want_grads[n].abs().max())), (n, err)
+
+
+# ---- hostile inputs of the relative schemes, configs and backends ----
+#
+# Wrong types, shapes, dtypes, devices, non-finite tables and out-of-range settings of Shaw,
+# Transformer-XL, DeBERTa and T5 (posenc.triton.attention), model configs and layers
+# (backend="triton"), backend="flex", and the non-finite checks of the Triton path: each is a
+# TypeError or a ValueError (posenc.ShapeError / InvalidValueError) naming the argument, raised
+# before any kernel runs or giant table is made, with the CPU backend's message where both
+# backends check the same thing. Tiny shapes: [1, 3, 2, 16].
+
+_H, _D = 2, 16
+
+
+def _tiny_qkv(seq_q=3, seq_k=3, heads=_H, dim=_D, device=None):
+    g = torch.Generator().manual_seed(7)
+    return tuple(torch.randn(1, n, heads, dim, generator=g).to(device or DEVICE)
+                 for n in (seq_q, seq_k, seq_k))
+
+
+def _shaw_kw(**kw):
+    return {"rel_k": torch.randn(5, _D), **kw}
+
+
+def _xl_kw(**kw):
+    return {"r_w_bias": torch.randn(_H, _D), "r_r_bias": torch.randn(_H, _D),
+            "r_net": torch.randn(_H * _D, 8), **kw}
+
+
+def _deberta_kw(**kw):
+    return {"pos_key": torch.randn(8, _H, _D), "pos_query": torch.randn(8, _H, _D),
+            "max_relative_positions": 4, **kw}
+
+
+def _t5_kw(**kw):
+    return {"relative_attention_bias": torch.randn(32, _H), **kw}
+
+
+def _on_device(kw):
+    """Tensor keywords on DEVICE (a meta tensor stays there: it is the hostile input)."""
+    return {n: x.to(DEVICE) if isinstance(x, torch.Tensor) and x.device.type != "meta" else x
+            for n, x in kw.items()}
+
+
+def _without(kw, name):
+    kw.pop(name)
+    return kw
+
+
+_FAR = [0, 1, 1 << 25]  # query positions whose distances to keys 0..2 span > 2^24 values
+
+# (id, scheme, keywords (made per case), exception, message regex naming the argument)
+_HOSTILE_TRITON = [
+    # Shaw
+    ("shaw-rel_k-list", "shaw", lambda: _shaw_kw(rel_k=[[0.0] * _D] * 5), TypeError,
+     r"rel_k: a torch\.Tensor .*got list"),
+    ("shaw-rel_k-numpy", "shaw", lambda: _shaw_kw(rel_k=np.zeros((5, _D))), TypeError,
+     r"rel_k: a torch\.Tensor .*got ndarray"),
+    ("shaw-rel_k-int", "shaw", lambda: _shaw_kw(rel_k=3), TypeError, r"rel_k: .*got int"),
+    ("shaw-rel_k-bool", "shaw", lambda: _shaw_kw(rel_k=True), TypeError, r"rel_k: .*got bool"),
+    ("shaw-rel_k-str", "shaw", lambda: _shaw_kw(rel_k="rel"), TypeError, r"rel_k: .*got str"),
+    ("shaw-rel_k-missing", "shaw", lambda: _without(_shaw_kw(), "rel_k"),
+     posenc.InvalidValueError, r"scheme shaw needs rel_k"),
+    ("shaw-rel_k-even", "shaw", lambda: _shaw_kw(rel_k=torch.randn(4, _D)), posenc.ShapeError,
+     r"rel_k: 2K\+1 \(odd\) rows, got 4"),
+    ("shaw-rel_k-empty", "shaw", lambda: _shaw_kw(rel_k=torch.randn(0, _D)), posenc.ShapeError,
+     r"rel_k: 2K\+1 \(odd\) rows, got 0"),
+    ("shaw-rel_k-1d", "shaw", lambda: _shaw_kw(rel_k=torch.randn(5)), posenc.ShapeError,
+     r"rel_k: shape \[5\]"),
+    ("shaw-rel_k-4d", "shaw", lambda: _shaw_kw(rel_k=torch.randn(5, 1, _H, _D)),
+     posenc.ShapeError, r"rel_k: shape \[5, 1, 2, 16\]"),
+    ("shaw-rel_k-heads", "shaw", lambda: _shaw_kw(rel_k=torch.randn(5, 3, _D)),
+     posenc.ShapeError, r"rel_k: shape \[5, 3, 16\], expected \[5, 16\] or \[5, 2, 16\]"),
+    ("shaw-rel_k-width", "shaw", lambda: _shaw_kw(rel_k=torch.randn(5, 8)), posenc.ShapeError,
+     r"rel_k: shape \[5, 8\]"),
+    ("shaw-rel_v-width", "shaw", lambda: _shaw_kw(rel_v=torch.randn(5, 8)), posenc.ShapeError,
+     r"rel_v: shape \[5, 8\], expected \[5, 16\]"),
+    ("shaw-rel_v-rows", "shaw", lambda: _shaw_kw(rel_v=torch.randn(3, _D)), posenc.ShapeError,
+     r"rel_v: shape \[3, 16\], expected \[5, 16\]"),
+    ("shaw-rel_v-list", "shaw", lambda: _shaw_kw(rel_v=[[0.0] * _D] * 5), TypeError,
+     r"rel_v: a torch\.Tensor"),
+    ("shaw-rel_k-int64", "shaw", lambda: _shaw_kw(rel_k=torch.ones(5, _D, dtype=torch.int64)),
+     TypeError, r"rel_k: a floating-point tensor, got torch\.int64"),
+    ("shaw-rel_k-complex", "shaw",
+     lambda: _shaw_kw(rel_k=torch.ones(5, _D, dtype=torch.complex64)), TypeError,
+     r"rel_k: a floating-point tensor, got torch\.complex64"),
+    ("shaw-rel_k-nan", "shaw", lambda: _shaw_kw(rel_k=torch.full((5, _D), float("nan"))),
+     posenc.InvalidValueError, r"rel_k: non-finite values"),
+    ("shaw-rel_v-inf", "shaw", lambda: _shaw_kw(rel_v=torch.full((5, _D), float("inf"))),
+     posenc.InvalidValueError, r"rel_v: non-finite values"),
+    ("shaw-rel_k-float64-past-float32", "shaw",
+     lambda: _shaw_kw(rel_k=torch.full((5, _D), 1e300, dtype=torch.float64)),
+     posenc.InvalidValueError, r"rel_k: non-finite values \(in float32\)"),
+    ("shaw-rel_k-meta", "shaw", lambda: _shaw_kw(rel_k=torch.empty(5, _D, device="meta")),
+     ValueError, r"rel_k: on meta, expected"),
+    ("shaw-keyword-of-xl", "shaw", lambda: _shaw_kw(r_net=torch.randn(_H * _D, 8)), TypeError,
+     r"r_net: a setting of scheme 'xl', not 'shaw'"),
+    # Transformer-XL
+    ("xl-r_net-odd", "xl", lambda: _xl_kw(r_net=torch.randn(_H * _D, 7)), posenc.ShapeError,
+     r"r_net: d_model \(7\) must be even"),
+    ("xl-r_net-no-columns", "xl", lambda: _xl_kw(r_net=torch.randn(_H * _D, 0)),
+     posenc.ShapeError, r"r_net: d_model \(0\)"),
+    ("xl-r_net-rows", "xl", lambda: _xl_kw(r_net=torch.randn(_H * _D + 1, 8)),
+     posenc.ShapeError, r"r_net: shape \[33, 8\], expected \[32, d_model\]"),
+    ("xl-r_net-1d", "xl", lambda: _xl_kw(r_net=torch.randn(8)), posenc.ShapeError,
+     r"r_net: shape \[8\]"),
+    ("xl-r_net-list", "xl", lambda: _xl_kw(r_net=[[0.0] * 8] * (_H * _D)), TypeError,
+     r"r_net: a torch\.Tensor .*got list"),
+    ("xl-r_net-int", "xl", lambda: _xl_kw(r_net=torch.ones(_H * _D, 8, dtype=torch.int32)),
+     TypeError, r"r_net: a floating-point tensor"),
+    ("xl-r_net-nan", "xl", lambda: _xl_kw(r_net=torch.full((_H * _D, 8), float("nan"))),
+     posenc.InvalidValueError, r"r_net: non-finite values"),
+    ("xl-r_net-meta", "xl", lambda: _xl_kw(r_net=torch.empty(_H * _D, 8, device="meta")),
+     ValueError, r"r_net: on meta"),
+    ("xl-r_w_bias-1d", "xl", lambda: _xl_kw(r_w_bias=torch.randn(_D)), posenc.ShapeError,
+     r"r_w_bias: shape \[16\], expected \[2, 16\]"),
+    ("xl-r_w_bias-heads", "xl", lambda: _xl_kw(r_w_bias=torch.randn(3, _D)),
+     posenc.ShapeError, r"r_w_bias: shape \[3, 16\], expected \[2, 16\]"),
+    ("xl-r_r_bias-numpy", "xl", lambda: _xl_kw(r_r_bias=np.zeros((_H, _D))), TypeError,
+     r"r_r_bias: a torch\.Tensor"),
+    ("xl-r_w_bias-complex", "xl",
+     lambda: _xl_kw(r_w_bias=torch.ones(_H, _D, dtype=torch.complex64)), TypeError,
+     r"r_w_bias: a floating-point tensor"),
+    ("xl-r_w_bias-missing", "xl", lambda: _without(_xl_kw(), "r_w_bias"),
+     posenc.InvalidValueError, r"scheme xl needs r_w_bias"),
+    ("xl-base-1", "xl", lambda: _xl_kw(base=1.0), posenc.InvalidValueError,
+     r"base: a finite number > 1, got 1\.0"),
+    ("xl-base-negative", "xl", lambda: _xl_kw(base=-3), posenc.InvalidValueError,
+     r"base: a finite number > 1"),
+    ("xl-base-nan", "xl", lambda: _xl_kw(base=float("nan")), posenc.InvalidValueError,
+     r"base: a finite number > 1, got nan"),
+    ("xl-base-inf", "xl", lambda: _xl_kw(base=float("inf")), posenc.InvalidValueError,
+     r"base: a finite number > 1, got inf"),
+    ("xl-base-str", "xl", lambda: _xl_kw(base="1e4"), TypeError, r"base: a number, got str"),
+    ("xl-base-bool", "xl", lambda: _xl_kw(base=True), TypeError, r"base: a number, got bool"),
+    ("xl-base-tensor", "xl", lambda: _xl_kw(base=torch.tensor(100.0)), TypeError,
+     r"base: a number, got Tensor"),
+    ("xl-positions-past-2^24", "xl", lambda: _xl_kw(query_positions=_FAR, key_positions=[0, 1, 2]),
+     posenc.InvalidValueError, r"positions: relative distances span 33554435 values.*"
+     r"backend='cpu'"),
+    ("xl-positions-sparse", "xl",
+     lambda: _xl_kw(query_positions=[0, 5000, 10000], key_positions=[0, 1, 2]),
+     posenc.InvalidValueError, r"positions: 10003 relative distances"),
+    ("xl-keyword-of-deberta", "xl", lambda: _xl_kw(position_buckets=4), TypeError,
+     r"position_buckets: a setting of scheme 'deberta', not 'xl'"),
+    # DeBERTa
+    ("deberta-pos_key-K", "deberta", lambda: _deberta_kw(pos_key=torch.randn(10, _H, _D)),
+     posenc.ShapeError, r"pos_key: shape \[10, 2, 16\], expected \[8, 2, 16\]"),
+    ("deberta-pos_key-2d", "deberta", lambda: _deberta_kw(pos_key=torch.randn(8, _D)),
+     posenc.ShapeError, r"pos_key: shape \[8, 16\]"),
+    ("deberta-pos_key-list", "deberta", lambda: _deberta_kw(pos_key=[[[0.0] * _D] * _H] * 8),
+     TypeError, r"pos_key: a torch\.Tensor"),
+    ("deberta-pos_query-missing", "deberta", lambda: _without(_deberta_kw(), "pos_query"),
+     posenc.InvalidValueError, r"scheme deberta needs pos_query"),
+    ("deberta-pos_key-int", "deberta",
+     lambda: _deberta_kw(pos_key=torch.ones(8, _H, _D, dtype=torch.int32)), TypeError,
+     r"pos_key: a floating-point tensor"),
+    ("deberta-pos_query-nan", "deberta",
+     lambda: _deberta_kw(pos_query=torch.full((8, _H, _D), float("nan"))),
+     posenc.InvalidValueError, r"pos_query: non-finite values"),
+    ("deberta-position_buckets-negative", "deberta", lambda: _deberta_kw(position_buckets=-3),
+     posenc.InvalidValueError, r"position_buckets must be an integer in \[0, 2\^48\] \(got -3\)"),
+    ("deberta-position_buckets-2^60", "deberta", lambda: _deberta_kw(position_buckets=1 << 60),
+     posenc.InvalidValueError, r"position_buckets must be an integer in \[0, 2\^48\]"),
+    ("deberta-position_buckets-1", "deberta",
+     lambda: _deberta_kw(position_buckets=1, pos_key=torch.randn(2, _H, _D),
+                         pos_query=torch.randn(2, _H, _D)),
+     posenc.InvalidValueError, r"position_buckets must be 0 or >= 4"),
+    ("deberta-max_relative_positions-0", "deberta", lambda: _deberta_kw(max_relative_positions=0),
+     posenc.InvalidValueError, r"max_relative_positions: >= 1"),
+    ("deberta-max_relative_positions-negative", "deberta",
+     lambda: _deberta_kw(max_relative_positions=-4), posenc.InvalidValueError,
+     r"max_relative_positions must be an integer in \[0, 2\^48\] \(got -4\)"),
+    ("deberta-max_relative_positions-2^60", "deberta",
+     lambda: _deberta_kw(max_relative_positions=1 << 60), posenc.InvalidValueError,
+     r"max_relative_positions must be an integer in \[0, 2\^48\]"),
+    ("deberta-position_buckets-str", "deberta", lambda: _deberta_kw(position_buckets="4"),
+     TypeError, r"position_buckets: an integer, got str"),
+    ("deberta-position_buckets-float", "deberta", lambda: _deberta_kw(position_buckets=4.0),
+     TypeError, r"position_buckets: an integer, got float"),
+    ("deberta-position_buckets-bool", "deberta", lambda: _deberta_kw(position_buckets=True),
+     TypeError, r"position_buckets: an integer, got bool"),
+    ("deberta-p2c-foo", "deberta", lambda: _deberta_kw(deberta_p2c="foo"),
+     posenc.InvalidValueError, r"deberta_p2c: 'model' or 'paper', got 'foo'"),
+    ("deberta-p2c-int", "deberta", lambda: _deberta_kw(deberta_p2c=1), TypeError,
+     r"deberta_p2c: .*got int"),
+    ("deberta-p2c-array", "deberta", lambda: _deberta_kw(deberta_p2c=np.array(["model", "x"])),
+     TypeError, r"deberta_p2c: .*got ndarray"),
+    ("deberta-float64_log-yes", "deberta", lambda: _deberta_kw(deberta_float64_log="yes"),
+     TypeError, r"deberta_float64_log: a bool, got str"),
+    ("deberta-float64_log-int", "deberta", lambda: _deberta_kw(deberta_float64_log=1),
+     TypeError, r"deberta_float64_log: a bool, got int"),
+    ("deberta-positions-past-2^24", "deberta",
+     lambda: _deberta_kw(query_positions=_FAR, key_positions=[0, 1, 2]),
+     posenc.InvalidValueError, r"positions: relative distances span 33554435 values"),
+    ("deberta-keyword-of-xl", "deberta", lambda: _deberta_kw(base=100.0), TypeError,
+     r"base: a setting of scheme 'xl', not 'deberta'"),
+    # T5 (a huge max_distance must not become a table of 2 max_distance + 1 buckets)
+    ("t5-table-list", "t5", lambda: _t5_kw(relative_attention_bias=[[0.0] * _H] * 32),
+     TypeError, r"relative_attention_bias: a torch\.Tensor"),
+    ("t5-max_distance-2^50", "t5", lambda: _t5_kw(max_distance=1 << 50),
+     posenc.InvalidValueError, r"max_distance must be an integer in \[1, 2\^48\]"),
+    ("t5-max_distance-2^40-far-positions", "t5",
+     lambda: _t5_kw(max_distance=1 << 40, query_positions=[0, 1, 1 << 30]),
+     posenc.InvalidValueError, r"positions: relative distances up to 1073741824 with "
+     r"max_distance 1099511627776"),
+    # q, k, v and the settings every scheme shares
+    ("rope-style-array", "rope", lambda: {"rope_style": np.array(["half", "x"])},
+     posenc.InvalidValueError, r"rope_style"),
+    ("scheme-unknown", "nonsense", dict, posenc.InvalidValueError, r"scheme: 'nonsense'"),
+    ("seq_q-past-seq_k", "shaw", lambda: _shaw_kw(_q=(5, 3)), posenc.InvalidValueError,
+     r"query_positions: -2 is outside .*default positions need seq_q <= seq_k"),
+    ("empty-q", "shaw", lambda: _shaw_kw(_q=(0, 3)), posenc.ShapeError, r"empty q or k"),
+    ("positions-past-2^48", "shaw", lambda: _shaw_kw(query_positions=[0, 1, (1 << 48) + 1]),
+     posenc.InvalidValueError, r"query_positions: ids must lie in \[0, 281474976710656\]"),
+    ("positions-float", "shaw", lambda: _shaw_kw(key_positions=[0.5, 1.0, 2.0]), TypeError,
+     r"key_positions: integer ids"),
+]
+
+
+@pytest.mark.parametrize("case", _HOSTILE_TRITON, ids=[c[0] for c in _HOSTILE_TRITON])
+def test_hostile_inputs_of_the_triton_schemes(case):
+    """posenc.triton.attention refuses each hostile input by name, before any kernel runs."""
+    import posenc.triton as triton_attention
+    _, scheme, make, error, message = case
+    kw = _on_device(make())
+    q, k, v = _tiny_qkv(*kw.pop("_q", (3, 3)))
+    with pytest.raises(error, match=message):
+        triton_attention.attention(q, k, v, scheme, **kw)
+
+
+def test_hostile_values_that_work_give_the_cpu_result():
+    """Inputs at the edges that are valid give the CPU backend's result: float64 / float16 /
+    bfloat16 tables, Shaw over positions near 2^48 and spanning more than 2^24 distances (its
+    rows are clamped, no table of distances), XL near 2^48, T5 with max_distance 2^40 (the
+    bucket table covers only the distances the positions reach), DeBERTa with NumPy integer and
+    bool settings."""
+    import posenc.torch as ptorch
+    import posenc.triton as triton_attention
+    top = 1 << 48
+    cases = [
+        ("shaw", {"rel_k": torch.randn(5, _D, dtype=torch.float64),
+                  "rel_v": torch.randn(5, _H, _D).to(BF16)},
+         {"query_positions": [top - 2, top - 1, top], "key_positions": [top, top - 5, 0]}),
+        ("shaw", {"rel_k": torch.randn(5, _D).half()},
+         {"query_positions": _FAR, "key_positions": [0, 1, 2]}),
+        ("xl", _xl_kw(), {"query_positions": [top - 2, top - 1, top], "base": np.float32(300),
+                          "key_positions": [top, top - 1, top - 2]}),
+        ("t5", _t5_kw(), {"max_distance": 1 << 40, "scale": 1.0}),
+        ("deberta", {n: x for n, x in _deberta_kw().items() if n.startswith("pos")},
+         {"max_relative_positions": np.int64(4), "deberta_float64_log": np.bool_(True)}),
+    ]
+    q, k, v = _tiny_qkv()
+    for scheme, tables, settings in cases:
+        got = triton_attention.attention(q, k, v, scheme, **_on_device({**tables, **settings}))
+        cpu = {n: (x.numpy() if n.endswith("positions") and isinstance(x, torch.Tensor) else x)
+               for n, x in settings.items()}
+        want = ptorch.attention(q.cpu(), k.cpu(), v.cpu(), scheme, backend="cpu",
+                                params={n: t.float() for n, t in tables.items()}, **cpu)
+        _check(f"{scheme} out", got.cpu(), want.double().numpy(), F32, half_rounded=False)
+
+
+_LLAMA = {"model_type": "llama", "hidden_size": _H * _D, "num_attention_heads": _H,
+          "num_key_value_heads": _H, "rope_theta": 1e4, "max_position_embeddings": 64}
+
+# (id, keywords of posenc.torch.attention, exception, regex): the same error from
+# backend='triton' and backend='cpu' (posenc's own checks and messages).
+_HOSTILE_OPS = [
+    ("config-heads", {"config": {**_LLAMA, "num_attention_heads": 4, "hidden_size": 64}},
+     posenc.ShapeError, r"q: heads_q 2 does not match config .*4 attention heads"),
+    ("config-kv-heads", {"config": {**_LLAMA, "num_key_value_heads": 1}}, posenc.ShapeError,
+     r"k: heads_kv 2 does not match config"),
+    ("config-head_dim", {"config": {**_LLAMA, "hidden_size": 64}}, posenc.ShapeError,
+     r"q: head_dim 16 does not match config"),
+    ("config-model-type", {"config": {**_LLAMA, "model_type": "nonsense"}}, ValueError,
+     r"config: model_type 'nonsense' is not supported"),
+    ("config-int", {"config": 42}, TypeError, r"config: expected a path to config\.json"),
+    ("config-missing-file", {"config": "/nonexistent/config.json"}, ValueError,
+     r"/nonexistent/config\.json: cannot open"),
+    ("config-layer-99", {"config": _LLAMA, "layer": 99}, posenc.InvalidValueError,
+     r"layer 99 is out of range"),
+    ("config-layer-negative", {"config": _LLAMA, "layer": -1}, posenc.InvalidValueError,
+     r"layer: -1 is outside"),
+    ("config-layer-str", {"config": _LLAMA, "layer": "0"}, TypeError,
+     r"layer: expected an integer, got str"),
+    ("config-layer-2^70", {"config": _LLAMA, "layer": 1 << 70}, posenc.InvalidValueError,
+     r"layer: 1180591620717411303424 is outside"),
+    ("layer-without-config", {"layer": 0}, posenc.InvalidValueError,
+     r"layer 0 needs a model config"),
+    ("config-fixes-base", {"config": _LLAMA, "base": 500.0}, posenc.InvalidValueError,
+     r"base conflicts with config"),
+    ("config-fixes-scheme", {"scheme": "alibi", "config": _LLAMA}, posenc.InvalidValueError,
+     r"scheme alibi conflicts with config"),
+    ("config-table-of-another-scheme", {"config": _LLAMA, "params": {"rel_k": torch.ones(5, _D)}},
+     posenc.InvalidValueError, r"params: rel_k is not a parameter of scheme rope"),
+    ("config-positions-past-2^48",
+     {"config": _LLAMA, "query_positions": torch.tensor([0, 1, (1 << 48) + 2])},
+     posenc.InvalidValueError, r"query.positions.*\[0, "),
+    ("config-offset-negative", {"config": _LLAMA, "query_positions": -5},
+     posenc.InvalidValueError, r"query_positions: -5 is outside"),
+    ("scheme-unknown", {"scheme": "nonsense"}, posenc.InvalidValueError,
+     r"unknown scheme 'nonsense'"),
+    ("scheme-int", {"scheme": 3}, TypeError, r"scheme: expected a string"),
+    ("keyword-of-another-scheme-base", {"scheme": "deberta", "base": 100.0}, TypeError,
+     r"keyword 'base' does not apply to scheme 'deberta' \(it is for rope xl\)"),
+    ("keyword-of-another-scheme-buckets",
+     {"scheme": "shaw", "params": {"rel_k": torch.ones(5, _D)}, "position_buckets": 4},
+     TypeError, r"keyword 'position_buckets' does not apply to scheme 'shaw'"),
+    ("keyword-of-another-scheme-style", {"style": "half"}, TypeError,
+     r"keyword 'style' does not apply to scheme 'none' \(it is for rope\)"),
+    ("deberta-max_relative_positions-2^60",
+     {"scheme": "deberta", "params": {n: t for n, t in _deberta_kw().items() if n[0] == "p"},
+      "max_relative_positions": 1 << 60},
+     posenc.InvalidValueError, r"max_relative_positions must be an integer in \[0, 2\^48\]"),
+    ("deberta-position_buckets-negative",
+     {"scheme": "deberta", "params": {n: t for n, t in _deberta_kw().items() if n[0] == "p"},
+      "position_buckets": -1},
+     posenc.InvalidValueError, r"position_buckets must be an integer in \[0, 2\^48\] \(got -1\)"),
+    ("deberta-float64_log-yes",
+     {"scheme": "deberta", "params": {n: t for n, t in _deberta_kw().items() if n[0] == "p"},
+      "max_relative_positions": 4, "deberta_float64_log": "yes"},
+     TypeError, r"deberta_float64_log: expected True or False"),
+    ("complex-table",
+     {"scheme": "shaw", "params": {"rel_k": torch.ones(5, _D, dtype=torch.complex64)}},
+     TypeError, r"rel_k: expected a real tensor"),
+    ("xl-base-str", {"scheme": "xl", "params": _xl_kw(), "base": "x"}, TypeError,
+     r"base: expected a number, got str"),
+    ("t5-max_distance-2^50",
+     {"scheme": "t5", "params": _t5_kw(), "max_distance": 1 << 50},
+     posenc.InvalidValueError, r"max_distance must be an integer in \[1, 2\^48\]"),
+]
+
+
+@pytest.mark.parametrize("case", _HOSTILE_OPS, ids=[c[0] for c in _HOSTILE_OPS])
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_hostile_inputs_of_the_ops_backends(case, backend):
+    """posenc.torch.attention(..., backend='triton') refuses hostile configs, layers, settings
+    and tables as backend='cpu' does: the same exception and message (the config path resolves
+    through posenc's own scheme builder)."""
+    import posenc.torch as ptorch
+    _, kw, error, message = case
+    kw = dict(kw)
+    device = DEVICE if backend == "triton" else "cpu"
+    q, k, v = _tiny_qkv(device=device)
+    params = kw.pop("params", None)
+    if params is not None:
+        params = {n: t.to(device) for n, t in params.items()}
+    kw = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    scheme = kw.pop("scheme", None)
+    with pytest.raises(error, match=message):
+        ptorch.attention(q, k, v, scheme, params=params, backend=backend, **kw)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_hostile_inputs_of_the_flex_backend():
+    """backend='flex' (posenc.torch.attention and PositionalAttention): what FlexAttention cannot
+    compute is refused by name (Transformer-XL, Shaw's rel_v, a config or a layer); config=None
+    and layer=None are no config, as on the other backends; a table on another device is a
+    ValueError naming it (not a RuntimeError from inside the score_mod); the scheme settings'
+    types are checked as posenc checks them (a string is no bool)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    import posenc.torch as ptorch
+    q, k, v = _tiny_qkv(device="cpu")
+    deberta = {n: t for n, t in _deberta_kw().items() if n[0] == "p"}
+
+    def flex(scheme=None, **kw):
+        return ptorch.attention(q, k, v, scheme, backend="flex", **kw)
+    with pytest.raises(ValueError, match=r"Transformer-XL"):
+        flex("xl", params=_xl_kw())
+    with pytest.raises(ValueError, match=r"rel_v"):
+        flex("shaw", params=_shaw_kw(rel_v=torch.randn(5, _D)))
+    with pytest.raises(ValueError, match=r"backend='flex': 'config' is not taken"):
+        flex(config=_LLAMA)
+    with pytest.raises(ValueError, match=r"backend='flex': 'layer' is not taken"):
+        flex(layer=0)
+    got = flex(config=None, layer=None, causal=True)
+    want = ptorch.attention(q, k, v, config=None, layer=None, causal=True, backend="cpu")
+    _check("flex config=None", got, want.double().numpy(), F32, half_rounded=False)
+    with pytest.raises(ValueError, match=r"rel_k: on device 'meta'"):
+        flex("shaw", params={"rel_k": torch.empty(5, _D, device="meta")})
+    with pytest.raises(TypeError, match=r"deberta_float64_log: expected True or False"):
+        flex("deberta", params=deberta, max_relative_positions=4, deberta_float64_log="yes")
+    with pytest.raises(TypeError, match=r"position_buckets: expected an integer, got str"):
+        flex("deberta", params=deberta, position_buckets="4")
+    with pytest.raises(TypeError, match=r"'base' is a setting of another scheme"):
+        flex("deberta", params=deberta, max_relative_positions=4, base=100.0)
+    for scheme, match in (("xl", r"Transformer-XL"), ("shaw", r"rel_v")):
+        with pytest.raises(ValueError, match=match):
+            ptorch.PositionalAttention(scheme, _H, _H, _D, backend="flex")(q, k, v)
+    with pytest.raises(ValueError, match=r"'config' is not taken"):
+        ptorch.PositionalAttention(config=_LLAMA, backend="flex")(q, k, v)
+    with pytest.raises(ValueError, match=r"backend: 'auto', 'cpu', 'triton' or 'flex'"):
+        ptorch.PositionalAttention("rope", _H, _H, _D, backend="gpu")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's, on the interpreter's inf / NaN
+def test_non_finite_results_of_the_relative_schemes_are_named():
+    """The Triton path's check after the kernel with a table scheme: a non-finite v is named
+    (as posenc names it), finite tables whose terms overflow float32 are an InvalidValueError,
+    and allow_fully_masked skips the check (the non-finite value propagates)."""
+    import posenc.torch as ptorch
+    import posenc.triton as triton_attention
+    q, k, v = _tiny_qkv()
+    bad = v.clone()
+    bad[0, 2, 1, 3] = float("nan")
+    with pytest.raises(posenc.InvalidValueError, match=re.escape("attention: v: non-finite "
+                                                                 "value nan at [0, 2, 1, 3]")):
+        triton_attention.attention(q, k, bad, "xl", **_on_device(_xl_kw()))
+    with pytest.raises(posenc.InvalidValueError, match=re.escape("v: non-finite value nan at "
+                                                                 "[0, 2, 1, 3]")):
+        ptorch.attention(q, k, bad, "shaw", params=_on_device(_shaw_kw()), backend="triton")
+    huge = _on_device(_shaw_kw(rel_k=torch.full((5, _D), 3e38)))
+    with pytest.raises(posenc.InvalidValueError, match=r"not finite"):
+        triton_attention.attention(q, k, v, "shaw", **huge)
+    out = triton_attention.attention(q, k, bad, "xl", allow_fully_masked=True,
+                                     **_on_device(_xl_kw()))
+    assert not bool(torch.isfinite(out).all())

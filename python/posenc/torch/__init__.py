@@ -194,6 +194,8 @@ def _prepared(kwargs, scheme=None, params=None, base=None, device=None):
     names, tables = _split_params(params)
     for n, t in zip(names, tables):
         _require_on(t, n, device)
+        if t.is_complex():  # a cast to a real dtype would drop the imaginary part
+            raise TypeError(f"{n}: expected a real tensor, got {t.dtype}")
     settings = _ops.typed("attention", kw, "attention")
     if base:
         settings = {**base, **settings}
@@ -279,9 +281,17 @@ def _flex_attention(q, k, v, scheme, params, return_lse, kwargs):
     from . import flex
     kw = {n: x for n, x in kwargs.items() if n != "backend"}
     for name in ("config", "layer"):
-        if kw.get(name) is not None:
+        if kw.pop(name, None) is not None:  # None: not given, as the other backends take it
             raise ValueError(f"backend='flex': '{name}' is not taken by posenc.torch.flex (give "
                              "the scheme's settings, or use backend='cpu' / 'triton')")
+    # The scheme settings' types, as posenc's ops check them (TypeError naming the keyword): a
+    # string where a bool is expected must not become True.
+    owned = {n for names in flex._SETTINGS.values() for n in names}
+    _ops.typed("attention", {n: x for n, x in kw.items() if n in owned}, "attention")
+    if isinstance(params, dict):  # flex moves tables to q's device; a meta tensor has no data
+        for name, t in params.items():
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                raise ValueError(f"{name}: on device 'meta' (no data), q on '{q.device}'")
     return flex.attention(q, k, v, scheme, params=params, return_lse=return_lse, **kw)
 
 

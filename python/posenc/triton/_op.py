@@ -85,6 +85,9 @@ def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, se
                                  masks, settings)
     scheme = settings.get("scheme") or "none"
     if scheme not in _prepare.SCHEMES:
+        if scheme not in {s["name"] for s in posenc.schemes()}:  # posenc's message
+            raise posenc.InvalidValueError(
+                f"unknown scheme '{scheme}' ({', '.join(_prepare.SCHEMES)})")
         raise _unsupported(f"scheme '{scheme}'")
     named = dict(zip(table_names, tables))
     for name in named:
@@ -96,6 +99,11 @@ def plan(q, k, v, tables, table_names, query_positions, key_positions, masks, se
         "query_positions_offset", "key_positions_offset", "config_source", *_IGNORED}
     for name, value in settings.items():
         if value is not None and name not in known:
+            owners = [s for s, names in _SCHEME_SETTINGS.items() if name in names]
+            if owners:  # a setting of another scheme: posenc's TypeError
+                keyword = "freqs" if name.startswith("freqs_") else name
+                raise TypeError(f"attention(): keyword '{keyword}' does not apply to scheme "
+                                f"'{scheme}' (it is for {' '.join(owners)})")
             raise _unsupported(f"'{name}' with scheme '{scheme}'")
     qpos = query_positions if query_positions is not None else settings.get(
         "query_positions_offset")
@@ -185,6 +193,15 @@ def _plan_from_config(q, k, v, tables, table_names, query_positions, key_positio
     return p, named
 
 
+def _require_runnable(q):
+    """ValueError unless the kernels can run on q's device: CUDA, or the CPU under Triton's
+    interpreter (TRITON_INTERPRET=1 set before triton was first imported)."""
+    if q.device.type != "cuda" and not _forward.INTERPRETED:
+        raise ValueError(f"backend='triton': q is on device '{q.device}'; the Triton kernels run "
+                         "on CUDA tensors (CPU tensors only under TRITON_INTERPRET=1, set before "
+                         "triton is first imported; backend='cpu' runs posenc's CPU kernels)")
+
+
 def forward(q, k, v, tables, table_names, query_positions, key_positions, masks, settings,
             inputs=None):
     """(out, lse) of the op: out float32 for half inputs (the backward's delta reads it; the
@@ -195,6 +212,7 @@ def forward(q, k, v, tables, table_names, query_positions, key_positions, masks,
     q, k, v, query_positions, key_positions, masks, packed = _unpacked(
         q, k, v, query_positions, key_positions, masks)
     p, _ = plan(q, k, v, tables, table_names, query_positions, key_positions, masks, settings)
+    _require_runnable(q)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty((p.batch, p.seq_q, p.heads_q, p.v_dim),
                       dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16)
@@ -214,6 +232,7 @@ def backward(q, k, v, out, lse, dout, tables, table_names, query_positions, key_
         out, lse, dout = out[None], lse[None], dout[None]
     p, named = plan(q, k, v, tables, table_names, query_positions, key_positions, masks,
                     settings)
+    _require_runnable(q)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     want_table = any(n != "sinks" for n in named)

@@ -217,8 +217,8 @@ def _tensor(t, what, device, shape=None):
         raise TypeError(f"{what}: a floating-point tensor, got {t.dtype}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise posenc.ShapeError(f"{what}: shape {list(t.shape)}, expected {list(shape)}")
-    if not bool(torch.isfinite(t).all()):
-        raise posenc.InvalidValueError(f"{what}: non-finite values")
+    if not bool(torch.isfinite(t.detach().float()).all()):  # in float32, as the kernels read it
+        raise posenc.InvalidValueError(f"{what}: non-finite values (in float32)")
     return t
 
 
@@ -261,11 +261,13 @@ def _rope_tables(positions, freqs):
             (torch.sin(angle) * af).to(torch.float32).contiguous())
 
 
-def _t5_buckets(num_buckets, max_distance, bidirectional, device):
-    """The bucket of every distance rel in [-max_distance, max_distance], from posenc.t5_bucket
-    (T5's float32 log), as int32 [2 * max_distance + 1]. Buckets are monotone in |rel| and
-    saturate at |rel| = max_distance, so a kernel clamps rel to that range first."""
-    rel = torch.arange(-max_distance, max_distance + 1).numpy()
+def _t5_buckets(num_buckets, max_distance, bidirectional, device, reach=None):
+    """The bucket of every distance rel in [-reach, reach] (reach: default max_distance), from
+    posenc.t5_bucket (T5's float32 log), as int32 [2 * reach + 1]. Buckets are monotone in |rel|
+    and saturate at |rel| = max_distance, so a kernel clamps rel to that range first (to the
+    reach of the call's positions when that is shorter)."""
+    reach = max_distance if reach is None else reach
+    rel = torch.arange(-reach, reach + 1).numpy()
     b = posenc.t5_bucket(rel, num_buckets=num_buckets, max_distance=max_distance,
                          bidirectional=bidirectional)
     return torch.as_tensor(b, dtype=torch.int32).to(device)
@@ -370,7 +372,7 @@ def _prepare_rope(plan, settings):
         raise TypeError(f"rope: a posenc.RopeFrequencies (posenc.rope_frequencies(...)), got "
                         f"{type(freqs).__name__}")
     style = settings.get("rope_style", "half")
-    if style not in ("half", "interleaved"):
+    if not isinstance(style, str) or style not in ("half", "interleaved"):
         raise posenc.InvalidValueError(f"rope_style: {style!r} ('half' or 'interleaved')")
     r = int(freqs.rotary_dim)
     if not 2 <= r <= plan.head_dim:
@@ -396,20 +398,38 @@ def _prepare_t5(plan, settings, device):
     if table is None:
         raise posenc.InvalidValueError("scheme t5 needs relative_attention_bias "
                                        "[num_buckets, heads_q]")
-    if not isinstance(table, torch.Tensor) or table.dim() != 2:
-        raise posenc.ShapeError("relative_attention_bias: a tensor [num_buckets, heads_q]")
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"relative_attention_bias: a torch.Tensor [num_buckets, heads_q], got "
+                        f"{type(table).__name__}")
+    if table.dim() != 2:
+        raise posenc.ShapeError(f"relative_attention_bias: shape {list(table.shape)}, expected "
+                                "[num_buckets, heads_q]")
     _tensor(table, "relative_attention_bias", device, (table.shape[0], plan.heads_q))
     nb = table.shape[0]
     if settings.get("num_buckets") not in (None, nb):
         raise posenc.ShapeError(f"num_buckets {settings['num_buckets']} but "
                                 f"relative_attention_bias has {nb} rows")
-    plan.max_distance = _number(settings.get("max_distance", 128), "max_distance", integer=True,
-                                minimum=1)
+    max_distance = _number(settings.get("max_distance", 128), "max_distance", integer=True,
+                           minimum=1)
+    if max_distance > MAX_POSITION:
+        raise posenc.InvalidValueError(f"max_distance must be an integer in [1, 2^48] (got "
+                                       f"{max_distance})")
     bidirectional = settings.get("bidirectional")
     if bidirectional is None:
         bidirectional = not plan.causal
+    # The bucket table covers the distances the positions reach (at most max_distance, where
+    # the buckets saturate): a huge max_distance costs no more than the positions need.
+    lo = int(plan.key_pos.min()) - int(plan.query_pos.max())
+    hi = int(plan.key_pos.max()) - int(plan.query_pos.min())
+    reach = max(1, min(max_distance, max(-lo, hi)))
+    if 2 * reach + 1 > _relative.MAX_SPAN:
+        raise posenc.InvalidValueError(
+            f"positions: relative distances up to {max(-lo, hi)} with max_distance "
+            f"{max_distance} need {2 * reach + 1} buckets, more than the Triton kernels' tables "
+            f"hold ({_relative.MAX_SPAN}); backend='cpu' takes them")
+    plan.max_distance = reach
     plan.table = table.detach().float()
-    plan.buckets = _t5_buckets(nb, plan.max_distance, bool(bidirectional), device)
+    plan.buckets = _t5_buckets(nb, max_distance, bool(bidirectional), device, reach)
 
 
 def _int_tensor(x, what, device):

@@ -80,9 +80,10 @@ def _float_table(t, what, device, shape_text):
         raise ValueError(f"{what}: on {t.device}, expected {device} (q's device)")
     if not t.is_floating_point():
         raise TypeError(f"{what}: a floating-point tensor, got {t.dtype}")
-    if not bool(torch.isfinite(t).all()):
-        raise posenc.InvalidValueError(f"{what}: non-finite values")
-    return t.detach().float()
+    t32 = t.detach().float()
+    if not bool(torch.isfinite(t32).all()):  # float32's: a float64 value past its range is inf
+        raise posenc.InvalidValueError(f"{what}: non-finite values (in float32)")
+    return t32
 
 
 def _per_head(t, what, rows, heads, width, device):
@@ -103,8 +104,12 @@ def prepare_shaw(plan, settings, device):
     if rel_k is None:
         raise posenc.InvalidValueError("scheme shaw needs rel_k [2K+1, head_dim] or [2K+1, "
                                        "heads_q, head_dim]")
-    if not isinstance(rel_k, torch.Tensor) or rel_k.dim() not in (2, 3):
-        raise posenc.ShapeError("rel_k: a tensor [2K+1, head_dim] or [2K+1, heads_q, head_dim]")
+    if not isinstance(rel_k, torch.Tensor):
+        raise TypeError(f"rel_k: a torch.Tensor [2K+1, head_dim] or [2K+1, heads_q, head_dim], "
+                        f"got {type(rel_k).__name__}")
+    if rel_k.dim() not in (2, 3):
+        raise posenc.ShapeError(f"rel_k: shape {list(rel_k.shape)}, expected [2K+1, head_dim] or "
+                                "[2K+1, heads_q, head_dim]")
     rows = rel_k.shape[0]
     if rows < 1 or rows % 2 == 0:
         raise posenc.ShapeError(f"rel_k: 2K+1 (odd) rows, got {rows}")
@@ -125,8 +130,13 @@ def _bucket_keywords(plan, settings):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{name}: an integer, got {type(value).__name__}")
+            if not 0 <= int(value) <= 1 << 48:
+                raise posenc.InvalidValueError(f"{name} must be an integer in [0, 2^48] (got "
+                                               f"{int(value)})")
             kw[name] = int(value)
     p2c = settings.get("deberta_p2c", "model")
+    if not isinstance(p2c, str):
+        raise TypeError(f"deberta_p2c: 'model' or 'paper', got {type(p2c).__name__}")
     if p2c not in ("model", "paper"):
         raise posenc.InvalidValueError(f"deberta_p2c: 'model' or 'paper', got {p2c!r}")
     float64_log = settings.get("deberta_float64_log", False)
@@ -190,16 +200,20 @@ def prepare_xl(plan, settings, device):
     r_net = settings.get("r_net")
     if r_net is None:
         raise posenc.InvalidValueError("scheme xl needs r_net [heads_q * head_dim, d_model]")
-    if not isinstance(r_net, torch.Tensor) or r_net.dim() != 2 or r_net.shape[0] != heads * dim:
-        raise posenc.ShapeError(f"r_net: shape {list(getattr(r_net, 'shape', []))}, expected "
+    if not isinstance(r_net, torch.Tensor):
+        raise TypeError(f"r_net: a torch.Tensor [{heads * dim}, d_model], got "
+                        f"{type(r_net).__name__}")
+    if r_net.dim() != 2 or r_net.shape[0] != heads * dim:
+        raise posenc.ShapeError(f"r_net: shape {list(r_net.shape)}, expected "
                                 f"[{heads * dim}, d_model]")
     d_model = r_net.shape[1]
     if d_model < 2 or d_model % 2:
         raise posenc.ShapeError(f"r_net: d_model ({d_model}) must be even and >= 2")
     _float_table(r_net, "r_net", device, "[heads_q * head_dim, d_model]")
     base = settings.get("base", 1e4)
-    if isinstance(base, bool) or not isinstance(base, (int, float, np.floating, np.integer)) or \
-            not math.isfinite(float(base)) or float(base) <= 1.0:
+    if isinstance(base, bool) or not isinstance(base, (int, float, np.floating, np.integer)):
+        raise TypeError(f"base: a number, got {type(base).__name__}")
+    if not math.isfinite(float(base)) or float(base) <= 1.0:
         raise posenc.InvalidValueError(f"base: a finite number > 1, got {base!r}")
     lo, hi = rel_range(plan)
     n = hi - lo + 1
