@@ -413,3 +413,25 @@ def test_backend_flex_of_posenc_torch_and_the_modules():
                                                       "num_attention_heads": 4})
     with pytest.raises(ValueError, match="'auto', 'cpu', 'triton' or 'flex'"):
         pt.PositionalAttention("alibi", 4, 4, 16, backend="sdpa")
+
+
+def test_distance_tables_follow_the_positions_and_settings_are_checked_first():
+    """A huge max_distance costs no more than the positions reach (the result is posenc's);
+    positions reaching more distances than a table holds are refused by name; DeBERTa's settings
+    are checked before the tables' shapes (their own range errors, not a shape error)."""
+    rng = _rng("distance_tables")
+    q, k = _tensor(rng, 1, 5, 2, 16).float(), _tensor(rng, 1, 7, 2, 16).float()
+    table = _tensor(rng, 32, 2).float()
+    kw = {"max_distance": 2 ** 40, "scale": 1.0, "causal": True}
+    got = fx.attention(q, k, k, "t5", params={"relative_attention_bias": table}, **kw)
+    want = pt.attention(q, k, k, "t5", params={"relative_attention_bias": table}, **kw)
+    assert maxerr(got, want) <= 2e-6 * max(1.0, float(want.abs().max()))
+    with pytest.raises(ValueError, match="t5: the positions reach distances.*posenc.torch"):
+        fx.attention(q, k, k, "t5", params={"relative_attention_bias": table}, scale=1.0,
+                     max_distance=2 ** 40, key_positions=torch.tensor([0, 1, 2, 3, 4, 5, 2 ** 40]))
+    tables = {"pos_key": torch.randn(8, 2, 16), "pos_query": torch.randn(8, 2, 16)}
+    for setting, text in (({"position_buckets": -1}, "position_buckets must be >= 0"),
+                          ({"max_relative_positions": 2 ** 60},
+                           "max_relative_positions must be <= 2")):
+        with pytest.raises(ValueError, match=text):
+            fx.attention(q, k, k, "deberta", params=tables, **setting)

@@ -358,6 +358,28 @@ def _saturation(index_of, start):
     return t
 
 
+# The largest table of distances a score_mod gathers from (2^24 entries).
+_MAX_DISTANCES = 1 << 24
+
+
+def _distance_reach(index_of, start, spec, what):
+    """T for a table of the distances [-T, T] that a score_mod reads with rel.clamp(-T, T): where
+    the index saturates (_saturation from start), or the largest distance the call's positions
+    reach when that is smaller (the clamp then never changes a distance). ValueError when the
+    table would exceed _MAX_DISTANCES."""
+    t = _saturation(index_of, start)
+    lq, lk = spec.q_len, spec.k_len
+    if not torch.compiler.is_compiling() and lq > 0 and lk > 0:
+        qlo, qhi = spec.qpos.bounds(lq)
+        klo, khi = spec.kpos.bounds(lk)
+        t = min(t, max(qhi - klo, khi - qlo, 1))
+    if 2 * t + 1 > _MAX_DISTANCES:
+        raise ValueError(f"{what}: the positions reach distances whose {what} index table would "
+                         f"hold {2 * t + 1} entries (more than {_MAX_DISTANCES}); "
+                         f"posenc.torch.attention takes them")
+    return t
+
+
 class _Terms:
     """A scheme's score terms: tensors (on the device) and the score_mod over them."""
 
@@ -410,7 +432,7 @@ class _Terms:
                 return _posenc.t5_bucket(rel, num_buckets=nb, max_distance=md,
                                          bidirectional=bidir)
             bucket(np.zeros(1, np.int64))  # validates the settings (ValueError naming them)
-            t = _saturation(bucket, md + 1)
+            t = _distance_reach(bucket, md + 1, spec, "t5")
             idx = torch.from_numpy(np.asarray(bucket(np.arange(-t, t + 1)), np.int64)).to(dev)
             # bias by distance [heads, 2T + 1], differentiable in the table (a gather)
             bias = table.to(dev, torch.float32).index_select(0, idx).t().contiguous()
@@ -459,22 +481,22 @@ class _Terms:
             if p2c not in ("model", "paper"):
                 raise ValueError(f"deberta_p2c: 'model' or 'paper', got {p2c!r}")
             f64 = bool(settings.get("deberta_float64_log", False))
+
+            def rho_bucket(rho):
+                return np.asarray(_posenc.deberta_bucket(
+                    rho, max_relative_positions=mr, position_buckets=pb, float64_log=f64),
+                    np.int64)
+            rho_bucket(np.zeros(1, np.int64))  # validates the settings (before the tables)
             span = pb if pb > 0 else mr
             for name, t_ in (("pos_key", pk_t), ("pos_query", pq_t)):
                 if tuple(t_.shape) != (2 * span, heads_q, head_dim):
                     raise _shape_error(name, f"[2K, heads, head_dim] = [{2 * span}, {heads_q}, "
                                        f"{head_dim}] (K = {span})", t_.shape)
 
-            def rho_bucket(rho):
-                return np.asarray(_posenc.deberta_bucket(
-                    rho, max_relative_positions=mr, position_buckets=pb, float64_log=f64),
-                    np.int64)
-            rho_bucket(np.zeros(1, np.int64))  # validates the settings
-
             def c2p_of(rho):
                 return np.clip(rho_bucket(rho) + span, 0, 2 * span - 1)
 
-            t = _saturation(c2p_of, span + 1)
+            t = _distance_reach(c2p_of, span + 1, spec, "deberta")
             rhos = np.arange(-t, t + 1)
             c2p = torch.from_numpy(c2p_of(rhos)).to(dev)
             p2c_idx = c2p if p2c == "model" else torch.from_numpy(
