@@ -208,18 +208,8 @@ def _number(value, what, *, integer=False, minimum=None):
 
 
 def _tensor(t, what, device, shape=None):
-    """A float tensor of a given shape on the device (TypeError / ShapeError otherwise)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: a torch.Tensor, got {type(t).__name__}")
-    if t.device != device:
-        raise ValueError(f"{what}: on {t.device}, expected {device} (q's device)")
-    if not t.is_floating_point():
-        raise TypeError(f"{what}: a floating-point tensor, got {t.dtype}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise posenc.ShapeError(f"{what}: shape {list(t.shape)}, expected {list(shape)}")
-    if not bool(torch.isfinite(t.detach().float()).all()):  # in float32, as the kernels read it
-        raise posenc.InvalidValueError(f"{what}: non-finite values (in float32)")
-    return t
+    """A float tensor of a given shape on the device, as float32 (the tables' checks)."""
+    return _relative.float_table(t, what, device, shape=shape)
 
 
 def _positions(p, batch, n, default_start, device, what):

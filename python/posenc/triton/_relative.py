@@ -73,13 +73,19 @@ def rel_range(plan):
     return lo, hi
 
 
-def _float_table(t, what, device, shape_text):
+def float_table(t, what, device, shape_text="", shape=None):
+    """A table as the kernels read it, float32 and detached: a floating-point tensor on the
+    device (TypeError / ValueError otherwise), of the given shape when one is given
+    (ShapeError), finite in float32 (InvalidValueError)."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: a torch.Tensor {shape_text}, got {type(t).__name__}")
+        text = f" {shape_text}" if shape_text else ""
+        raise TypeError(f"{what}: a torch.Tensor{text}, got {type(t).__name__}")
     if t.device != device:
         raise ValueError(f"{what}: on {t.device}, expected {device} (q's device)")
     if not t.is_floating_point():
         raise TypeError(f"{what}: a floating-point tensor, got {t.dtype}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise posenc.ShapeError(f"{what}: shape {list(t.shape)}, expected {list(shape)}")
     t32 = t.detach().float()
     if not bool(torch.isfinite(t32).all()):  # float32's: a float64 value past its range is inf
         raise posenc.InvalidValueError(f"{what}: non-finite values (in float32)")
@@ -90,7 +96,7 @@ def _per_head(t, what, rows, heads, width, device):
     """A table [rows, width] (shared) or [rows, 1 or heads, width] as float32 [rows, 1 or heads,
     width], contiguous."""
     text = f"[{rows}, {width}] or [{rows}, {heads}, {width}]"
-    t32 = _float_table(t, what, device, text)
+    t32 = float_table(t, what, device, text)
     if t32.dim() == 2:
         t32 = t32[:, None, :]
     if t32.dim() != 3 or t32.shape[0] != rows or t32.shape[1] not in (1, heads) or \
@@ -158,7 +164,7 @@ def prepare_deberta(plan, settings, device):
         if t is None:
             raise posenc.InvalidValueError(f"scheme deberta needs {name} [2K, heads_q, head_dim]")
         text = f"[{2 * span}, {plan.heads_q}, {plan.head_dim}] (2K, heads_q, head_dim; K = {span})"
-        t32 = _float_table(t, name, device, text)
+        t32 = float_table(t, name, device, text)
         if tuple(t32.shape) != (2 * span, plan.heads_q, plan.head_dim):
             raise posenc.ShapeError(f"{name}: shape {list(t.shape)}, expected {text}")
         tables[name] = t32.contiguous()
@@ -193,7 +199,7 @@ def prepare_xl(plan, settings, device):
         t = settings.get(name)
         if t is None:
             raise posenc.InvalidValueError(f"scheme xl needs {name} [heads_q, head_dim]")
-        t32 = _float_table(t, name, device, f"[{heads}, {dim}]")
+        t32 = float_table(t, name, device, f"[{heads}, {dim}]")
         if tuple(t32.shape) != (heads, dim):
             raise posenc.ShapeError(f"{name}: shape {list(t.shape)}, expected [{heads}, {dim}]")
         bias[name] = t32.contiguous()
@@ -209,7 +215,7 @@ def prepare_xl(plan, settings, device):
     d_model = r_net.shape[1]
     if d_model < 2 or d_model % 2:
         raise posenc.ShapeError(f"r_net: d_model ({d_model}) must be even and >= 2")
-    _float_table(r_net, "r_net", device, "[heads_q * head_dim, d_model]")
+    float_table(r_net, "r_net", device, "[heads_q * head_dim, d_model]")
     base = settings.get("base", 1e4)
     if isinstance(base, bool) or not isinstance(base, (int, float, np.floating, np.integer)):
         raise TypeError(f"base: a number, got {type(base).__name__}")
