@@ -10,12 +10,14 @@
 // POSENC_BF16_DOT is refused).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention_cases.h"
@@ -113,6 +115,50 @@ struct Shape {
   int64_t batch, seq_k, heads_q, heads_kv, dim;
 };
 
+// Random bf16 q [qs], k and v [ks] and the float64 oracle's output on their values; run(threads)
+// gives the fused kernel's bf16 output bits.
+struct Bf16Problem {
+  std::array<int64_t, 4> qs, ks;
+  std::vector<bf16> q, k, v;
+  std::vector<double> want;
+
+  Bf16Problem(std::mt19937_64& engine, std::array<int64_t, 4> q_shape,
+              std::array<int64_t, 4> k_shape, const PositionScheme& scheme,
+              const AttentionOptions& opt)
+      : qs(q_shape), ks(k_shape) {
+    const auto size = [](const std::array<int64_t, 4>& a) { return a[0] * a[1] * a[2] * a[3]; };
+    const auto qf = cases::randn_f(engine, size(qs));
+    const auto kf = cases::randn_f(engine, size(ks));
+    const auto vf = cases::randn_f(engine, size(ks));
+    std::vector<double> qd(qf.size()), kd(kf.size()), vd(vf.size());
+    for (const auto& [from, to, wide] :
+         {std::tie(qf, q, qd), std::tie(kf, k, kd), std::tie(vf, v, vd)}) {
+      to.resize(from.size());
+      for (size_t i = 0; i < from.size(); ++i) {
+        to[i] = bf16_from_float(from[i]);
+        wide[i] = to_float(to[i]);
+      }
+    }
+    want.resize(q.size());
+    ref::attention(View<const double, 4>::contiguous(qd.data(), qs),
+                   View<const double, 4>::contiguous(kd.data(), ks),
+                   View<const double, 4>::contiguous(vd.data(), ks), scheme, opt,
+                   View<double, 4>::contiguous(want.data(), qs));
+  }
+
+  std::vector<uint16_t> run(const PositionScheme& scheme, AttentionOptions opt, int threads) const {
+    std::vector<bf16> out(q.size());
+    opt.num_threads = threads;
+    attention(View<const bf16, 4>::contiguous(q.data(), qs),
+              View<const bf16, 4>::contiguous(k.data(), ks),
+              View<const bf16, 4>::contiguous(v.data(), ks), scheme, opt,
+              View<bf16, 4>::contiguous(out.data(), qs));
+    std::vector<uint16_t> bits(out.size());
+    for (size_t i = 0; i < out.size(); ++i) bits[i] = out[i].bits;
+    return bits;
+  }
+};
+
 // Decoding attention, bf16 q, k, v and out, every scheme: the oracle's bound with the path on,
 // threads bit-identical, and the path off gives the same bound (the widening kernel).
 TEST(Bf16Dot, DecodingEverySchemeAgainstTheOracle) {
@@ -137,33 +183,10 @@ TEST(Bf16Dot, DecodingEverySchemeAgainstTheOracle) {
                    " " + posenc_test::seed_trace());
       const auto box =
           cases::make_scheme(name, sh.heads_q, sh.dim, rng.engine(), static_cast<int>(stream % 4));
-      const auto qf = cases::randn_f(rng.engine(), sh.batch * sh.heads_q * sh.dim);
-      const auto kf = cases::randn_f(rng.engine(), sh.batch * sh.seq_k * sh.heads_kv * sh.dim);
-      const auto vf = cases::randn_f(rng.engine(), sh.batch * sh.seq_k * sh.heads_kv * sh.dim);
-      std::vector<bf16> q(qf.size()), k(kf.size()), v(vf.size());
-      for (size_t i = 0; i < q.size(); ++i) q[i] = bf16_from_float(qf[i]);
-      for (size_t i = 0; i < k.size(); ++i) k[i] = bf16_from_float(kf[i]);
-      for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_from_float(vf[i]);
-      std::vector<double> qd(q.size()), kd(k.size()), vd(v.size()), want(q.size());
-      for (size_t i = 0; i < q.size(); ++i) qd[i] = to_float(q[i]);
-      for (size_t i = 0; i < k.size(); ++i) kd[i] = to_float(k[i]);
-      for (size_t i = 0; i < v.size(); ++i) vd[i] = to_float(v[i]);
       AttentionOptions opt{.causal = true};
-      ref::attention(View<const double, 4>::contiguous(qd.data(), qs),
-                     View<const double, 4>::contiguous(kd.data(), ks),
-                     View<const double, 4>::contiguous(vd.data(), ks), box->scheme, opt,
-                     View<double, 4>::contiguous(want.data(), qs));
-      auto run = [&](int threads) {
-        std::vector<bf16> out(q.size());
-        opt.num_threads = threads;
-        attention(View<const bf16, 4>::contiguous(q.data(), qs),
-                  View<const bf16, 4>::contiguous(k.data(), ks),
-                  View<const bf16, 4>::contiguous(v.data(), ks), box->scheme, opt,
-                  View<bf16, 4>::contiguous(out.data(), qs));
-        std::vector<uint16_t> bits(out.size());
-        for (size_t i = 0; i < out.size(); ++i) bits[i] = out[i].bits;
-        return bits;
-      };
+      const Bf16Problem pb(rng.engine(), qs, ks, box->scheme, opt);
+      const auto& want = pb.want;
+      auto run = [&](int threads) { return pb.run(box->scheme, opt, threads); };
       for (int mode : {1, 0}) {
         Bf16DotMode m(mode);
         const auto first = run(1);
@@ -316,33 +339,10 @@ TEST(Bf16Dot, PrefillEverySchemeAgainstTheOracle) {
                    std::to_string(sh.seq_q) + " " + posenc_test::seed_trace());
       const auto box =
           cases::make_scheme(name, sh.heads_q, sh.dim, rng.engine(), static_cast<int>(stream % 4));
-      const auto qf = cases::randn_f(rng.engine(), sh.batch * sh.seq_q * sh.heads_q * sh.dim);
-      const auto kf = cases::randn_f(rng.engine(), sh.batch * sh.seq_k * sh.heads_kv * sh.dim);
-      const auto vf = cases::randn_f(rng.engine(), sh.batch * sh.seq_k * sh.heads_kv * sh.dim);
-      std::vector<bf16> q(qf.size()), k(kf.size()), v(vf.size());
-      for (size_t i = 0; i < q.size(); ++i) q[i] = bf16_from_float(qf[i]);
-      for (size_t i = 0; i < k.size(); ++i) k[i] = bf16_from_float(kf[i]);
-      for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_from_float(vf[i]);
-      std::vector<double> qd(q.size()), kd(k.size()), vd(v.size()), want(q.size());
-      for (size_t i = 0; i < q.size(); ++i) qd[i] = to_float(q[i]);
-      for (size_t i = 0; i < k.size(); ++i) kd[i] = to_float(k[i]);
-      for (size_t i = 0; i < v.size(); ++i) vd[i] = to_float(v[i]);
       AttentionOptions opt{.causal = sh.causal, .window = sh.window};
-      ref::attention(View<const double, 4>::contiguous(qd.data(), qs),
-                     View<const double, 4>::contiguous(kd.data(), ks),
-                     View<const double, 4>::contiguous(vd.data(), ks), box->scheme, opt,
-                     View<double, 4>::contiguous(want.data(), qs));
-      auto run = [&](int threads) {
-        std::vector<bf16> out(q.size());
-        opt.num_threads = threads;
-        attention(View<const bf16, 4>::contiguous(q.data(), qs),
-                  View<const bf16, 4>::contiguous(k.data(), ks),
-                  View<const bf16, 4>::contiguous(v.data(), ks), box->scheme, opt,
-                  View<bf16, 4>::contiguous(out.data(), qs));
-        std::vector<uint16_t> bits(out.size());
-        for (size_t i = 0; i < out.size(); ++i) bits[i] = out[i].bits;
-        return bits;
-      };
+      const Bf16Problem pb(rng.engine(), qs, ks, box->scheme, opt);
+      const auto& want = pb.want;
+      auto run = [&](int threads) { return pb.run(box->scheme, opt, threads); };
       for (int mode : {1, 0}) {
         Bf16DotMode m(mode);
         const auto first = run(1);
