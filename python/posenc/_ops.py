@@ -624,7 +624,7 @@ def attention_paged_impl(q, k_pages, v_pages, block_table, seq_lens, tables, tab
                          query_positions=None, **settings):
     """posenc.attention_paged on the pages' memory: float32 pages (float32 q and out), or bf16 /
     f16 pages with q of their dtype (out of that dtype) or float32 (float32 out). No gradient.
-    CUDA tensors: the Triton kernels over each row's keys gathered from its pages."""
+    CUDA tensors: the Triton forward kernel reading the pages in place through the block table."""
     if q.device.type == "cuda":
         return _triton_op().paged(q, k_pages, v_pages, block_table, seq_lens, list(tables),
                                   list(table_names), query_positions, settings)

@@ -639,7 +639,8 @@ from posenc.triton import _backward, _forward
 
 INTS = {"QPos": "*i64", "KPos": "*i64", "QTiles": "*i64", "KTiles": "*i64", "Buckets": "*i32",
         "QDoc": "*i32", "KDoc": "*i32", "QOpen": "*i32", "KOpen": "*i32", "Dense": "*u8",
-        "RelQIdx": "*i32", "RelKIdx": "*i32", "RelVIdx": "*i32", "NonFinite": "*i32"}
+        "RelQIdx": "*i32", "RelKIdx": "*i32", "RelVIdx": "*i32", "NonFinite": "*i32",
+        "Pages": "*i32", "KLen": "*i32"}
 
 def compile(kernel, dtype, constexprs, rotated=()):
     signature = {}
@@ -668,7 +669,7 @@ for dtype, scheme, rotary, flags, rel in (
              REL_V=bool(rel[2]), Q_BIAS=bool(rel[3]), BLOCK_M=16 if rel[0] else 32,
              BLOCK_N=16 if rel[0] else 32, BLOCK_D=64, BLOCK_DV=32, EMULATE_BF16=False)
     rotated = ("DQ", "DK") if rotary else ()
-    compile(_forward.attention_forward_kernel, dtype, c)
+    compile(_forward.attention_forward_kernel, dtype, dict(c, PAGED=flags))
     compile(_backward.attention_backward_kv_kernel, dtype, dict(c, NEED_DTABLE=scheme > 3),
             rotated)
     compile(_backward.attention_backward_q_kernel, dtype, dict(c, NEED_DTABLE=scheme > 1),
@@ -899,38 +900,77 @@ def test_backend_triton_refuses_what_its_kernels_lack():
         ptorch.attention(q.double(), q.double(), q.double(), backend="triton")
 
 
-def test_paged_cache_rows_gathered_as_the_cpu_kernel_reads_them():
-    """posenc.triton._op.paged (the CUDA form of torch.ops.posenc.attention_paged) against the
-    CPU paged kernel: rows of different lengths sharing a page, a table wider than the rows'
-    pages with unused entries -1, both page layouts, GQA, two queries per row, ALiBi and RoPE,
-    float32 and bfloat16 (the CPU result of the same bf16 values in float32, rounded once)."""
+def test_paged_cache_read_in_place_as_the_cpu_kernel_reads_it():
+    """posenc.triton._op.paged (the CUDA form of torch.ops.posenc.attention_paged: the forward
+    kernel reads the pages through the block table) against the CPU paged kernel: rows of
+    different lengths over several key tiles, sharing pages, an empty row, a table wider than
+    the rows' pages with unused entries -1 (never read), both page layouts, GQA, two queries
+    per row, ALiBi, RoPE, T5 with its table, a window with soft-cap and sinks, given query
+    positions, float32, bfloat16 and float16 (the CPU result of the same half values in
+    float32, rounded once)."""
     from posenc import _ops
     from posenc.triton import _op
     rng = np.random.default_rng(21)
-    page, heads_q, heads_kv, dim, num_pages = 4, 4, 2, 16, 9
-    table = torch.tensor([[0, 3, 5, -1], [7, 3, -1, -1], [8, 1, 2, 6]], dtype=torch.int32)
-    lens = torch.tensor([11, 6, 16], dtype=torch.int32)
-    q = torch.tensor(rng.standard_normal((3, 2, heads_q, dim)), dtype=F32)
+    page, heads_q, heads_kv, dim, num_pages = 4, 4, 2, 16, 40
+    lens = torch.tensor([77, 0, 33, 6], dtype=torch.int32)
+    table = torch.full((4, 21), -1, dtype=torch.int32)
+    perm = torch.tensor(rng.permutation(num_pages), dtype=torch.int32)
+    table[0, :20], table[2, :9], table[3, :2] = perm[:20], perm[11:20], perm[3:5]  # shared pages
+    q = torch.tensor(rng.standard_normal((4, 2, heads_q, dim)), dtype=F32)
     pool = torch.tensor(rng.standard_normal((2, num_pages, page, heads_kv, dim)), dtype=F32)
+    t5 = torch.tensor(rng.standard_normal((32, heads_q)), dtype=F32)
+    sinks = torch.tensor(rng.standard_normal(heads_q), dtype=F32)
+    qpos = torch.tensor([[3, 80], [0, 1], [10, 32], [5, 5]])
+    cases = (("alibi", F32, {}, [], None), ("rope", BF16, {}, [], None),
+             ("none", F32, {}, [], None), ("t5", F16, {}, [("relative_attention_bias", t5)], None),
+             ("rope", F32, {"window": 9, "softcap": 5.0}, [("sinks", sinks)], qpos),
+             ("alibi", BF16, {}, [], qpos))
     for layout in ("token_major", "head_major"):
         kp, vp = pool[0], pool[1]
         if layout == "head_major":
             kp, vp = kp.transpose(1, 2).contiguous(), vp.transpose(1, 2).contiguous()
-        for scheme, dtype in (("alibi", F32), ("rope", BF16), ("none", F32)):
+        for scheme, dtype, extra, named, positions in cases:
             settings = _ops.typed("attention_paged", {"scheme": scheme, "causal": True,
-                                                      "layout": layout}, "attention_paged")
+                                                      "layout": layout, "allow_fully_masked": True,
+                                                      **extra}, "attention_paged")
             args = [t.to(dtype) for t in (q, kp, vp)]
+            names, tables = [n for n, _ in named], [t for _, t in named]
             got = _op.paged(*(t.to(DEVICE) for t in args), table.to(DEVICE), lens.to(DEVICE),
-                            [], [], None, settings).cpu()
+                            [t.to(DEVICE) for t in tables], names,
+                            None if positions is None else positions.to(DEVICE), settings).cpu()
             assert got.dtype == dtype and got.shape == q.shape
-            want = _ops.attention_paged_impl(*(t.float() for t in args), table, lens, [], [],
-                                             None, **settings)
-            tol = 1e-5 if dtype == F32 else 2.0 ** -8 * want.abs() + 1e-5
-            assert torch.all((got.float() - want).abs() <= tol), (layout, scheme)
-    with pytest.raises(posenc.InvalidValueError, match=r"block_table\[1\]\[1\] = 9"):
-        _op.paged(q.to(DEVICE), pool[0].to(DEVICE), pool[1].to(DEVICE),
-                  torch.tensor([[0, 1], [2, 9], [0, 1]]), lens.clamp(max=8), [], [], None,
-                  _ops.typed("attention_paged", {"causal": True}, "attention_paged"))
+            want = _ops.attention_paged_impl(*(t.float() for t in args), table, lens, tables,
+                                             names, positions, **settings)
+            tol = 1e-5 if dtype == F32 else 2.0 ** (-8 if dtype == BF16 else -11) * want.abs() + 1e-5
+            assert torch.all((got.float() - want).abs() <= tol), (layout, scheme, dtype)
+            assert not got[1].any() or positions is not None or named  # the empty row: 0
+
+
+def test_paged_cache_refusals_are_the_cpu_kernels():
+    """Bad paged calls are refused before a page is read, with the CPU kernel's types and
+    messages: block tables and lengths of wrong types, shapes and ranges, pools that differ or
+    hold no slot, head counts and dims that do not match, default positions past a short row,
+    a row that sees no key."""
+    from posenc import _ops
+    from posenc.triton import _op
+    q = torch.zeros(2, 1, 4, 16)
+    kp = torch.zeros(5, 4, 2, 16)
+    t = torch.zeros(2, 3, dtype=torch.int32)
+    n = torch.tensor([3, 4], dtype=torch.int32)
+    s = _ops.typed("attention_paged", {}, "attention_paged")
+    calls = [(q, kp, kp, t.float(), n), (q, kp, kp[:4], t, n), (q[..., :8], kp, kp, t, n),
+             (q[:, :, :3], kp, kp, t, n), (q, kp, kp, t[:1], n), (q, kp, kp, t, n[:1]),
+             (q, kp, kp, t[0], n), (q, kp[:, :0], kp[:, :0], t, n * 0),
+             (q, kp, kp, t, torch.tensor([13, 1], dtype=torch.int32)),
+             (q, kp, kp, t, torch.tensor([-1, 1], dtype=torch.int32)), (q, kp, kp, t + 5, n),
+             (q, kp, kp, torch.tensor([[0, 7, 2], [1, 2, 3]], dtype=torch.int32), n + 2),
+             (torch.zeros(2, 5, 4, 16), kp, kp, t, n), (q, kp, kp, t, n * 0)]
+    for args in calls:
+        with pytest.raises((TypeError, ValueError)) as cpu:
+            _ops.attention_paged_impl(*args, [], [], None, **s)
+        with pytest.raises(type(cpu.value)) as tri:
+            _op.paged(*(a.to(DEVICE) for a in args), [], [], None, s)
+        assert str(tri.value) == str(cpu.value)
 
 
 # ---- transformers models on the Triton kernels -------------------------------------------------

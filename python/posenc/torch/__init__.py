@@ -328,7 +328,7 @@ def attention_paged(q, k_pages, v_pages, block_table, seq_lens, scheme=None, *, 
     for t, what in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: a torch.Tensor (use posenc.attention_paged for NumPy)")
-    # CUDA tensors: the Triton kernels over each row's keys gathered from the pages.
+    # CUDA tensors: the Triton forward kernel reads the pages in place through the block table.
     device = q.device if q.device.type == "cuda" else None
     for t, what in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
         _require_on(t, what, device)

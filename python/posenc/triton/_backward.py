@@ -91,10 +91,10 @@ def attention_backward_kv_kernel(
     kdoc, kopen = token_masks(KDoc + b * seq_k, KOpen + b * seq_k, cols, col_ok, HAS_DOCS,
                               HAS_OPEN)
     klo, khi, kdlo, kdhi, kany = block_info(kpos, kdoc, kopen, col_ok)
-    k = load_rotated(K + b * k_stride_b + kv_head * k_stride_h, cols, col_ok, k_stride_l, dims,
+    k = load_rotated(K + b * k_stride_b + kv_head * k_stride_h, cols, cols * k_stride_l, col_ok, dims,
                      head_dim, KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
                      ROTARY, INTERLEAVED, False)
-    v = load_tile(V + b * v_stride_b + kv_head * v_stride_h, cols, col_ok, v_stride_l, vdims,
+    v = load_tile(V + b * v_stride_b + kv_head * v_stride_h, cols * v_stride_l, col_ok, vdims,
                   vdims < v_dim)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
@@ -113,12 +113,12 @@ def attention_backward_kv_kernel(
                 qpos = tl.load(QPos + b * qpos_stride_b + rows, mask=row_ok, other=0)
                 qdoc, qopen = token_masks(QDoc + b * seq_q, QOpen + b * seq_q, rows, row_ok,
                                           HAS_DOCS, HAS_OPEN)
-                q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok,
-                                 q_stride_l, dims, head_dim, QCos + b * qcos_stride_b,
+                q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, rows * q_stride_l, row_ok,
+                                 dims, head_dim, QCos + b * qcos_stride_b,
                                  QSin + b * qcos_stride_b, ROTARY, INTERLEAVED, False)
                 qc, qr = biased_queries(q, QBias, QRelBias, head, dims, head_dim, Q_BIAS)
-                do = load_tile(DO + b * do_stride_b + head * do_stride_h, rows, row_ok,
-                               do_stride_l, vdims, vdims < v_dim)
+                do = load_tile(DO + b * do_stride_b + head * do_stride_h, rows * do_stride_l, row_ok,
+                               vdims, vdims < v_dim)
                 lse = tl.load(Lse + row_base + rows, mask=row_ok, other=0.0)
                 delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
                 vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen,
@@ -196,11 +196,11 @@ def attention_backward_q_kernel(
     qdoc, qopen = token_masks(QDoc + b * seq_q, QOpen + b * seq_q, rows, row_ok, HAS_DOCS,
                               HAS_OPEN)
     qlo, qhi, qdlo, qdhi, qany = block_info(qpos, qdoc, qopen, row_ok)
-    q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok, q_stride_l, dims,
+    q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, rows * q_stride_l, row_ok, dims,
                      head_dim, QCos + b * qcos_stride_b, QSin + b * qcos_stride_b,
                      ROTARY, INTERLEAVED, False)
     qc, qr = biased_queries(q, QBias, QRelBias, head, dims, head_dim, Q_BIAS)
-    do = load_tile(DO + b * do_stride_b + head * do_stride_h, rows, row_ok, do_stride_l, vdims,
+    do = load_tile(DO + b * do_stride_b + head * do_stride_h, rows * do_stride_l, row_ok, vdims,
                    vdims < v_dim)
     row_base = (b * heads_q + head) * seq_q
     lse = tl.load(Lse + row_base + rows, mask=row_ok, other=0.0)
@@ -224,10 +224,10 @@ def attention_backward_q_kernel(
             kpos = tl.load(KPos + b * kpos_stride_b + cols, mask=col_ok, other=0)
             kdoc, kopen = token_masks(KDoc + b * seq_k, KOpen + b * seq_k, cols, col_ok,
                                       HAS_DOCS, HAS_OPEN)
-            k = load_rotated(k_base, cols, col_ok, k_stride_l, dims, head_dim,
+            k = load_rotated(k_base, cols, cols * k_stride_l, col_ok, dims, head_dim,
                              KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
                              ROTARY, INTERLEAVED, False)
-            v = load_tile(v_base, cols, col_ok, v_stride_l, vdims, vdims < v_dim)
+            v = load_tile(v_base, cols * v_stride_l, col_ok, vdims, vdims < v_dim)
             vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen, kopen,
                           Dense + b * dense_stride_b, rows, cols, seq_k, CAUSAL, HAS_WINDOW,
                           HAS_CHUNK, HAS_DOCS, HAS_OPEN, HAS_DENSE)
@@ -281,7 +281,7 @@ def rope_back_kernel(X, Y, x_stride_b, x_stride_l, x_stride_h, y_stride_b, y_str
     rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     row_ok = rows < seq
     dims = tl.arange(0, BLOCK_D)
-    x = load_rotated(X + b * x_stride_b + head * x_stride_h, rows, row_ok, x_stride_l, dims,
+    x = load_rotated(X + b * x_stride_b + head * x_stride_h, rows, rows * x_stride_l, row_ok, dims,
                      head_dim, Cos + b * cos_stride_b, Sin + b * cos_stride_b, ROTARY,
                      INTERLEAVED, True)
     y_ptr = Y + b * y_stride_b + head * y_stride_h + rows[:, None] * y_stride_l + dims[None, :]

@@ -99,22 +99,25 @@ def _tanh(x):
 
 
 @triton.jit
-def load_tile(base, rows, row_ok, stride_l, cols, col_ok):
-    """Rows of a [seq, dim] slice with unit dim stride, in its dtype; 0 outside the masks."""
-    return tl.load(base + rows[:, None] * stride_l + cols[None, :],
+def load_tile(base, offs, row_ok, cols, col_ok):
+    """Rows of a [seq, dim] slice with unit dim stride, in its dtype; 0 outside the masks.
+    offs: each row's offset from base, in elements (rows * the row stride, or a paged cache's
+    page and slot)."""
+    return tl.load(base + offs[:, None] + cols[None, :],
                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
 
 
 @triton.jit
-def load_rotated(base, rows, row_ok, stride_l, cols, dim, Cos, Sin,
+def load_rotated(base, rows, offs, row_ok, cols, dim, Cos, Sin,
                  ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr):
-    """Rows of q or k as load_tile loads them; with RoPE (ROTARY = rotary dim > 0) widened to
+    """Rows of q or k as load_tile loads them (rows: their token indices, which index the
+    tables; offs: their offsets in memory); with RoPE (ROTARY = rotary dim > 0) widened to
     float32 and rotated by each row's angles: pairs (i, i + R/2) (half style) or (2i, 2i + 1)
     (interleaved), dims >= R unchanged. Cos, Sin: this batch row's per-token tables
     [seq, R/2], attention factor included. INVERSE rotates by minus the angles (the transpose,
     which maps a gradient back to the unrotated input)."""
     col_ok = cols < dim
-    x = load_tile(base, rows, row_ok, stride_l, cols, col_ok)
+    x = load_tile(base, offs, row_ok, cols, col_ok)
     if ROTARY > 0:
         if INTERLEAVED:
             pair = cols // 2
@@ -125,7 +128,7 @@ def load_rotated(base, rows, row_ok, stride_l, cols, dim, Cos, Sin,
             partner = tl.where(cols < ROTARY // 2, cols + ROTARY // 2, cols - ROTARY // 2)
             first = cols < ROTARY // 2
         rotated = cols < ROTARY
-        other = load_tile(base, rows, row_ok, stride_l, partner, rotated).to(tl.float32)
+        other = load_tile(base, offs, row_ok, partner, rotated).to(tl.float32)
         table = rows[:, None] * (ROTARY // 2) + pair[None, :]
         inside = row_ok[:, None] & rotated[None, :]
         c = tl.load(Cos + table, mask=inside, other=1.0)
@@ -313,16 +316,21 @@ def attention_forward_kernel(
         RelQ, relq_stride_r, relq_stride_h, RelQIdx, relq_lo, relq_n,
         RelK, relk_stride_r, relk_stride_h, RelKIdx, relk_lo, relk_n,
         RelV, relv_stride_r, relv_stride_h, RelVIdx, relv_lo, relv_n, QBias, QRelBias,
+        Pages, pages_stride_b, page_size, KLen, k_stride_p, v_stride_p,
         SCHEME: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
         ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_DOCS: tl.constexpr,
         HAS_OPEN: tl.constexpr, HAS_DENSE: tl.constexpr, REL_Q: tl.constexpr,
-        REL_K: tl.constexpr, REL_V: tl.constexpr, Q_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        EMULATE_BF16: tl.constexpr):
+        REL_K: tl.constexpr, REL_V: tl.constexpr, Q_BIAS: tl.constexpr, PAGED: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """out and lse of BLOCK_M query rows of one (batch row, query head); grid
     (query blocks, batch * heads_q). NonFinite (int32 [1]) becomes 1 when an output element is
-    not finite (a non-finite value: the host then names the input that holds one)."""
+    not finite (a non-finite value: the host then names the input that holds one).
+
+    PAGED: K and V are a paged cache's pages, read where they lie: key j of batch row b is slot
+    j % page_size of page Pages[b, j // page_size] (k_stride_p, v_stride_p apart; k_stride_l,
+    v_stride_l between slots), and row b has KLen[b] keys (tiles past them are not visited)."""
     b = (tl.program_id(1) // heads_q).to(tl.int64)  # 64-bit offsets for large tensors
     head = tl.program_id(1) % heads_q
     kv_head = head // group
@@ -334,7 +342,7 @@ def attention_forward_kernel(
     qdoc, qopen = token_masks(QDoc + b * seq_q, QOpen + b * seq_q, rows, row_ok, HAS_DOCS,
                               HAS_OPEN)
     qlo, qhi, qdlo, qdhi, qany = block_info(qpos, qdoc, qopen, row_ok)
-    q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, row_ok, q_stride_l, dims,
+    q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, rows * q_stride_l, row_ok, dims,
                      head_dim, QCos + b * qcos_stride_b, QSin + b * qcos_stride_b,
                      ROTARY, INTERLEAVED, False)
     qc, qr = biased_queries(q, QBias, QRelBias, head, dims, head_dim, Q_BIAS)
@@ -351,19 +359,33 @@ def attention_forward_kernel(
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    for tile in range(0, k_tiles):
+    k_len = seq_k
+    row_tiles = k_tiles
+    if PAGED:
+        k_len = tl.load(KLen + b)
+        row_tiles = tl.cdiv(k_len, BLOCK_N)
+    for tile in range(0, row_tiles):
         klo, khi, kdlo, kdhi, kany = tile_info(k_info, tile)
         if tile_visible(qlo, qhi, qdlo, qdhi, qany, klo, khi, kdlo, kdhi, kany, window, chunk,
                         CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_DOCS, HAS_OPEN):
             cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < seq_k
+            col_ok = cols < k_len
             kpos = tl.load(KPos + b * kpos_stride_b + cols, mask=col_ok, other=0)
             kdoc, kopen = token_masks(KDoc + b * seq_k, KOpen + b * seq_k, cols, col_ok,
                                       HAS_DOCS, HAS_OPEN)
-            k = load_rotated(k_base, cols, col_ok, k_stride_l, dims, head_dim,
+            if PAGED:
+                page = tl.load(Pages + b * pages_stride_b + cols // page_size, mask=col_ok,
+                               other=0).to(tl.int64)
+                slot = cols % page_size
+                k_offs = page * k_stride_p + slot * k_stride_l
+                v_offs = page * v_stride_p + slot * v_stride_l
+            else:
+                k_offs = cols * k_stride_l
+                v_offs = cols * v_stride_l
+            k = load_rotated(k_base, cols, k_offs, col_ok, dims, head_dim,
                              KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
                              ROTARY, INTERLEAVED, False)
-            v = load_tile(v_base, cols, col_ok, v_stride_l, vdims, vdims < v_dim)
+            v = load_tile(v_base, v_offs, col_ok, vdims, vdims < v_dim)
             vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen, kopen,
                           Dense + b * dense_stride_b, rows, cols, seq_k, CAUSAL, HAS_WINDOW,
                           HAS_CHUNK, HAS_DOCS, HAS_OPEN, HAS_DENSE)
@@ -396,25 +418,40 @@ def attention_forward_kernel(
     tl.atomic_max(NonFinite, tl.max(tl.where(bad, 1, 0)))
 
 
-def forward(q, k, v, plan, out, lse):
+def forward(q, k, v, plan, out, lse, pages=None):
     """Runs the forward kernel: out [batch, seq_q, heads_q, v_dim] (any float dtype; the
     result is rounded to it), lse float32 [batch, heads_q, seq_q] contiguous. plan.nonfinite:
-    int32 [1], 1 when an output element is not finite."""
+    int32 [1], 1 when an output element is not finite.
+
+    pages: a paged cache read in place, as (block_table int32 [batch, max_pages], key counts
+    int32 [batch], page_size); k and v are then the pages, [num_pages, page_size, heads_kv, dim]
+    (any strides with unit dim stride: head-major pages are their transposed view), and the
+    plan's seq_k is the largest count."""
     block_m, block_n, warps = plan.tiles("forward")
     plan.nonfinite = torch.zeros(1, dtype=torch.int32, device=q.device)
     k_tiles = plan.tile_info(plan.key_pos, plan.key_docs, plan.key_open, block_n)
     grid = (triton.cdiv(plan.seq_q, block_m), plan.batch * plan.heads_q)
+    if pages is None:
+        paged = dict(Pages=plan.dummy, pages_stride_b=0, page_size=1, KLen=plan.dummy,
+                     k_stride_p=0, v_stride_p=0, PAGED=False)
+        k_strides, v_strides = k.stride()[:3], v.stride()[:3]
+    else:
+        table, counts, page_size = pages
+        paged = dict(Pages=table, pages_stride_b=table.stride(0), page_size=page_size,
+                     KLen=counts, k_stride_p=k.stride(0), v_stride_p=v.stride(0), PAGED=True)
+        k_strides, v_strides = (0, *k.stride()[1:3]), (0, *v.stride()[1:3])
     attention_forward_kernel[grid](
-        q, k, v, out, lse, plan.nonfinite, k_tiles, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *out.stride()[:3], plan.heads_q, **plan.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,
-        EMULATE_BF16=EMULATE_BF16, num_warps=warps)
+        q, k, v, out, lse, plan.nonfinite, k_tiles, *q.stride()[:3], *k_strides, *v_strides,
+        *out.stride()[:3], plan.heads_q, **plan.kernel_args(), **paged, BLOCK_M=block_m,
+        BLOCK_N=block_n, EMULATE_BF16=EMULATE_BF16, num_warps=warps)
 
 
-def check_result(lse, plan, inputs, allow_fully_masked):
+def check_result(lse, plan, inputs, allow_fully_masked, no_key_error=None):
     """posenc's errors for a forward's result, with one device synchronization: a non-finite
     input (InvalidValueError naming the first such element of the tensors `inputs`, [(name,
-    tensor)], in order, as the CPU entry points do), then a query row that sees no key. Skipped
-    (no synchronization) with allow_fully_masked or sinks, where NaN and infinity propagate."""
+    tensor)], in order, as the CPU entry points do), then a query row that sees no key (the
+    error no_key_error(lse, plan) makes, by default posenc.attention's). Skipped (no
+    synchronization) with allow_fully_masked or sinks, where NaN and infinity propagate."""
     if allow_fully_masked or plan.sinks is not None:
         return
     nonfinite, no_key = torch.stack([
@@ -430,5 +467,6 @@ def check_result(lse, plan, inputs, allow_fully_masked):
         raise posenc.InvalidValueError("attention: a score or an output is not finite (float32 "
                                        "overflow of q . k)")
     if no_key:
-        from . import _fully_masked_error
-        raise _fully_masked_error(lse, plan)
+        if no_key_error is None:
+            from . import _fully_masked_error as no_key_error
+        raise no_key_error(lse, plan)

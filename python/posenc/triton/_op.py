@@ -245,48 +245,77 @@ def backward(q, k, v, out, lse, dout, tables, table_names, query_positions, key_
                            for n in table_names]
 
 
-def _row_keys(pages, table, lens, page_size, layout):
-    """The keys (or values) of every row gathered from the pages and packed one row after the
-    other: [sum(lens), heads_kv, head_dim]."""
-    if layout == "head_major":  # [num_pages, heads_kv, page_size, head_dim]
-        pages = pages.transpose(1, 2)
-    rows = []
-    for b, n in enumerate(lens):
-        used = table[b, :(n + page_size - 1) // page_size]
-        rows.append(pages[used].flatten(0, 1)[:n])
-    return torch.cat(rows) if rows else pages.new_empty((0, *pages.shape[2:]))
+def _check_pages(q, k_pages, v_pages, layout):
+    """q and the pools of a paged call: types, one device and dtype, shapes (the CPU kernel's
+    messages)."""
+    for t, what in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention_paged: {what}: a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise posenc.ShapeError(f"attention_paged: {what}: 4 dimensions, got "
+                                    f"{list(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"attention_paged: the Triton kernels take q and the pages of one "
+                            f"dtype (q {q.dtype}, {what} {t.dtype})")
+        if t.device != q.device:
+            raise ValueError(f"attention_paged: {what} is on {t.device}, q on {q.device}")
+    if q.dtype not in _prepare.DTYPES:
+        raise TypeError(f"attention_paged: q: float32, float16 or bfloat16, got {q.dtype}")
+    tok = layout == "token_major"
+    page_size, heads_kv = k_pages.shape[1:3] if tok else k_pages.shape[2:0:-1]
+    if page_size < 1 or heads_kv < 1 or k_pages.shape[3] < 1:
+        want = ("[num_pages, page_size, heads_kv, head_dim] (token_major)" if tok else
+                "[num_pages, heads_kv, page_size, head_dim] (head_major)")
+        raise posenc.ShapeError(f"attention_paged: k_pages {list(k_pages.shape)} must be {want} "
+                                f"with page_size, heads_kv and head_dim >= 1")
+    if v_pages.shape != k_pages.shape:
+        raise posenc.ShapeError(f"attention_paged: k_pages {list(k_pages.shape)} and v_pages "
+                                f"{list(v_pages.shape)} must have the same shape")
+    if q.shape[3] != k_pages.shape[3]:
+        raise posenc.ShapeError(f"attention_paged: q {list(q.shape)} and k_pages "
+                                f"{list(k_pages.shape)} differ in head_dim")
+    if q.shape[2] < 1 or q.shape[2] % heads_kv:
+        raise posenc.ShapeError(f"attention_paged: k_pages: kv heads ({heads_kv}) must divide q "
+                                f"heads ({q.shape[2]})")
 
 
 def paged(q, k_pages, v_pages, block_table, seq_lens, tables, table_names, query_positions,
           settings):
-    """posenc.attention_paged on the Triton kernels: each row's keys gathered from its pages (by
-    the block table, on the device) and packed, then the packed-sequence attention of the
-    same q, whose default positions (keys 0 .. len - 1, queries len - seq_q + i) are the paged
-    call's. out [batch, seq_q, heads_q, v_dim] in q's dtype. q, k_pages and v_pages share one
-    dtype (float32, float16 or bfloat16)."""
+    """posenc.attention_paged on the Triton kernels: the forward kernel reads each row's keys
+    and values from their pages where they lie (key j of row b: slot j % page_size of page
+    block_table[b, j // page_size]), with no gathered copy; keys at 0 .. len - 1 and queries at
+    len - seq_q + i unless query_positions are given. out [batch, seq_q, heads_q, v_dim] in q's
+    dtype. q, k_pages and v_pages share one dtype (float32, float16 or bfloat16)."""
     layout = settings.get("layout") or "token_major"
     if layout not in ("token_major", "head_major"):
         raise ValueError(f"layout: 'token_major' or 'head_major' (got {layout!r})")
-    if q.dim() != 4 or k_pages.dim() != 4 or v_pages.dim() != 4:
-        raise posenc.ShapeError("attention_paged: q [batch, seq_q, heads_q, head_dim] and pages "
-                                "of 4 dimensions")
-    for t, what in ((k_pages, "k_pages"), (v_pages, "v_pages")):
-        if t.dtype != q.dtype:
-            raise TypeError(f"attention_paged: the Triton kernels take q and the pages of one "
-                            f"dtype (q {q.dtype}, {what} {t.dtype})")
+    _check_pages(q, k_pages, v_pages, layout)
     batch, seq_q = q.shape[0], q.shape[1]
     page_size = k_pages.shape[2 if layout == "head_major" else 1]
     num_pages = k_pages.shape[0]
+    for t, what, dims in ((block_table, "block_table", "[batch, max_pages]"),
+                          (seq_lens, "seq_lens", "[batch]")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: a torch.Tensor, got {type(t).__name__}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{what}: expected integers, got dtype "
+                            f"{str(t.dtype).replace('torch.', '')}")
+        if t.dim() != dims.count(",") + 1:
+            raise posenc.ShapeError(f"{what}: expected {dims.count(',') + 1} dimensions "
+                                    f"{dims}, got {t.dim()}")
+        if t.shape[0] != batch:
+            raise posenc.ShapeError(f"attention_paged: {what} {list(t.shape)} must be {dims} "
+                                    f"with batch {batch}")
+    # Checked on the host before the kernel reads a page (one copy of the table and lengths).
     table = block_table.to("cpu", torch.int64)
     lens = [int(n) for n in seq_lens.to("cpu", torch.int64)]
-    if table.dim() != 2 or table.shape[0] != batch or len(lens) != batch:
-        raise posenc.ShapeError(f"attention_paged: block_table [batch = {batch}, max_pages] and "
-                                f"seq_lens [{batch}]")
     for b, n in enumerate(lens):
-        if n < 0 or n > table.shape[1] * page_size:
+        if n < 0:
+            raise posenc.InvalidValueError(f"attention_paged: seq_lens[{b}] = {n} is negative")
+        if n > table.shape[1] * page_size:
             raise posenc.InvalidValueError(
-                f"attention_paged: seq_lens[{b}] = {n} is outside [0, max_pages * page_size = "
-                f"{table.shape[1]} * {page_size} = {table.shape[1] * page_size}]")
+                f"attention_paged: seq_lens[{b}] = {n} exceeds max_pages * page_size = "
+                f"{table.shape[1]} * {page_size} = {table.shape[1] * page_size}")
         used = table[b, :(n + page_size - 1) // page_size]
         bad = ((used < 0) | (used >= num_pages)).nonzero()
         if len(bad):
@@ -294,20 +323,44 @@ def paged(q, k_pages, v_pages, block_table, seq_lens, tables, table_names, query
             raise posenc.InvalidValueError(
                 f"attention_paged: block_table[{b}][{j}] = {int(used[j])} is outside [0, "
                 f"num_pages = {num_pages})")
-    device_table = table.to(q.device)
-    k = _row_keys(k_pages, device_table, lens, page_size, layout)
-    v = _row_keys(v_pages, device_table, lens, page_size, layout)
-    counts = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
-    masks = {"cu_seqlens_q": torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int64),
-             "cu_seqlens_k": counts}
-    packed_positions = None
-    if query_positions is not None:
-        ids = query_positions.to(torch.int64)
-        packed_positions = (ids.expand(batch, seq_q) if ids.dim() == 1 else ids).reshape(-1)
-    rest = {n: v for n, v in settings.items() if n != "layout"}
     if settings.get("query_positions_offset") is not None:
         raise _unsupported("an int query_positions offset with paged caches")
-    out, _ = forward(q.reshape(batch * seq_q, *q.shape[2:]), k, v, tables, table_names,
-                     packed_positions, None, masks, rest,
-                     inputs=(("q", q), ("k_pages", k_pages), ("v_pages", v_pages)))
-    return out.to(q.dtype).reshape(batch, seq_q, *out.shape[1:])
+    # The pages as [num_pages, page_size, heads_kv, dim] views (head-major pages transposed),
+    # read in place by the kernel through the block table.
+    kp, vp = ((t.transpose(1, 2) if layout == "head_major" else t) for t in (k_pages, v_pages))
+    kp, vp = (t if t.stride(-1) == 1 else t.contiguous() for t in (kp, vp))
+    if num_pages == 0:  # no page: every row is empty and nothing is read
+        kp, vp = (t.new_zeros(1, 1, *t.shape[2:]) for t in (kp, vp))
+    seq_k = max(lens + [1])
+    # Stand-ins of the keys' shape [batch, seq_k, heads_kv, dim] for the plan (no copy).
+    k_like, v_like = (t[:1, :1].expand(batch, seq_k, *t.shape[2:]) for t in (kp, vp))
+    if query_positions is None:  # the last seq_q cached tokens (0 .. seq_q - 1 in an empty row)
+        for b, n in enumerate(lens):
+            if 0 < n < seq_q:
+                raise posenc.InvalidValueError(
+                    f"attention_paged: seq_lens[{b}] = {n} is less than seq_q ({seq_q}): the "
+                    f"default query positions are the last seq_q cached tokens; pass "
+                    f"query_positions")
+        counts = torch.tensor([n if n else seq_q for n in lens], dtype=torch.int64)
+        query_positions = counts[:, None] - seq_q + torch.arange(seq_q)
+    rest = {n: v for n, v in settings.items() if n != "layout"}
+    inputs = (("q", q), ("k_pages", k_pages), ("v_pages", v_pages))
+    p, _ = plan(q, k_like, v_like, tables, table_names, query_positions.to(q.device), None, {},
+                rest)
+    _require_runnable(q)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((batch, seq_q, p.heads_q, p.v_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, p.heads_q, seq_q), dtype=torch.float32, device=q.device)
+    pages = (table.to(q.device, torch.int32), torch.tensor(lens, dtype=torch.int32,
+                                                             device=q.device), page_size)
+    _forward.forward(q, kp, vp, p, out, lse, pages=pages)
+
+    def no_key(lse, p):
+        b, _, i = (int(x) for x in torch.nonzero(torch.isneginf(lse))[0])
+        pos = int(p.query_pos[b if p.query_pos.shape[0] > 1 else 0, i])
+        return posenc.InvalidValueError(
+            f"attention_paged: query {i} (batch {b}, position {pos}, seq_lens {lens[b]}) sees no "
+            f"key under the mask; allow_fully_masked gives 0 for such rows")
+
+    _forward.check_result(lse, p, inputs, settings.get("allow_fully_masked"), no_key)
+    return out.to(q.dtype)
