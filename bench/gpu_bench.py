@@ -14,6 +14,13 @@ forward + backward:
   against the eager formulation of Hugging Face's model code (every score term materialized as
   [batch, heads, L, L] and gathered by distance, softmax, then the values), with each side's
   peak of extra memory;
+- paged decoding (bf16, 8 rows of one query, 32 query heads over 8 kv heads of 128, 32768
+  cached keys per row in pages of 16 scattered over the pool, RoPE): posenc's
+  ``attention_paged`` (the pages read in place) against the fastest SDPA backend over the same
+  keys stored contiguously, and as a fraction of the copy bandwidth (the cache bytes read);
+- RoPE alone (bf16, batch 4, L 16384, 16 heads of 128): ``posenc.torch.rope`` (the Triton
+  kernel) and the same rotation written in place, as a fraction of the copy bandwidth (bytes
+  read and written);
 - the device's copy bandwidth (a bf16 tensor copied, bytes read and written), for scale.
 Times are CUDA-event medians of several runs after warm-up. A ratio > 1 means posenc is faster.
 Needs a CUDA GPU and the posenc package with its extension importable.
@@ -175,6 +182,69 @@ def relative_rows(lines, dev, repeats, batch=8, heads=12, dim=64, length=2048):
                      f"{eb / mb:.2f} | {mm:.0f} | {em:.0f} |")
 
 
+def decode_rows(lines, dev, repeats, bandwidth, batch=8, heads_q=32, heads_kv=8, dim=128,
+                length=32768, page=16):
+    """Paged decoding and RoPE alone, against SDPA and the copy bandwidth."""
+    from posenc import _device
+    from posenc.triton import _rope
+    g = torch.Generator(device=dev).manual_seed(3)
+    pages_per_row = length // page
+    num_pages = batch * pages_per_row
+    k_pages, v_pages = (torch.randn(num_pages, page, heads_kv, dim, device=dev,
+                                    dtype=torch.bfloat16, generator=g) for _ in range(2))
+    table = torch.randperm(num_pages, device=dev, generator=g).view(batch, pages_per_row)
+    table = table.to(torch.int32)
+    lens = torch.full((batch,), length, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, 1, heads_q, dim, device=dev, dtype=torch.bfloat16, generator=g)
+    with torch.no_grad():
+        mine = timed(lambda: pt.attention_paged(q, k_pages, v_pages, table, lens, "rope",
+                                                causal=True), repeats)
+        # SDPA over the same keys, contiguous [batch, heads_kv, length, dim] (rotated keys and
+        # queries are the same work for it; its rotation is not timed).
+        k, v = (p[table.long()].flatten(1, 2).transpose(1, 2).contiguous()
+                for p in (k_pages, v_pages))
+        qt = q.transpose(1, 2)
+        best = None
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                        SDPBackend.EFFICIENT_ATTENTION):
+            def call(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qt, k, v, enable_gqa=True)
+            try:
+                ms = timed(call, repeats)
+            except RuntimeError:
+                continue
+            if best is None or ms < best[1]:
+                best = (backend.name.lower(), ms)
+        del k, v
+    cache_gb = 2 * k_pages.numel() * 2 / 1e9
+    lines += ["", f"Paged decoding: bf16, {batch} rows x 1 query, {heads_q} / {heads_kv} heads of "
+              f"{dim}, {length} keys per row in pages of {page}, RoPE, causal", "",
+              "| row | posenc ms | SDPA (contiguous cache) | SDPA ms | ratio | posenc cache "
+              "GB/s | vs copy bandwidth |", "|---|---|---|---|---|---|---|"]
+    name, sdpa_ms = best if best else ("none ran", float("nan"))
+    lines.append(f"| paged decode | {mine:.3f} | {name} | {sdpa_ms:.3f} | {sdpa_ms / mine:.2f} "
+                 f"| {cache_gb / (mine * 1e-3):.0f} | "
+                 f"{cache_gb / (mine * 1e-3) / bandwidth:.2f} |")
+    del k_pages, v_pages
+    x = torch.randn(4, 16384, 16, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    freqs = posenc.rope_frequencies(128)
+    ids = np.arange(x.shape[1])[None, :]
+    _, cos, sin = _device._tables(ids, freqs, False, x.device)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    with torch.no_grad():
+        op_ms = timed(lambda: pt.rope(x, freqs), repeats)
+        inplace_ms = timed(lambda: _rope.rotate(x, cos, sin, 128, False, out=x), repeats)
+    moved = 2 * x.numel() * 2 / 1e9
+    lines += ["", "RoPE alone: bf16 [4, 16384, 16, 128], accurate angles (float64 rotation)", "",
+              "| row | ms | GB/s (read + written) | vs copy bandwidth |", "|---|---|---|---|"]
+    for row, ms in (("posenc.torch.rope (new tensor, angles included)", op_ms),
+                    ("Triton kernel in place (tables made beforehand)", inplace_ms)):
+        lines.append(f"| {row} | {ms:.3f} | {moved / (ms * 1e-3):.0f} | "
+                     f"{moved / (ms * 1e-3) / bandwidth:.2f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", help="write the table to this file too")
@@ -250,6 +320,7 @@ def main():
         del q, k, v
         torch.cuda.empty_cache()
     relative_rows(lines, dev, repeats)
+    decode_rows(lines, dev, repeats, bandwidth)
     lines += ["", f"Copy bandwidth (bf16 copy, bytes read + written): {bandwidth:.0f} GB/s"]
     text = "\n".join(lines)
     print(text)

@@ -51,9 +51,11 @@ def _layout(x):
     return (x.shape[0] if x.dim() == 4 else 1), x.shape[-3]
 
 
-def rope(x, positions, kw):
+def rope(x, positions, kw, kernel=None):
     """RoPE of x by posenc.apply_rope's keywords `kw` (freqs, style, rotary_dim, base, scaling,
-    seq_len, angles, config, inverse, positions: an int offset)."""
+    seq_len, angles, config, inverse, positions: an int offset). kernel: the Triton kernel
+    (default on CUDA tensors; under TRITON_INTERPRET=1 on CPU tensors too) rather than PyTorch
+    operations; the same numbers."""
     batch, seq = _layout(x)
     ids = _ids(positions, kw.get("positions"), batch, seq)
     config = kw.get("config")
@@ -69,32 +71,46 @@ def rope(x, positions, kw):
             own = {n: kw[n] for n in ("rotary_dim", "base", "scaling") if n in kw}
             freqs = _posenc.rope_frequencies(x.shape[-1], **own, **common)
     style = kw.get("style") or (config.rope["style"] if config is not None else "half")
+    if kernel is None:
+        kernel = x.device.type == "cuda"
+    if kernel:
+        return _rotate_kernel(x, ids, freqs, style, bool(kw.get("inverse")))
     return _rotate(x, ids, freqs, style, bool(kw.get("inverse"))).to(x.dtype)
+
+
+def _tables(ids, freqs, inverse, device):
+    """(computing dtype, cos, sin) of the angles ids * inv_freq, [1 or batch, seq, R/2] on the
+    device, the attention factor included and sin negated for the inverse rotation: float64 for
+    accurate angles (computed on the host), float32 for float32 ones (the frameworks' recipe:
+    float32 angles, cos and sin, the device's own)."""
+    inv = np.asarray(freqs.inv_freq, dtype=np.float64)
+    sign = -1.0 if inverse else 1.0
+    if freqs.angles == "float32":
+        angle = (torch.from_numpy(ids.astype(np.float32))[..., None]
+                 * torch.from_numpy(inv.astype(np.float32))).to(device)
+        cos, sin = torch.cos(angle), torch.sin(angle)
+        factor = torch.tensor(freqs.attention_factor, dtype=torch.float32)
+        cos, sin = cos * factor.to(device), sin * factor.to(device)
+        return torch.float32, cos, sign * sin
+    angle = ids.astype(np.float64)[..., None] * inv
+    cos = torch.from_numpy(np.cos(angle) * freqs.attention_factor).to(device)
+    sin = torch.from_numpy(sign * np.sin(angle) * freqs.attention_factor).to(device)
+    return torch.float64, cos, sin
+
+
+def _check_rotary(x, freqs):
+    if int(freqs.rotary_dim) > x.shape[-1]:
+        raise _posenc.ShapeError(f"x: head_dim {x.shape[-1]} is smaller than the rotary dim "
+                                 f"{int(freqs.rotary_dim)}")
 
 
 def _rotate(x, ids, freqs, style, inverse, wide=None):
     """x rotated at the ids by freqs (`wide`: x already widened to the computing dtype), in the
     computing dtype (float64 for accurate angles, float32 for float32 ones), not rounded."""
+    _check_rotary(x, freqs)
     rotary = int(freqs.rotary_dim)
-    if rotary > x.shape[-1]:
-        raise _posenc.ShapeError(f"x: head_dim {x.shape[-1]} is smaller than the rotary dim "
-                                 f"{rotary}")
-    inv = np.asarray(freqs.inv_freq, dtype=np.float64)
-    sign = -1.0 if inverse else 1.0
-    if freqs.angles == "float32":
-        # The frameworks' recipe: float32 angles, cos and sin, rotation in float32.
-        compute = torch.float32
-        angle = (torch.from_numpy(ids.astype(np.float32))[..., None]
-                 * torch.from_numpy(inv.astype(np.float32))).to(x.device)
-        cos, sin = torch.cos(angle), torch.sin(angle)
-        factor = torch.tensor(freqs.attention_factor, dtype=torch.float32)
-        cos, sin = cos * factor.to(x.device), sin * factor.to(x.device)
-    else:
-        compute = torch.float64
-        angle = ids.astype(np.float64)[..., None] * inv
-        cos = torch.from_numpy(np.cos(angle) * freqs.attention_factor).to(x.device)
-        sin = torch.from_numpy(np.sin(angle) * freqs.attention_factor).to(x.device)
-    cos, sin = cos[:, :, None, :], sign * sin[:, :, None, :]  # [1 or batch, seq, 1, R/2]
+    compute, cos, sin = _tables(ids, freqs, inverse, x.device)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [1 or batch, seq, 1, R/2]
     if x.dim() == 3:
         cos, sin = cos[0], sin[0]
     wide = x.to(compute) if wide is None else wide
@@ -106,6 +122,23 @@ def _rotate(x, ids, freqs, style, inverse, wide=None):
         a, b = wide[..., :half], wide[..., half:rotary]
         rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
     return torch.cat((rotated, wide[..., rotary:]), dim=-1)
+
+
+def _rotate_kernel(x, ids, freqs, style, inverse):
+    """x rotated and rounded to its dtype by the Triton kernel (posenc.triton._rope): one read
+    and one write of x, the numbers of _rotate(...).to(x.dtype)."""
+    from .triton import _rope
+    _check_rotary(x, freqs)
+    _, cos, sin = _tables(ids, freqs, inverse, x.device)
+    x4 = x if x.dim() == 4 else x[None]
+    if x4.stride(-1) != 1:
+        x4 = x4.contiguous()
+    out = torch.empty(x4.shape, dtype=x.dtype, device=x.device)
+    if int(freqs.rotary_dim) == 0:
+        return out.copy_(x4).view(x.shape)
+    _rope.rotate(x4, cos.contiguous(), sin.contiguous(), int(freqs.rotary_dim),
+                 style == "interleaved", out=out)
+    return out.view(x.shape)
 
 
 def rerotate_rope(k, positions, kw):

@@ -635,17 +635,19 @@ import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from posenc.triton import _backward, _forward
+from posenc.triton import _backward, _forward, _rope
 
 INTS = {"QPos": "*i64", "KPos": "*i64", "QTiles": "*i64", "KTiles": "*i64", "Buckets": "*i32",
         "QDoc": "*i32", "KDoc": "*i32", "QOpen": "*i32", "KOpen": "*i32", "Dense": "*u8",
         "RelQIdx": "*i32", "RelKIdx": "*i32", "RelVIdx": "*i32", "NonFinite": "*i32",
         "Pages": "*i32", "KLen": "*i32"}
 
-def compile(kernel, dtype, constexprs, rotated=()):
+def compile(kernel, dtype, constexprs, rotated=(), types=None):
     signature = {}
     for name in inspect.signature(kernel.fn).parameters:
-        if name in constexprs:
+        if types and name in types:
+            signature[name] = types[name]
+        elif name in constexprs:
             signature[name] = "constexpr"
         elif name in INTS:
             signature[name] = INTS[name]
@@ -677,6 +679,9 @@ for dtype, scheme, rotary, flags, rel in (
     if rotary:
         compile(_backward.rope_back_kernel, dtype, dict(ROTARY=rotary, INTERLEAVED=flags,
                 BLOCK_L=64, BLOCK_D=64, EMULATE_BF16=False))
+        for table in ("*fp64", "*fp32"):  # RoPE alone: accurate and float32 angles
+            compile(_rope.rope_kernel, dtype, dict(ROTARY=rotary, INTERLEAVED=flags, BLOCK_L=32,
+                    BLOCK_D=64, EMULATE_BF16=False), types={"Cos": table, "Sin": table})
 print("compiled")
 """
 
@@ -687,7 +692,7 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     TRITON_INTERPRET: bf16 with RoPE and every mask (block masks included), soft-cap and sinks;
     f16 with T5 and its table gradient; float32 with ALiBi, its slope gradient and every
     mask; Shaw (float32, keys and values), XL (bf16) and DeBERTa (f16, every mask) with their
-    table gradients."""
+    table gradients; the forward on paged caches; RoPE alone with float64 and float32 tables."""
     import triton.backends
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")
@@ -971,6 +976,50 @@ def test_paged_cache_refusals_are_the_cpu_kernels():
         with pytest.raises(type(cpu.value)) as tri:
             _op.paged(*(a.to(DEVICE) for a in args), [], [], None, s)
         assert str(tri.value) == str(cpu.value)
+
+
+def test_rope_kernel_gives_the_pytorch_forms_numbers():
+    """The CUDA form of posenc::rope and rope_half (posenc._device.rope with the Triton kernel:
+    one read and one write per element) against the PyTorch form of the same recipe and the
+    CPU kernels, bit for bit: half and interleaved pairs, a partial rotary dim, the inverse,
+    an int offset, ids per row past 2^16, YaRN's attention factor, a model config, float32
+    angles; float32, float64, bf16 and f16; 3-D x, a strided x, odd sizes over several row
+    blocks; and in place."""
+    from posenc import _device, _ops
+    from posenc.triton import _rope
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(2, 37, 3, 24, generator=g)
+    ids = torch.randint(0, 1 << 17, (2, 37), generator=g)
+    llama = os.path.join(os.environ.get("POSENC_TEST_CONFIGS_DIR", "tests/configs"),
+                         "llama-3.1-8b.json")
+    settings = [{}, {"style": "interleaved"}, {"rotary_dim": 8}, {"rotary_dim": 10,
+                "style": "interleaved", "inverse": True}, {"positions": 5},
+                {"scaling": {"rope_type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 16}},
+                {"angles": "float32"}]
+    for kw in settings:
+        s = _ops.typed("rope", kw, "rope")
+        for t in (x, x.double(), x.bfloat16(), x.half(), x[0], x[:, :, :, :20]):
+            for positions in ((ids if t.dim() == 4 else ids[0], None) if "positions" not in kw
+                              else (None,)):
+                op = "rope_half" if t.dtype in (BF16, F16) else "rope"
+                b = _ops._binding_kwargs(op, s)
+                got = _device.rope(t.to(DEVICE), positions, b, kernel=True).cpu()
+                want = _device.rope(t, positions, b, kernel=False)
+                assert got.dtype == t.dtype and torch.equal(got, want), (kw, t.dtype)
+                if kw.get("angles") != "float32" and t.shape[-1] == 24:  # the CPU kernels' bits
+                    impl = _ops.rope_half_impl if op == "rope_half" else _ops.rope_impl
+                    assert torch.equal(got, impl(t, positions, **s)), (kw, t.dtype)
+    xc = torch.randn(1, 5, 2, 128, generator=g)
+    b = _ops._binding_kwargs("rope", _ops.typed("rope", {"config": llama}, "rope"))
+    assert torch.equal(_device.rope(xc.to(DEVICE), None, b, kernel=True).cpu(),
+                       _device.rope(xc, None, b, kernel=False))
+    # In place: out is x.
+    freqs = posenc.rope_frequencies(24)
+    _, cos, sin = _device._tables(ids.numpy(), freqs, False, torch.device("cpu"))
+    y = x.clone().to(DEVICE)
+    _rope.rotate(y, cos.to(DEVICE), sin.to(DEVICE), 24, False, out=y)
+    assert torch.equal(y.cpu(), _device.rope(x, ids, {"freqs": freqs}, kernel=False))
 
 
 # ---- transformers models on the Triton kernels -------------------------------------------------
