@@ -204,14 +204,14 @@ HWY_INLINE void AccumulateTile(const float* HWY_RESTRICT pm, int64_t nk, const f
   }
 }
 
-// kt[x * kTileK + c] = rows[c * rs + x] for c < nk (<= kTileK), x < dim: a tile of key rows
-// transposed. In 4 x 4 blocks of 128-bit vectors (eight even/odd concatenations per block, on
-// every target but scalar), one cache line of the key rows (16 floats) at a
-// time across all rows, so that the 16 rows of the tile it fills stay in L1 (column by column,
-// the 256-byte stride of those rows put each store on another line, and a 64-key tile of 128
-// dimensions is all of a 32 KiB L1).
+// kt[x * os + c] = rows[c * rs + x] for c < nk, x < dim (os: kTileK by default): a tile of key
+// rows transposed (or, with the roles swapped, a transposed tile written back as rows). In 4 x 4
+// blocks of 128-bit vectors (eight even/odd concatenations per block, on every target but scalar),
+// one cache line of the key rows (16 floats) at a time across all rows, so that the 16 rows of the
+// tile it fills stay in L1 (column by column, the 256-byte stride of those rows put each store on
+// another line, and a 64-key tile of 128 dimensions is all of a 32 KiB L1).
 HWY_INLINE void TransposeRows(const float* HWY_RESTRICT rows, int64_t rs, int64_t nk, int64_t dim,
-                              float* HWY_RESTRICT kt) {
+                              float* HWY_RESTRICT kt, int64_t os = kTileK) {
   int64_t nk4 = 0, dim4 = 0;
 #if HWY_TARGET != HWY_SCALAR
   const hn::Full128<float> d4;
@@ -227,18 +227,18 @@ HWY_INLINE void TransposeRows(const float* HWY_RESTRICT rows, int64_t rs, int64_
         // Even and odd lanes of row pairs, then of those: whole-vector operations only.
         const auto ab_even = hn::ConcatEven(d4, b, a), ab_odd = hn::ConcatOdd(d4, b, a);
         const auto ef_even = hn::ConcatEven(d4, f, e), ef_odd = hn::ConcatOdd(d4, f, e);
-        float* out = kt + x * kTileK + c;
+        float* out = kt + x * os + c;
         hn::StoreU(hn::ConcatEven(d4, ef_even, ab_even), d4, out);  // lane 0 of a, b, e, f
-        hn::StoreU(hn::ConcatEven(d4, ef_odd, ab_odd), d4, out + kTileK);
-        hn::StoreU(hn::ConcatOdd(d4, ef_even, ab_even), d4, out + 2 * kTileK);
-        hn::StoreU(hn::ConcatOdd(d4, ef_odd, ab_odd), d4, out + 3 * kTileK);
+        hn::StoreU(hn::ConcatEven(d4, ef_odd, ab_odd), d4, out + os);
+        hn::StoreU(hn::ConcatOdd(d4, ef_even, ab_even), d4, out + 2 * os);
+        hn::StoreU(hn::ConcatOdd(d4, ef_odd, ab_odd), d4, out + 3 * os);
       }
     }
   }
 #endif
   for (int64_t c = 0; c < nk; ++c) {
     const float* kr = rows + c * rs;
-    for (int64_t x = c < nk4 ? dim4 : 0; x < dim; ++x) kt[x * kTileK + c] = kr[x];
+    for (int64_t x = c < nk4 ? dim4 : 0; x < dim; ++x) kt[x * os + c] = kr[x];
   }
 }
 

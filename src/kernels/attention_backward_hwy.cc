@@ -19,7 +19,7 @@
 // applied once per query block, as the forward's per-row projections are.
 //
 // Work: one item per (batch row, kv head), run by one thread: its query blocks (the group's
-// query heads x up to 64 / group positions) visit the key tiles, so dQ of a block is complete
+// query heads x up to 128 / group positions) visit the key tiles, so dQ of a block is complete
 // when the block ends and dK, dV of the kv head are owned by the item. Table gradients are
 // summed per item and reduced in item order: results are bit-identical for any thread count.
 //
@@ -62,6 +62,9 @@ namespace posenc::kernels {
 namespace HWY_NAMESPACE {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Query rows per block (of all the group's heads): each key tile's operands are read once per
+// block, so a taller block reads them from L3 half as often (the block's own rows stay in L2).
+constexpr int64_t kBlockRows = 128;
 
 class BackwardKernel {
  public:
@@ -74,7 +77,7 @@ class BackwardKernel {
     // is less).
     dpad_ = RoundUp(dim_, std::max<int64_t>(lanes_, 4));
     group_ = p_.heads_q / p_.heads_kv;
-    nq_ = std::max<int64_t>(1, kTileK / group_);
+    nq_ = std::max<int64_t>(1, kBlockRows / group_);
     rp_max_ = RoundUp(group_ * nq_, 4);
     ntiles_ = (p_.seq_k + kTileK - 1) / kTileK;
     tile_min_.resize(static_cast<size_t>(p_.batch * ntiles_));
@@ -785,14 +788,14 @@ class BackwardKernel {
     const auto bb = st.bb;
     const auto dv_all = st.dv_all;
     if (deberta_) deb_t_->FinishItem(st.deb, hk, ntiles_, kp_all, dk_all, part);
-    for (int64_t j = 0; cached && j < p_.seq_k; ++j) {
-      const int64_t t = j / kt, c = j % kt;
-      float* dkr = OutRow(b_.dk, b_.dk_stride, bb, j, hk);
-      float* dvr = OutRow(b_.dv, b_.dv_stride, bb, j, hk);
-      for (int64_t x = 0; x < dim_; ++x) {
-        dkr[x] = dk_all[(t * dp + x) * kt + c];
-        dvr[x] = dv_all[(t * dp + x) * kt + c];
-      }
+    // Tile by tile, the transposed [dpad x kTileK] buffers back to rows in 4 x 4 blocks (one
+    // column at a time read each element from another cache line).
+    for (int64_t t = 0; cached && t < ntiles_; ++t) {
+      const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
+      TransposeRows(dk_all + t * dp * kt, kt, dim_, nk, OutRow(b_.dk, b_.dk_stride, bb, j0, hk),
+                    b_.dk_stride[1]);
+      TransposeRows(dv_all + t * dp * kt, kt, dim_, nk, OutRow(b_.dv, b_.dv_stride, bb, j0, hk),
+                    b_.dv_stride[1]);
     }
   }
 
