@@ -30,6 +30,7 @@
 // items in schedule-inl.h (RunWaves), and the micro-kernels shared with the forward in
 // attention-inl.h and mask-inl.h.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -65,6 +66,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Query rows per block (of all the group's heads): each key tile's operands are read once per
 // block, so a taller block reads them from L3 half as often (the block's own rows stay in L2).
 constexpr int64_t kBlockRows = 128;
+// Runs of rows a diagonal tile's products take separately (more: one run over every row).
+constexpr int64_t kMaxRuns = 8;
 
 class BackwardKernel {
  public:
@@ -231,6 +234,7 @@ class BackwardKernel {
     hwy::AlignedFreeUniquePtr<int32_t[]> addr_buf;
     hwy::AlignedFreeUniquePtr<int32_t[]> kpt_buf;
     int32_t *addr, *kpt;
+    std::vector<int32_t> cols;  // per block row, the keys of a diagonal tile it can see
     // Block masks: the tile's key documents and open flags, one row of the dense mask, and the
     // current query block.
     hwy::AlignedFreeUniquePtr<int32_t[]> kdoc_buf, kopen_buf, dense_buf;
@@ -256,6 +260,12 @@ class BackwardKernel {
     int64_t t, j0, nk;
     bool consec;
     float *kp, *ktr, *vtr, *dkt, *dvt;
+    // A causal tile the diagonal crosses (consecutive key positions): row r sees at most its
+    // first cols[r] keys (null: every key), and the rows that see any form the runs
+    // [run_lo[i], run_hi[i]) (the products over the block's rows skip the others).
+    const int32_t* cols;
+    int64_t runs;
+    std::array<int64_t, kMaxRuns> run_lo, run_hi;
   };
 
   // Whether a query block with positions [qmin, qmax] may see a key of tile t by the causal,
@@ -456,12 +466,9 @@ class BackwardKernel {
         part[part_sink_ + (h - hk * group_)] -= std::exp(p_.sinks[h] - lse[r]) * dsum[r];
       }
     }
-    for (int64_t r = 0; r < rp; ++r)
-      for (int64_t x = 0; x < dim_; ++x) {
-        qtr[x * rp + r] = qb[r * dp + x];
-        dotr[x * rp + r] = dob[r * dp + x];
-        if (xl_) qxtr[x * rp + r] = qx[r * dp + x];
-      }
+    TransposeRows(qb, dp, rp, dim_, qtr, rp);
+    TransposeRows(dob, dp, rp, dim_, dotr, rp);
+    if (xl_) TransposeRows(qx, dp, rp, dim_, qxtr, rp);
     // Per-row tables and bucket sums.
     BlockRows br{rows, rp, nq, hk, cs, 0, nch_};
     if (shaw_ || deberta_ || xl_) {
@@ -495,7 +502,7 @@ class BackwardKernel {
 
   // Tile t's key positions and operands (formed here unless the item holds them), and the
   // block's scores S = Q K^T and dP = dO V^T on it.
-  Tile LoadTile(ItemState& st, const Block& blk, int64_t t) {
+  Tile LoadTile(ItemState& st, const Block& blk, int64_t t, bool full) {
     const auto kt = st.kt;
     const auto kpt = st.kpt;
     const auto kposb = st.kposb;
@@ -541,10 +548,48 @@ class BackwardKernel {
       std::fill(dkt, dkt + n_ktile, 0.0f);
       std::fill(dvt, dvt + n_ktile, 0.0f);
     }
-    ScoresTile(qb, dim_, ktr, rp, s, kt, dp);
-    ScoresTile(dob, dim_, vtr, rp, dps, kt, dp);
+    Tile tile{t, j0, nk, consec, kp, ktr, vtr, dkt, dvt, nullptr, 1, {}, {}};
+    tile.run_lo[0] = 0, tile.run_hi[0] = rp;
+    if (!full && consec && p_.mask.causal && p_.kopen == nullptr) TileColumns(st, blk, tile);
+    ScoresTile(qb, dim_, ktr, rp, s, kt, dp, false, tile.cols);
+    ScoresTile(dob, dim_, vtr, rp, dps, kt, dp, false, tile.cols);
     if (deberta_) deb_t_->BeginTile(st.deb);
-    return Tile{t, j0, nk, consec, kp, ktr, vtr, dkt, dvt};
+    return tile;
+  }
+
+  // A causal tile the diagonal crosses: per block row how many leading keys it can see (those
+  // at positions up to its own; every key for the open rows of a prefix-LM; the other masks
+  // only hide more), and the runs of rows that see any.
+  void TileColumns(ItemState& st, const Block& blk, Tile& tile) const {
+    st.cols.resize(static_cast<size_t>(blk.rp));
+    const int64_t k0 = st.kposb[tile.j0];
+    int64_t runs = 0;
+    for (int64_t r = 0; r < blk.rp; ++r) {
+      int64_t c = 0;
+      if (r < blk.rows && st.lse[r] != kNegInf) {
+        const int64_t i = blk.i0 + r % blk.nq;
+        const bool open = p_.qopen != nullptr && p_.qopen[st.bb * p_.seq_q + i] != 0;
+        c = open ? tile.nk
+                 : std::clamp<int64_t>(int64_t{st.qpos[static_cast<size_t>(r)]} - k0 + 1, 0,
+                                       tile.nk);
+      }
+      st.cols[static_cast<size_t>(r)] = static_cast<int32_t>(c);
+      if (c == 0) continue;
+      if (runs > 0 && tile.run_hi[static_cast<size_t>(runs - 1)] == r) {
+        tile.run_hi[static_cast<size_t>(runs - 1)] = r + 1;
+      } else if (runs < kMaxRuns) {
+        tile.run_lo[static_cast<size_t>(runs)] = r, tile.run_hi[static_cast<size_t>(runs)] = r + 1;
+        ++runs;
+      } else {
+        runs = kMaxRuns + 1;  // too scattered: one run over every row
+      }
+    }
+    tile.cols = st.cols.data();
+    if (runs > kMaxRuns) {
+      tile.runs = 1, tile.run_lo[0] = 0, tile.run_hi[0] = blk.rp;
+    } else {
+      tile.runs = runs;
+    }
   }
 
   // What TileRowScores leaves for TileRowGrads: the row's score and dP rows and where its terms
@@ -731,9 +776,15 @@ class BackwardKernel {
     const int64_t j0 = tile.j0, nk = tile.nk;
     const float* kp = tile.kp;
     float *dkt = tile.dkt, *dvt = tile.dvt;
-    ScoresTile(dotr, rp, s, dimr, dvt, kt, rp, true);             // dV^T += dO^T P
-    ScoresTile(qtr, rp, dps, dimr, dkt, kt, rp, true);            // dK^T += Q^T (scale dS)
-    AccumulateTile(dps, nk, kp, dp, dp, rp, dqb);                 // dQ += scale dS K
+    // dV^T += dO^T P and dK^T += Q^T (scale dS) over the rows that see a key of the tile (rows
+    // that see none have P = dS = 0), dQ += scale dS K.
+    for (int64_t i = 0; i < tile.runs; ++i) {
+      const int64_t lo = tile.run_lo[static_cast<size_t>(i)];
+      const int64_t n = tile.run_hi[static_cast<size_t>(i)] - lo;
+      ScoresTile(dotr + lo, n, s + lo * kt, dimr, dvt, kt, rp, true);
+      ScoresTile(qtr + lo, n, dps + lo * kt, dimr, dkt, kt, rp, true);
+    }
+    AccumulateTile(dps, nk, kp, dp, dp, rp, dqb, kTileK, 0, tile.cols);
     if (deberta_) deb_t_->FinishTile(st.deb, hk, kp, dkx, part);  // p2c cells
     for (int64_t c = 0; !cached && c < nk; ++c) {
       AddColumn(dkt, c, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk));
@@ -809,8 +860,9 @@ class BackwardKernel {
       const QueryBlockInfo qinfo = tiles_->Queries(st.bb, i0, blk.nq);
       st.blk_i0 = i0, st.blk_nq = blk.nq;
       for (int64_t t = 0; t < ntiles_; ++t) {
-        if (tiles_->Classify(qinfo, st.bb, t, i0, blk.nq) == TileKind::kHidden) continue;
-        const Tile tile = LoadTile(st, blk, t);
+        const TileKind kind = tiles_->Classify(qinfo, st.bb, t, i0, blk.nq);
+        if (kind == TileKind::kHidden) continue;
+        const Tile tile = LoadTile(st, blk, t, kind == TileKind::kFull);
         if (p_.kdoc != nullptr || p_.kopen != nullptr) {
           if (!st.kdoc_buf) {
             st.kdoc_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
@@ -819,6 +871,11 @@ class BackwardKernel {
           FillKeyLanes(p_, st.bb, tile.j0, tile.nk, kTileK, st.kdoc_buf.get(), st.kopen_buf.get());
         }
         for (int64_t r = 0; r < blk.rp; ++r) {
+          if (tile.cols != nullptr && tile.cols[r] == 0) {  // sees no key of the tile
+            std::fill(st.s + r * kTileK, st.s + (r + 1) * kTileK, 0.0f);
+            std::fill(st.dps + r * kTileK, st.dps + (r + 1) * kTileK, 0.0f);
+            continue;
+          }
           RowAt at;
           if (TileRowScores(st, tile, r, at)) TileRowGrads(st, tile, r, at);
         }
