@@ -65,8 +65,8 @@ def _case_tensors(scheme, seed, *, batch, seq_q, seq_k, heads_q, heads_kv, dim, 
     return q, k, v, params, kw
 
 
-def _leaf(x, dtype):
-    return x.detach().to(dtype).clone().requires_grad_()
+def _leaf(x, dtype, device=None):
+    return x.detach().to(device=device, dtype=dtype).clone().requires_grad_()
 
 
 def _single(q, k, v, scheme, params, kw, dtype, dout):
@@ -82,19 +82,23 @@ def _single(q, k, v, scheme, params, kw, dtype, dout):
     return g
 
 
-def _distributed(q, k, v, scheme, params, kw, dtype, dout, group, strategy, layout):
-    """This rank's out and gradients, as the full-size tensors' shards (tables: global)."""
+def _distributed(q, k, v, scheme, params, kw, dtype, dout, group, strategy, layout,
+                 device=None):
+    """This rank's out and gradients, as the full-size tensors' shards (tables: global), on the
+    CPU (computed on `device`, default the CPU)."""
     import posenc.torch.distributed as ptd
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    ql, kl, vl = (_leaf(ptd.shard(x, r, n, layout), dtype) for x in (q, k, v))
-    tables = {nm: _leaf(t, dtype) for nm, t in params.items()}
+    ql, kl, vl = (_leaf(ptd.shard(x, r, n, layout), dtype, device) for x in (q, k, v))
+    tables = {nm: _leaf(t, dtype, device) for nm, t in params.items()}
     out = ptd.context_parallel_attention(ql, kl, vl, scheme, group=group, strategy=strategy,
                                          layout=layout, params=tables or None, timeout=60, **kw)
-    (out.double() * ptd.shard(dout, r, n, layout)).sum().backward()
+    if device is not None and out.device != torch.device(device):
+        raise AssertionError(f"out on {out.device}, expected {device}")
+    (out.double() * ptd.shard(dout, r, n, layout).to(out.device)).sum().backward()
     g = {"out": out.detach().double(), "dq": ql.grad.double(), "dk": kl.grad.double(),
          "dv": vl.grad.double()}
     g.update({"d" + nm: t.grad.double() for nm, t in tables.items()})
-    return g
+    return {key: val.cpu() for key, val in g.items()}
 
 
 def _maxerr(a, b):
@@ -543,6 +547,92 @@ def test_context_parallel_battery():
         assert not alive, f"workers {alive} hung (killed)\n" + "\n".join(fails[:40])
         assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:60])
         assert cases >= 56 + 19 * 4  # the largest group's count
+
+
+def triton_worker(rank, world, port, outdir, device):
+    """One of 2 processes running context_parallel_attention on posenc's Triton kernels, with
+    every block's kernel, merge and backward on them: CUDA shards (device 'cuda', both ranks on
+    one GPU, gloo staging the transfers through host memory), or CPU shards with
+    backend='triton' through Triton's interpreter (device 'cpu')."""
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported here
+    _setup_threads()
+    fails = []
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        import posenc.torch.distributed as ptd
+        cases = [("rope", "ring", "zigzag", {"causal": True}),
+                 ("alibi", "all_to_all", "contiguous", {"causal": True, "window": 9}),
+                 ("t5", "ring", "contiguous", {}),
+                 ("none", "ring", "contiguous", {"causal": True, "softcap": 4.0})]
+        count = 0
+        for i, (scheme, strategy, layout, extra) in enumerate(cases):
+            q, k, v, params, kw = _case_tensors(scheme, 40 + i, batch=1, seq_q=21, seq_k=21,
+                                                heads_q=4, heads_kv=2, dim=16, causal=False,
+                                                variant=0)
+            kw = {n: x for n, x in kw.items() if n != "causal"}
+            kw.update(extra)
+            gen = torch.Generator().manual_seed(7)
+            dout = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[3], generator=gen,
+                               dtype=torch.float64)
+            ref = _single(q, k, v, scheme, params, kw, torch.float64, dout)
+            got = _distributed(q, k, v, scheme, params, dict(kw, backend="triton"),
+                               torch.float32, dout, None, strategy, layout, device)
+            for key, val in got.items():
+                want = ref[key]
+                if key in ("out", "dq", "dk", "dv"):
+                    want = ptd.shard(want, rank, world, layout)
+                err = _maxerr(val, want)
+                bound = 4e-6 * max(1.0, float(want.abs().max()))
+                if not err <= bound:
+                    fails.append(f"[triton {scheme} {strategy} {layout}] {key}: {err:.3g} > "
+                                 f"{bound:.3g}")
+            count += 1
+        if "posenc.triton._op" not in sys.modules:
+            fails.append("the Triton kernels did not run")
+        # q, k and v on two devices: refused on every rank before any transfer.
+        x = torch.zeros(1, 8, 2, 8, device=device)
+        try:
+            ptd.context_parallel_attention(x, x.to("meta"), x, timeout=30)
+            fails.append("devices: no error")
+        except ValueError as e:
+            if "one device" not in str(e):
+                fails.append(f"devices: {e}")
+        with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
+            f.write("\n".join(fails) + f"\n#cases {count}\n")
+        dist.barrier()
+    except Exception:
+        with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
+            f.write("\n".join(fails) + "\nworker raised:\n" + traceback.format_exc())
+    os._exit(0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_context_parallel_on_the_triton_kernels(device):
+    """Ring and all-to-all context parallelism with every block on posenc's Triton kernels,
+    forward and backward, against the float64 single-process result: on CUDA shards (skipped
+    without a GPU) and on CPU shards through the interpreter."""
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import torch.multiprocessing as mp
+    world = 2
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(triton_worker, args=(world, free_port(), outdir, device),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.time() + 400
+        while time.time() < deadline and any(p.is_alive() for p in ctx.processes):
+            time.sleep(0.2)
+        alive = [p.pid for p in ctx.processes if p.is_alive()]
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        fails, cases = _collect(outdir, world)
+        assert not alive, f"workers {alive} hung (killed)\n" + "\n".join(fails[:40])
+        assert not fails, "\n".join(fails[:40])
+        assert cases == 4
 
 
 def test_torchrun_smoke():

@@ -946,7 +946,8 @@ def test_paged_cache_read_in_place_as_the_cpu_kernel_reads_it():
             assert got.dtype == dtype and got.shape == q.shape
             want = _ops.attention_paged_impl(*(t.float() for t in args), table, lens, tables,
                                              names, positions, **settings)
-            tol = 1e-5 if dtype == F32 else 2.0 ** (-8 if dtype == BF16 else -11) * want.abs() + 1e-5
+            ulp = 2.0 ** (-8 if dtype == BF16 else -11)
+            tol = 1e-5 if dtype == F32 else ulp * want.abs() + 1e-5
             assert torch.all((got.float() - want).abs() <= tol), (layout, scheme, dtype)
             assert not got[1].any() or positions is not None or named  # the empty row: 0
 

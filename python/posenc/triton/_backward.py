@@ -91,8 +91,8 @@ def attention_backward_kv_kernel(
     kdoc, kopen = token_masks(KDoc + b * seq_k, KOpen + b * seq_k, cols, col_ok, HAS_DOCS,
                               HAS_OPEN)
     klo, khi, kdlo, kdhi, kany = block_info(kpos, kdoc, kopen, col_ok)
-    k = load_rotated(K + b * k_stride_b + kv_head * k_stride_h, cols, cols * k_stride_l, col_ok, dims,
-                     head_dim, KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
+    k = load_rotated(K + b * k_stride_b + kv_head * k_stride_h, cols, cols * k_stride_l, col_ok,
+                     dims, head_dim, KCos + b * kcos_stride_b, KSin + b * kcos_stride_b,
                      ROTARY, INTERLEAVED, False)
     v = load_tile(V + b * v_stride_b + kv_head * v_stride_h, cols * v_stride_l, col_ok, vdims,
                   vdims < v_dim)
@@ -113,12 +113,13 @@ def attention_backward_kv_kernel(
                 qpos = tl.load(QPos + b * qpos_stride_b + rows, mask=row_ok, other=0)
                 qdoc, qopen = token_masks(QDoc + b * seq_q, QOpen + b * seq_q, rows, row_ok,
                                           HAS_DOCS, HAS_OPEN)
-                q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows, rows * q_stride_l, row_ok,
-                                 dims, head_dim, QCos + b * qcos_stride_b,
-                                 QSin + b * qcos_stride_b, ROTARY, INTERLEAVED, False)
+                q = load_rotated(Q + b * q_stride_b + head * q_stride_h, rows,
+                                 rows * q_stride_l, row_ok, dims, head_dim,
+                                 QCos + b * qcos_stride_b, QSin + b * qcos_stride_b, ROTARY,
+                                 INTERLEAVED, False)
                 qc, qr = biased_queries(q, QBias, QRelBias, head, dims, head_dim, Q_BIAS)
-                do = load_tile(DO + b * do_stride_b + head * do_stride_h, rows * do_stride_l, row_ok,
-                               vdims, vdims < v_dim)
+                do = load_tile(DO + b * do_stride_b + head * do_stride_h, rows * do_stride_l,
+                               row_ok, vdims, vdims < v_dim)
                 lse = tl.load(Lse + row_base + rows, mask=row_ok, other=0.0)
                 delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
                 vis = visible(qpos, kpos, row_ok, col_ok, window, chunk, qdoc, kdoc, qopen,

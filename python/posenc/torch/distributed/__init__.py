@@ -26,6 +26,9 @@ the global attention, summed over the ranks (``reduce_grads=True``, the default)
 ``reduce_grads=False``, this rank's share (the shares of all ranks sum to it: reduce them with the
 model's other gradients).
 
+Devices: CPU shards run posenc's CPU kernels, CUDA shards its Triton kernels (partial results
+merged on the device); NCCL moves CUDA tensors directly, gloo through a copy in host memory.
+
 Errors: the ranks exchange shapes and a fingerprint of their arguments before any work, and
 agree on success after it, so a mismatched shard, different options or tables on one rank, or an
 error raised on one rank (bad input in its shard) raises on every rank, naming the rank; a dead

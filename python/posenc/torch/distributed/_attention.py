@@ -16,7 +16,7 @@ class _ContextParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, q, k, v, *tables):
         _STATS["calls"] += 1
-        p.tables = {n: t.detach().to(p.cdtype) for n, t in zip(p.names, tables)}
+        p.tables = {n: t.detach().to(p.device, p.cdtype) for n, t in zip(p.names, tables)}
         q0, k0, v0 = q, k, v
         p.wire = k.dtype if (k.dtype in _HALF and v.dtype == k.dtype) else p.cdtype
         q, k, v = (x.detach().to(p.cdtype).contiguous() for x in (q, k, v))
@@ -89,6 +89,7 @@ def context_parallel_attention(q, k, v, scheme=None, *, group=None, strategy="ri
     try:
         _finish_plan(p, q, scheme, params, kwargs)
         p.cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        p.device = q.device
         p.reduce_grads = reduce_grads
         if strategy == "all_to_all":
             if kwargs.get("config") is not None:

@@ -47,8 +47,34 @@ class _Timer:
 
 # ---- communication ------------------------------------------------------------------------------
 
+def _comm_device(group):
+    """Where the group's transfers and collectives take their tensors: the current CUDA device
+    for NCCL, which moves CUDA tensors only; the CPU for gloo, whose point-to-point transfers
+    take CPU tensors only."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Staged:
+    """A receive into a staging buffer on the group's device, copied into its destination
+    (on the data's device) when waited on."""
+
+    def __init__(self, work, staged, dst):
+        self.work, self.staged, self.dst = work, staged, dst
+
+    def wait(self, timeout=None):
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout)
+        self.dst.copy_(self.staged)
+
+
 class _Comm:
-    """Point-to-point transfers within a group, counted, waited on with a timeout."""
+    """Point-to-point transfers within a group, counted, waited on with a timeout. Tensors on
+    another device than the group's (CUDA shards over gloo) travel through a copy on the group's
+    device."""
 
     def __init__(self, group, timeout):
         self.group = group
@@ -58,10 +84,15 @@ class _Comm:
         self.globals = [dist.get_global_rank(group, r) if group is not None else r
                         for r in range(self.world)]
         self.works = []
+        self.keep = []  # staged copies of sends in flight
+        self.device = _comm_device(group) if self.rank >= 0 else torch.device("cpu")
 
     def send(self, t, to, tag):
         if t.numel() == 0:
             return
+        if t.device != self.device:
+            t = t.to(self.device)  # kept alive by the list below until the send completes
+            self.keep.append(t)
         self.works.append(dist.isend(t, self.globals[to], group=self.group, tag=tag))
         _STATS["bytes_sent"] += t.numel() * t.element_size()
         _STATS["messages_sent"] += 1
@@ -69,7 +100,12 @@ class _Comm:
     def recv(self, t, frm, tag):
         if t.numel() == 0:
             return None
-        w = dist.irecv(t, self.globals[frm], group=self.group, tag=tag)
+        if t.device != self.device:
+            staged = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            w = _Staged(dist.irecv(staged, self.globals[frm], group=self.group, tag=tag),
+                        staged, t)
+        else:
+            w = dist.irecv(t, self.globals[frm], group=self.group, tag=tag)
         _STATS["bytes_received"] += t.numel() * t.element_size()
         _STATS["messages_received"] += 1
         return w
@@ -88,6 +124,7 @@ class _Comm:
         """Waits for every send posted so far."""
         works, self.works = self.works, []
         self.wait(works)
+        self.keep = []
 
 
 def _prev(c):
@@ -103,12 +140,12 @@ _TAG_KV, _TAG_DKV, _TAG_A2A = 1 << 16, 2 << 16, 3 << 16
 
 def _all_to_all(c, sends, recv_numels, dtype, tag):
     """sends[r]: the flat tensor for rank r (own rank: kept); returns the flat tensors received
-    from each rank (point-to-point, so the sizes may differ)."""
+    from each rank (point-to-point, so the sizes may differ), on the device of sends."""
     out = [None] * c.world
     waits = []
     for step in range(1, c.world):  # pairwise order: every rank talks to rank +- step
         to, frm = (c.rank + step) % c.world, (c.rank - step) % c.world
-        buf = torch.empty(recv_numels[frm], dtype=dtype)
+        buf = torch.empty(recv_numels[frm], dtype=dtype, device=sends[c.rank].device)
         waits.append(c.recv(buf, frm, tag))
         c.send(sends[to], to, tag)
         out[frm] = buf
@@ -134,8 +171,9 @@ def _raise_agreed(c, errors, local=None):
 def _agree(c, error, extra=None):
     """Every rank learns whether any failed; raises the same error on all of them if so. extra:
     a float tensor summed over the ranks in the same collective (returned)."""
-    flag = torch.tensor([1.0 if error is not None else 0.0], dtype=torch.float64)
-    buf = flag if extra is None else torch.cat([flag, extra.reshape(-1).double()])
+    flag = torch.tensor([1.0 if error is not None else 0.0], dtype=torch.float64,
+                        device=c.device)
+    buf = flag if extra is None else torch.cat([flag, extra.reshape(-1).double().to(c.device)])
     if c.world > 1:
         dist.all_reduce(buf, group=c.group)
     if buf[0].item() > 0:
@@ -149,7 +187,7 @@ def _agree(c, error, extra=None):
         if error is not None and c.world == 1:
             raise error
         _raise_agreed(c, failed, error)
-    return None if extra is None else buf[1:].view(extra.shape).to(extra.dtype)
+    return None if extra is None else buf[1:].view(extra.shape).to(extra.device, extra.dtype)
 
 
 def _error_name(e):

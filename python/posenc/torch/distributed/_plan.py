@@ -35,7 +35,7 @@ def _crc(*arrays):
         if isinstance(a, (bytes, str)):
             h = zlib.crc32(a.encode() if isinstance(a, str) else a, h)
             continue
-        t = a.detach() if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
+        t = a.detach().cpu() if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
         h = zlib.crc32(repr((tuple(t.shape), str(t.dtype))).encode(), h)
         flat = t.reshape(-1)
         if flat.numel() > _CRC_SAMPLE:  # a large table or mask: an even sample (cheap per call)
@@ -51,14 +51,16 @@ def _fingerprint_value(value):
     """A positions / mask argument in a form whose bytes do not depend on how it was passed."""
     if value is None or isinstance(value, (bool, int, np.integer)):
         return repr(value)
-    t = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    t = (value.detach().cpu() if isinstance(value, torch.Tensor)
+         else torch.as_tensor(np.asarray(value)))
     return t.to(torch.int64)
 
 
 def _as_int_tensor(value, what):
+    """An index argument (positions, document ids, a mask) on the host: the plan reads it there
+    (a CUDA tensor is copied once)."""
     if isinstance(value, torch.Tensor):
-        _ops.require_cpu(value, what)
-        return value
+        return value.detach().cpu()
     return torch.as_tensor(np.asarray(value))
 
 
@@ -112,7 +114,9 @@ def _local_checks(q, k, v, strategy, layout, kwargs):
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: a torch.Tensor")
-        _ops.require_cpu(t, what)
+        if t.device != q.device:
+            raise ValueError(f"{what} is on {t.device}, q on {q.device}: q, k and v share one "
+                             f"device")
         if t.dim() != 4:
             raise ValueError(f"{what}: {t.dim()} dimensions; context_parallel_attention takes "
                              f"[batch, seq, heads, head_dim] shards (packed sequences are not "
@@ -146,7 +150,7 @@ def _make_plan(q, k, v, scheme, params, group, strategy, layout, kwargs, timeout
     c = _Comm(group, timeout)
     if c.rank < 0:
         raise ValueError("group: this process is not a member of the group")
-    meta = torch.zeros(24, dtype=torch.int64)
+    meta = torch.zeros(24, dtype=torch.int64, device=c.device)
     error = None
     try:
         _local_checks(q, k, v, strategy, layout, kwargs)
@@ -157,6 +161,7 @@ def _make_plan(q, k, v, scheme, params, group, strategy, layout, kwargs, timeout
         meta[5:9] = torch.tensor(k.shape)
         meta[9:13] = torch.tensor(v.shape)
         meta[13] = _DTYPES[q.dtype]
+        meta[18] = _crc(str(q.device.type))
         whole = ("query_positions", "key_positions") + _MASK_TENSORS
         settings = {n: kwargs[n] for n in sorted(kwargs)
                     if n not in whole + ("config", "num_threads")}
@@ -216,6 +221,9 @@ def _cross_check(m, layout, world):
                     return f"rank {r}: {what} has {n} {a[i]}, rank 0 has {b[i]}"
         if row[13] != m[0][13]:
             return f"rank {r}: q's dtype differs from rank 0's"
+        if row[18] != m[0][18]:
+            return (f"rank {r}: q's device type differs from rank 0's (every rank computes on "
+                    f"the same kind of device)")
         if row[14] != m[0][14]:
             return (f"rank {r}: scheme, strategy, layout, options or parameter names differ "
                     f"from rank 0's (every rank must make the same call)")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ... import _ops, _posenc
+from ... import _device, _ops, _posenc
 from ._comm import _STATS, _TAG_DKV, _TAG_KV, _Timer, _agree, _next, _prev
 from ._plan import _block_hidden, _block_masks, _pos_slice, _settings, _visible_pairs
 
@@ -20,7 +20,9 @@ _NO_SINK = -1e30
 
 def _merge(out_a, lse_a, out_b, lse_b):
     """Exact merge of two partial attentions (float32: posenc's attention_merge, in double per
-    row; float64: the same formula in float64)."""
+    row, or its device form with the same numbers; float64: the same formula in float64)."""
+    if out_a.dtype == torch.float32 and not out_a.is_cpu:
+        return _device.attention_merge(out_a, lse_a, out_b, lse_b)
     if out_a.dtype == torch.float32:
         o, lse = _posenc.attention_merge(_ops._np(out_a, "out_a"), _ops._np(lse_a, "lse_a"),
                                          _ops._np(out_b, "out_b"), _ops._np(lse_b, "lse_b"))
@@ -95,7 +97,7 @@ def _ring_tables(p):
     tables = [p.tables[n] for n in names]
     if p.config_sinks:
         names = sorted(names + ["sinks"])
-        silent = torch.full((p.Hq,), _NO_SINK, dtype=p.cdtype)
+        silent = torch.full((p.Hq,), _NO_SINK, dtype=p.cdtype, device=p.device)
         tables = [silent if n == "sinks" else p.tables[n] for n in names]
     return names, tables
 
@@ -113,7 +115,8 @@ def _ring_forward(p, q, k, v):
         waits = []
         nxt = None
         if step < c.world - 1:
-            nxt = torch.empty(_kv_numel(p, (c.rank - step - 1) % c.world), dtype=buf.dtype)
+            nxt = torch.empty(_kv_numel(p, (c.rank - step - 1) % c.world), dtype=buf.dtype,
+                              device=p.device)
             waits.append(c.recv(nxt, _prev(c), _TAG_KV + step))
             c.send(buf, _next(c), _TAG_KV + step)
         if error is None:
@@ -144,8 +147,10 @@ def _ring_forward(p, q, k, v):
             with _Timer("compute_s"):
                 for i, (la, lb, qa, qb) in enumerate(qsegs):
                     if acc[i] is None:
-                        o = torch.zeros(p.B, lb - la, p.Hq, p.Dv, dtype=p.cdtype)
-                        lse = torch.full((p.B, p.Hq, lb - la), -math.inf, dtype=o.dtype)
+                        o = torch.zeros(p.B, lb - la, p.Hq, p.Dv, dtype=p.cdtype,
+                                        device=p.device)
+                        lse = torch.full((p.B, p.Hq, lb - la), -math.inf, dtype=o.dtype,
+                                         device=p.device)
                     else:
                         o, lse = acc[i]
                     if p.config_sinks:
@@ -189,7 +194,8 @@ def _ring_backward(p, q, k, v, out, lse, dout):
     settings = _settings(p)
     qsegs = _local_q_segs(p)
     dq = torch.zeros_like(q)
-    tgrads = {n: torch.zeros(p.tables[n].shape, dtype=torch.float64) for n in p.names}
+    tgrads = {n: torch.zeros(p.tables[n].shape, dtype=torch.float64, device=p.device)
+              for n in p.names}
     error = None
     buf = _pack(p, k, v)
     dkv = None
@@ -198,15 +204,16 @@ def _ring_backward(p, q, k, v, out, lse, dout):
         waits_in = None
         incoming = None
         if step > 0:  # the shard's gradient so far, from the ranks it visited before
-            incoming = torch.empty(_kv_numel(p, src), dtype=p.cdtype)
+            incoming = torch.empty(_kv_numel(p, src), dtype=p.cdtype, device=p.device)
             waits_in = c.recv(incoming, _prev(c), _TAG_DKV + step - 1)
         waits = []
         nxt = None
         if step < c.world - 1:
-            nxt = torch.empty(_kv_numel(p, (c.rank - step - 1) % c.world), dtype=buf.dtype)
+            nxt = torch.empty(_kv_numel(p, (c.rank - step - 1) % c.world), dtype=buf.dtype,
+                              device=p.device)
             waits.append(c.recv(nxt, _prev(c), _TAG_KV + step))
             c.send(buf, _next(c), _TAG_KV + step)
-        dkv = torch.zeros(_kv_numel(p, src), dtype=p.cdtype)
+        dkv = torch.zeros(_kv_numel(p, src), dtype=p.cdtype, device=p.device)
         if error is None:
             try:
                 ks, vs = _unpack(p, buf, src)
@@ -238,7 +245,8 @@ def _ring_backward(p, q, k, v, out, lse, dout):
         c.wait(waits)
         if nxt is not None:
             buf = nxt
-    own = torch.empty(_kv_numel(p, c.rank), dtype=p.cdtype) if c.world > 1 else dkv
+    own = (torch.empty(_kv_numel(p, c.rank), dtype=p.cdtype, device=p.device) if c.world > 1
+           else dkv)
     if c.world > 1:
         c.wait([c.recv(own, _prev(c), _TAG_DKV + c.world - 1)])
     c.flush()

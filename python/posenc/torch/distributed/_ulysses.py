@@ -38,7 +38,7 @@ def _seq_gather(p, parts, lens, segs_of, shape_tail, heads):
     """Flat parts received from each rank (its sequence shard of some heads) -> the whole
     sequence [B, L, heads, tail] in global order."""
     total = sum(lens)
-    full = torch.empty(p.B, total, heads, shape_tail, dtype=p.cdtype)
+    full = torch.empty(p.B, total, heads, shape_tail, dtype=p.cdtype, device=p.device)
     for r, flat in enumerate(parts):
         t = flat.view(p.B, lens[r], heads, shape_tail)
         off = 0
@@ -67,7 +67,7 @@ def _a2a_tables(p, lo, hi):
         out[n] = t.contiguous()
     if p.alibi_max_bias is not None and "slopes" not in out:
         slopes = torch.from_numpy(_posenc.alibi_slopes(p.Hq, max_bias=float(p.alibi_max_bias)))
-        out["slopes"] = slopes[lo:hi].to(p.cdtype).contiguous()
+        out["slopes"] = slopes[lo:hi].to(p.device, p.cdtype).contiguous()
     return out
 
 
@@ -75,7 +75,7 @@ def _a2a_scatter_grads(p, lo, hi, grads):
     """Local table gradients (heads [lo, hi)) placed in zero tables of the full shapes."""
     full = {}
     for n in p.names:
-        t = torch.zeros(p.tables[n].shape, dtype=torch.float64)
+        t = torch.zeros(p.tables[n].shape, dtype=torch.float64, device=p.device)
         g = grads.get(n)
         if g is not None:
             g = g.double()
@@ -140,8 +140,8 @@ def _a2a_forward(p, q, k, v):
                    for r in range(c.world)]
     got = _all_to_all(c, sends, recv_numels, p.cdtype, _TAG_A2A + 1)
     lq = p.lq[c.rank]
-    out = torch.empty(p.B, lq, p.Hq, p.Dv, dtype=p.cdtype)
-    lse = torch.empty(p.B, p.Hq, lq, dtype=lh.dtype)
+    out = torch.empty(p.B, lq, p.Hq, p.Dv, dtype=p.cdtype, device=p.device)
+    lse = torch.empty(p.B, p.Hq, lq, dtype=lh.dtype, device=p.device)
     for r, flat in enumerate(got):
         rlo, rhi = hr[r][0], hr[r][1]
         n = p.B * lq * (rhi - rlo) * p.Dv
@@ -185,9 +185,9 @@ def _a2a_backward(p, saved, dout):
         rlo, rhi, rklo, rkhi = hr[r]
         recv_numels.append(p.B * (lq * (rhi - rlo) * p.D + lk * (rkhi - rklo) * (p.D + p.Dv)))
     got = _all_to_all(c, sends, recv_numels, p.cdtype, _TAG_A2A + 3)
-    dq = torch.empty(p.B, lq, p.Hq, p.D, dtype=p.cdtype)
-    dk = torch.zeros(p.B, lk, p.Hkv, p.D, dtype=p.cdtype)
-    dv = torch.zeros(p.B, lk, p.Hkv, p.Dv, dtype=p.cdtype)
+    dq = torch.empty(p.B, lq, p.Hq, p.D, dtype=p.cdtype, device=p.device)
+    dk = torch.zeros(p.B, lk, p.Hkv, p.D, dtype=p.cdtype, device=p.device)
+    dv = torch.zeros(p.B, lk, p.Hkv, p.Dv, dtype=p.cdtype, device=p.device)
     for r, flat in enumerate(got):
         rlo, rhi, rklo, rkhi = hr[r]
         nq = p.B * lq * (rhi - rlo) * p.D
