@@ -169,19 +169,14 @@ class BackwardKernel {
       rope_rotate_rows(p_.rope, p_.kpos + bb * p_.seq_k + j0, p_.rope_base[bb], nk,
                        kbase + j0 * p_.k_stride[1], p_.k_stride[1], kp, dpad_);
     }
-    for (int64_t c = 0; c < nk; ++c) {
-      const float* kr = kbase + (j0 + c) * p_.k_stride[1];
-      const float* vr = vbase + (j0 + c) * p_.v_stride[1];
-      if (p_.rope.cs != nullptr) {
-        kr = kp + c * dpad_;
-      } else {
-        std::memcpy(kp + c * dpad_, kr, static_cast<size_t>(dim_) * sizeof(float));
-      }
-      for (int64_t x = 0; x < dim_; ++x) {
-        ktr[x * kTileK + c] = kr[x];
-        vtr[x * kTileK + c] = vr[x];
+    if (p_.rope.cs == nullptr) {
+      for (int64_t c = 0; c < nk; ++c) {
+        std::memcpy(kp + c * dpad_, kbase + (j0 + c) * p_.k_stride[1],
+                    static_cast<size_t>(dim_) * sizeof(float));
       }
     }
+    TransposeRows(kp, dpad_, nk, dim_, ktr);
+    TransposeRows(vbase + j0 * p_.v_stride[1], p_.v_stride[1], nk, dim_, vtr);
     for (int64_t x = 0; x < dim_; ++x) {
       std::fill(ktr + x * kTileK + nk, ktr + (x + 1) * kTileK, 0.0f);
       std::fill(vtr + x * kTileK + nk, vtr + (x + 1) * kTileK, 0.0f);
@@ -393,7 +388,15 @@ class BackwardKernel {
       st.vt_all = st.kt_all + n_all;
       st.dk_all = st.vt_all + n_all;
       st.dv_all = st.dk_all + n_all;
-      std::fill(st.kp_all, st.kp_all + st.n_cache, 0.0f);
+      // Zero what TileOperands leaves unwritten: the key rows' padding columns and the rows past
+      // seq_k (K^T and V^T are written whole), and every accumulator from dK^T on.
+      if (dp > dim_) {
+        for (int64_t j = 0; j < p_.seq_k; ++j) {
+          std::fill(st.kp_all + j * dp + dim_, st.kp_all + (j + 1) * dp, 0.0f);
+        }
+      }
+      std::fill(st.kp_all + p_.seq_k * dp, st.kp_all + n_all, 0.0f);
+      std::fill(st.dk_all, st.kp_all + st.n_cache, 0.0f);
       if (deberta_) deb_t_->SetBuffers(st.deb, st.dv_all + n_all);
       for (int64_t t = 0; t < ntiles_; ++t) {
         const int64_t j0 = t * kt, nk = std::min(kt, p_.seq_k - j0);
