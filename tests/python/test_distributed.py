@@ -527,16 +527,15 @@ def _collect(outdir, world):
     return fails, cases
 
 
-def test_context_parallel_battery():
+def _run_workers(fn, world, args, seconds):
+    """Spawns `world` processes fn(rank, world, port, outdir, *args), waits up to `seconds`,
+    kills what is left; asserts none hung and none failed; returns the largest case count."""
     import torch.multiprocessing as mp
-    world = 4
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(worker, args=(world, free_port(), outdir, "battery"),
-                                 nprocs=world, join=False, start_method="spawn")
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if all(not p.is_alive() for p in ctx.processes):
-                break
+        ctx = mp.start_processes(fn, args=(world, free_port(), outdir, *args), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.time() + seconds
+        while time.time() < deadline and any(p.is_alive() for p in ctx.processes):
             time.sleep(0.2)
         alive = [p.pid for p in ctx.processes if p.is_alive()]
         for p in ctx.processes:
@@ -544,9 +543,14 @@ def test_context_parallel_battery():
                 p.kill()
                 p.join(5)
         fails, cases = _collect(outdir, world)
-        assert not alive, f"workers {alive} hung (killed)\n" + "\n".join(fails[:40])
-        assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:60])
-        assert cases >= 56 + 19 * 4  # the largest group's count
+    assert not alive, f"workers {alive} hung (killed)\n" + "\n".join(fails[:40])
+    assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:60])
+    return cases
+
+
+def test_context_parallel_battery():
+    cases = _run_workers(worker, 4, ("battery",), 600)
+    assert cases >= 56 + 19 * 4  # the largest group's count
 
 
 def triton_worker(rank, world, port, outdir, device):
@@ -616,23 +620,7 @@ def test_context_parallel_on_the_triton_kernels(device):
     pytest.importorskip("triton")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    import torch.multiprocessing as mp
-    world = 2
-    with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(triton_worker, args=(world, free_port(), outdir, device),
-                                 nprocs=world, join=False, start_method="spawn")
-        deadline = time.time() + 400
-        while time.time() < deadline and any(p.is_alive() for p in ctx.processes):
-            time.sleep(0.2)
-        alive = [p.pid for p in ctx.processes if p.is_alive()]
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        fails, cases = _collect(outdir, world)
-        assert not alive, f"workers {alive} hung (killed)\n" + "\n".join(fails[:40])
-        assert not fails, "\n".join(fails[:40])
-        assert cases == 4
+    assert _run_workers(triton_worker, 2, (device,), 400) == 4
 
 
 def test_torchrun_smoke():

@@ -108,6 +108,22 @@ def load_tile(base, offs, row_ok, cols, col_ok):
 
 
 @triton.jit
+def rotary_pairs(cols, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """RoPE's pairing of dims `cols`: (the pair's index in the cos / sin tables, the partner dim,
+    whether the dim is the pair's first, whether it is rotated at all: dims < ROTARY). Pairs
+    (i, i + R/2) in the half style, (2i, 2i + 1) interleaved."""
+    if INTERLEAVED:
+        pair = cols // 2
+        partner = cols ^ 1
+        first = cols % 2 == 0
+    else:
+        pair = cols % (ROTARY // 2)
+        partner = tl.where(cols < ROTARY // 2, cols + ROTARY // 2, cols - ROTARY // 2)
+        first = cols < ROTARY // 2
+    return pair, partner, first, cols < ROTARY
+
+
+@triton.jit
 def load_rotated(base, rows, offs, row_ok, cols, dim, Cos, Sin,
                  ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr):
     """Rows of q or k as load_tile loads them (rows: their token indices, which index the
@@ -119,15 +135,7 @@ def load_rotated(base, rows, offs, row_ok, cols, dim, Cos, Sin,
     col_ok = cols < dim
     x = load_tile(base, offs, row_ok, cols, col_ok)
     if ROTARY > 0:
-        if INTERLEAVED:
-            pair = cols // 2
-            partner = cols ^ 1
-            first = cols % 2 == 0
-        else:
-            pair = cols % (ROTARY // 2)
-            partner = tl.where(cols < ROTARY // 2, cols + ROTARY // 2, cols - ROTARY // 2)
-            first = cols < ROTARY // 2
-        rotated = cols < ROTARY
+        pair, partner, first, rotated = rotary_pairs(cols, ROTARY, INTERLEAVED)
         other = load_tile(base, offs, row_ok, partner, rotated).to(tl.float32)
         table = rows[:, None] * (ROTARY // 2) + pair[None, :]
         inside = row_ok[:, None] & rotated[None, :]

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._forward import EMULATE_BF16, rounded
+from ._forward import EMULATE_BF16, rotary_pairs, rounded
 
 
 @triton.jit
@@ -35,15 +35,7 @@ def rope_kernel(X, Y, x_stride_b, x_stride_l, x_stride_h, y_stride_b, y_stride_l
     x_base = X + b * x_stride_b + head * x_stride_h + rows[:, None].to(tl.int64) * x_stride_l
     ok = row_ok[:, None] & col_ok[None, :]
     x = tl.load(x_base + cols[None, :], mask=ok, other=0.0).to(compute)
-    if INTERLEAVED:
-        pair = cols // 2
-        partner = cols ^ 1
-        first = cols % 2 == 0
-    else:
-        pair = cols % (ROTARY // 2)
-        partner = tl.where(cols < ROTARY // 2, cols + ROTARY // 2, cols - ROTARY // 2)
-        first = cols < ROTARY // 2
-    rotated = cols < ROTARY
+    pair, partner, first, rotated = rotary_pairs(cols, ROTARY, INTERLEAVED)
     inside = row_ok[:, None] & rotated[None, :]
     other = tl.load(x_base + partner[None, :], mask=inside, other=0.0).to(compute)
     table = b * cos_stride_b + rows[:, None].to(tl.int64) * (ROTARY // 2) + pair[None, :]
