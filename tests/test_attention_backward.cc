@@ -916,6 +916,23 @@ TEST(AttentionBackward, Float32PositionsWindowsAndMaskedRows) {
     }
   }
   {
+    // Query rows on alternating sides of a causal tile's diagonal (positions 10 and 100 against
+    // keys 0..127): the second tile's rows that see a key form more runs than the backward
+    // tracks, so its products take every row.
+    const Shape s{1, 40, 128, 2, 1, 16};
+    std::vector<int64_t> qids(40);
+    for (int64_t i = 0; i < 40; ++i) qids[static_cast<std::size_t>(i)] = i % 2 == 0 ? 10 : 100;
+    const auto qp = Positions::shared(qids);
+    const auto kp = Positions::shared(iota_ids(128));
+    for (const auto& name : cases::kSchemes) {
+      Rng rng(posenc_test::test_seed(), ++stream);
+      SCOPED_TRACE("alternating rows, stream " + std::to_string(stream) + " " +
+                   posenc_test::seed_trace());
+      const auto box = cases::make_scheme(name, s.heads_q, s.dim, rng.engine(), 1);
+      check_backward(s, box->scheme, {.causal = true}, rng, &qp, &kp);
+    }
+  }
+  {
     // Positions about 2^40 apart: the forward takes the simple path.
     const Shape s{1, 4, 6, 2, 1, 8};
     const int64_t far = int64_t{1} << 40;

@@ -577,14 +577,14 @@ class BackwardKernel {
                                        tile.nk);
       }
       st.cols[static_cast<size_t>(r)] = static_cast<int32_t>(c);
-      if (c == 0) continue;
+      if (c == 0 || runs > kMaxRuns) continue;
       if (runs > 0 && tile.run_hi[static_cast<size_t>(runs - 1)] == r) {
         tile.run_hi[static_cast<size_t>(runs - 1)] = r + 1;
       } else if (runs < kMaxRuns) {
         tile.run_lo[static_cast<size_t>(runs)] = r, tile.run_hi[static_cast<size_t>(runs)] = r + 1;
         ++runs;
       } else {
-        runs = kMaxRuns + 1;  // too scattered: one run over every row
+        runs = kMaxRuns + 1;  // too scattered: one run over every row (no more run bookkeeping)
       }
     }
     tile.cols = st.cols.data();
