@@ -603,6 +603,14 @@ def triton_worker(rank, world, port, outdir, device):
         except ValueError as e:
             if "one device" not in str(e):
                 fails.append(f"devices: {e}")
+        # The ranks on different kinds of device: refused on every rank, naming it.
+        y = torch.zeros(1, 8, 2, 8, device=device if rank == 0 else "meta")
+        try:
+            ptd.context_parallel_attention(y, y, y, timeout=30)
+            fails.append("device types: no error")
+        except ValueError as e:
+            if "device type differs from" not in str(e):
+                fails.append(f"device types: {e}")
         with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
             f.write("\n".join(fails) + f"\n#cases {count}\n")
         dist.barrier()
