@@ -157,6 +157,28 @@ struct Bf16Problem {
     for (size_t i = 0; i < out.size(); ++i) bits[i] = out[i].bits;
     return bits;
   }
+
+  // Both paths (vdpbf16ps, then widening): the same bits on 1, 2 and 3 threads, every element
+  // within half a bf16 ulp of the oracle plus 2e-5 (1 + |want|). worst: per path its largest
+  // |error| and, over |want| >= 0.05, its largest error in output ulps.
+  void check_paths(const PositionScheme& scheme, const AttentionOptions& opt,
+                   std::array<double, 4>& worst) const {
+    for (int mode : {1, 0}) {
+      Bf16DotMode m(mode);
+      const auto first = run(scheme, opt, 1);
+      ASSERT_EQ(run(scheme, opt, 2), first) << "path " << mode << ", 2 threads";
+      ASSERT_EQ(run(scheme, opt, 3), first) << "path " << mode << ", 3 threads";
+      double* w = &worst[static_cast<size_t>(2 * (1 - mode))];
+      for (size_t i = 0; i < first.size(); ++i) {
+        const double got = to_float(bf16{first[i]});
+        const double err = std::fabs(got - want[i]);
+        ASSERT_LE(err, half_ulp_bf16(want[i]) + 2e-5 * (1 + std::fabs(want[i])))
+            << "path " << mode << ", element " << i << ": " << got << " vs " << want[i];
+        w[0] = std::max(w[0], err);
+        if (std::fabs(want[i]) >= 0.05) w[1] = std::max(w[1], err / (2 * half_ulp_bf16(want[i])));
+      }
+    }
+  }
 };
 
 // Decoding attention, bf16 q, k, v and out, every scheme: the oracle's bound with the path on,
@@ -185,26 +207,8 @@ TEST(Bf16Dot, DecodingEverySchemeAgainstTheOracle) {
           cases::make_scheme(name, sh.heads_q, sh.dim, rng.engine(), static_cast<int>(stream % 4));
       AttentionOptions opt{.causal = true};
       const Bf16Problem pb(rng.engine(), qs, ks, box->scheme, opt);
-      const auto& want = pb.want;
-      auto run = [&](int threads) { return pb.run(box->scheme, opt, threads); };
-      for (int mode : {1, 0}) {
-        Bf16DotMode m(mode);
-        const auto first = run(1);
-        ASSERT_EQ(run(2), first) << "path " << mode << ", 2 threads";
-        ASSERT_EQ(run(3), first) << "path " << mode << ", 3 threads";
-        for (size_t i = 0; i < first.size(); ++i) {
-          const double got = to_float(bf16{first[i]});
-          const double err = std::fabs(got - want[i]);
-          ASSERT_LE(err, half_ulp_bf16(want[i]) + 2e-5 * (1 + std::fabs(want[i])))
-              << "path " << mode << ", element " << i << ": " << got << " vs " << want[i];
-          auto& w = worst[name];
-          w[2 * (1 - mode)] = std::max(w[2 * (1 - mode)], err);
-          if (std::fabs(want[i]) >= 0.05) {
-            w[2 * (1 - mode) + 1] =
-                std::max(w[2 * (1 - mode) + 1], err / (2 * half_ulp_bf16(want[i])));
-          }
-        }
-      }
+      pb.check_paths(box->scheme, opt, worst[name]);
+      if (HasFatalFailure()) return;
     }
   }
   std::printf("scheme    vdpbf16ps: max|err|  ulps    widening: max|err|  ulps\n");
@@ -329,7 +333,7 @@ TEST(Bf16Dot, PrefillEverySchemeAgainstTheOracle) {
       {1, 96, 96, 2, 1, 128, false, std::nullopt},  // MQA, bidirectional
   };
   uint64_t stream = 1900;
-  std::map<std::string, std::array<double, 2>> worst;
+  std::map<std::string, std::array<double, 4>> worst;
   for (const PrefillShape& sh : shapes) {
     const std::array<int64_t, 4> qs{sh.batch, sh.seq_q, sh.heads_q, sh.dim},
         ks{sh.batch, sh.seq_k, sh.heads_kv, sh.dim};
@@ -341,27 +345,13 @@ TEST(Bf16Dot, PrefillEverySchemeAgainstTheOracle) {
           cases::make_scheme(name, sh.heads_q, sh.dim, rng.engine(), static_cast<int>(stream % 4));
       AttentionOptions opt{.causal = sh.causal, .window = sh.window};
       const Bf16Problem pb(rng.engine(), qs, ks, box->scheme, opt);
-      const auto& want = pb.want;
-      auto run = [&](int threads) { return pb.run(box->scheme, opt, threads); };
-      for (int mode : {1, 0}) {
-        Bf16DotMode m(mode);
-        const auto first = run(1);
-        ASSERT_EQ(run(2), first) << "path " << mode << ", 2 threads";
-        ASSERT_EQ(run(3), first) << "path " << mode << ", 3 threads";
-        for (size_t i = 0; i < first.size(); ++i) {
-          const double got = to_float(bf16{first[i]});
-          const double err = std::fabs(got - want[i]);
-          ASSERT_LE(err, half_ulp_bf16(want[i]) + 2e-5 * (1 + std::fabs(want[i])))
-              << "path " << mode << ", element " << i << ": " << got << " vs " << want[i];
-          auto& w = worst[name];
-          w[1 - mode] = std::max(w[1 - mode], err);
-        }
-      }
+      pb.check_paths(box->scheme, opt, worst[name]);
+      if (HasFatalFailure()) return;
     }
   }
-  std::printf("prefill   vdpbf16ps: max|err|    widening: max|err|\n");
+  std::printf("prefill   vdpbf16ps: max|err|  ulps    widening: max|err|  ulps\n");
   for (const auto& [name, w] : worst) {
-    std::printf("%-9s %18.3e %20.3e\n", name.c_str(), w[0], w[1]);
+    std::printf("%-9s %18.3e %6.3f %18.3e %6.3f\n", name.c_str(), w[0], w[1], w[2], w[3]);
   }
 }
 
