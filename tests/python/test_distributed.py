@@ -660,10 +660,13 @@ def _torchrun_main():
         count = 0
     with open(os.path.join(os.environ["POSENC_DIST_OUT"], f"rank{rank}.txt"), "w") as f:
         f.write("\n".join(fails) + f"\n#cases {count}\n")
-    # Both ranks done with every collective before either tears gloo down: a rank that destroys
-    # its group while its peer still talks to it can abort in gloo's threads.
+    # Both ranks done with every collective, then out without tearing gloo down: its teardown can
+    # abort a rank ("terminate called without an active exception") while the peer's connection
+    # threads still run, even after a barrier. The report is written; nothing is left to flush.
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
