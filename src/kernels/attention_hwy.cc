@@ -731,7 +731,7 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
     const auto vm = hn::Set(d, m);
     auto vsum = hn::Zero(d);
     for (int64_t c = 0; c < end; c += lanes_) {
-      const auto e = hn::Exp(d, hn::Sub(hn::Load(d, s + c), vm));
+      const auto e = ExpSoftmax(d, hn::Sub(hn::Load(d, s + c), vm));
       hn::Store(e, d, s + c);
       vsum = hn::Add(vsum, e);
     }
@@ -927,6 +927,20 @@ void FusedAttention(const FusedAttentionParams& p) {
   k.Run();
 }
 
+void SoftmaxExp(const float* x, float* y, int64_t n) {
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  HWY_ALIGN float buf[hn::MaxLanes(DF())];
+  for (int64_t i = 0; i < n; i += lanes) {
+    const int64_t m = std::min(lanes, n - i);
+    std::fill(buf, buf + lanes, 0.0f);
+    std::copy(x + i, x + i + m, buf);
+    const auto v = hn::Load(d, buf);
+    hn::Store(ExpSoftmax(d, v), d, buf);
+    std::copy(buf, buf + m, y + i);
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace posenc::kernels
 HWY_AFTER_NAMESPACE();
@@ -935,10 +949,16 @@ HWY_AFTER_NAMESPACE();
 namespace posenc::kernels {
 
 HWY_EXPORT(FusedAttention);
+HWY_EXPORT(SoftmaxExp);
 
 void fused_attention(const FusedAttentionParams& p) {
   apply_simd_target_env();  // POSENC_SIMD_TARGET, before the first dispatch
   HWY_DYNAMIC_DISPATCH(FusedAttention)(p);
+}
+
+void softmax_exp_for_test(const float* x, float* y, int64_t n) {
+  apply_simd_target_env();
+  HWY_DYNAMIC_DISPATCH(SoftmaxExp)(x, y, n);
 }
 
 }  // namespace posenc::kernels

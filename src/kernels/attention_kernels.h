@@ -189,4 +189,8 @@ int64_t backward_item_budget();
 // already rejected them unless allowed).
 void fused_attention(const FusedAttentionParams& p);
 
+// For tests: y[i] = the forward's softmax exponential of x[i] <= 0 (ExpSoftmax in
+// attention-inl.h), on the dispatched target.
+void softmax_exp_for_test(const float* x, float* y, int64_t n);
+
 }  // namespace posenc::kernels
