@@ -257,7 +257,10 @@ bool run_fused_backward(const Problem<float>& pr, const Prepared<float>& p,
       !g.dk.last_dim_contiguous() || !g.dv.last_dim_contiguous()) {
     return false;
   }
-  if (d.batch == 0 || d.seq_q == 0 || d.seq_k == 0) return true;  // gradients are zero
+  if (d.batch == 0 || d.seq_q == 0 || d.seq_k == 0) {  // gradients are zero
+    zero_qkv_grads(g);
+    return true;
+  }
   kernels::FusedBackwardParams bp;
   FusedTables tab;
   if (!fill_fused_params(pr, p, tab, bp.fwd)) return false;
@@ -431,9 +434,11 @@ void attention_backward(View<const float, 4> q, View<const float, 4> k, View<con
   auto pr = make_problem<float>(q, k, v, q.shape, options, query_positions, key_positions);
   const auto p = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp,
                                 /*simple_path=*/false);
-  attn::check_backward_args(pr, scheme, p, out, lse, dout, grads);
+  // dq, dk, dv are zeroed only for the simple path: the fused kernel writes each element.
+  attn::check_backward_args(pr, scheme, p, out, lse, dout, grads, /*zero_qkv=*/false);
   if (!attn::run_fused_backward(pr, p, out, lse, dout, grads)) {
     // Outside the fused kernel's domain: the simple path.
+    attn::zero_qkv_grads(grads);
     const auto pn = prepare<float>(scheme, options, pr.d, q, k, pr.qp, pr.kp);
     attn::run_backward<float>(pr, pn, out, lse, dout, grads);
   }

@@ -271,6 +271,11 @@ void zero(const View<T, R>& v) {
 }  // namespace
 
 template <class T>
+void zero_qkv_grads(const AttentionGradsOf<T>& g) {
+  zero(g.dq), zero(g.dk), zero(g.dv);
+}
+
+template <class T>
 void run(const Problem<T>& pr, const Prepared<T>& p, View<T, 4> out, const View<T, 3>* lse) {
   std::visit([&](const auto& term) { forward_rows(pr, p, term, out, lse); }, p.term);
 }
@@ -285,7 +290,8 @@ void run_backward(const Problem<T>& pr, const Prepared<T>& p, const View<const T
 template <class T>
 void check_backward_args(const Problem<T>& pr, const PositionScheme& scheme, const Prepared<T>& p,
                          const View<const T, 4>& out, const View<const T, 3>& lse,
-                         const View<const T, 4>& dout, const AttentionGradsOf<T>& g) {
+                         const View<const T, 4>& dout, const AttentionGradsOf<T>& g,
+                         bool zero_qkv) {
   const Dims& d = pr.d;
   const std::string w = "attention_backward: ";
   require_grad(out, pr.q.shape, w + "out");
@@ -332,7 +338,8 @@ void check_backward_args(const Problem<T>& pr, const PositionScheme& scheme, con
     fail(w + "dsinks given but the attention has no sinks (AttentionOptions::sinks)");
   }
   if (g.dsinks.data != nullptr) require_grad(g.dsinks, {d.heads_q}, w + "dsinks [heads_q]");
-  zero(g.dq), zero(g.dk), zero(g.dv), zero(g.drelative_attention_bias), zero(g.dslopes);
+  if (zero_qkv) zero_qkv_grads(g);
+  zero(g.drelative_attention_bias), zero(g.dslopes);
   zero(g.drel_k), zero(g.drel_v), zero(g.dr_w_bias), zero(g.dr_r_bias), zero(g.dr_net);
   zero(g.dpos_key), zero(g.dpos_query), zero(g.dsinks);
 }
@@ -347,7 +354,8 @@ template void run_backward(const Problem<float>&, const Prepared<float>&,
 template void check_backward_args(const Problem<float>&, const PositionScheme&,
                                   const Prepared<float>&, const View<const float, 4>&,
                                   const View<const float, 3>&, const View<const float, 4>&,
-                                  const AttentionGradsOf<float>&);
+                                  const AttentionGradsOf<float>&, bool);
+template void zero_qkv_grads(const AttentionGradsOf<float>&);
 
 namespace {
 
