@@ -2,8 +2,12 @@
 // textbook implementation, the float32 path against the oracle, and the API's validation.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "attention_cases.h"
 #include "attention_textbook.h"
@@ -339,6 +343,51 @@ TEST(AttentionValidation, NonFiniteInputs) {
                   View<float, 4>::contiguous(out.data(), {1, 1, 1, 4}));
       },
       "attention: k: non-finite value nan at [0, 0, 0, 2]");
+}
+
+// The backward's up-front checks of out and dout (compact views: one vectorized pass over the
+// exponent bits; strided views: row by row) find every kind of non-finite value anywhere,
+// including the vector loop's tail, and name its index; nothing is written to dq, dk, dv.
+TEST(AttentionValidation, NonFiniteBackwardInputsAnywhere) {
+  const std::array<int64_t, 4> sh{1, 37, 3, 5};  // 555 elements: not a multiple of any vector
+  const int64_t n = 555;
+  std::vector<float> q(n, 0.5f), k(n, 0.25f), v(n, 1.0f), out(n, 1.0f), lse(111, 1.0f);
+  const uint32_t patterns[] = {0x7f800000u, 0xff800000u, 0x7fc00000u,
+                               0xffc00000u, 0x7f800001u, 0xffffffffu};
+  const auto cv = [](const std::vector<float>& x, const std::array<int64_t, 4>& s) {
+    return View<const float, 4>::contiguous(x.data(), s);
+  };
+  for (const bool strided : {false, true}) {
+    for (const int64_t at : {int64_t{0}, int64_t{17}, int64_t{553}, int64_t{554}}) {
+      for (const uint32_t bits : patterns) {
+        // Strided: dout is every other float of a buffer twice the size (not compact).
+        std::vector<float> buf(strided ? 2 * n : n, 1.0f);
+        float bad;
+        std::memcpy(&bad, &bits, sizeof bad);
+        buf[static_cast<size_t>(strided ? 2 * at : at)] = bad;
+        View<const float, 4> dout = cv(buf, sh);
+        if (strided) dout.stride = {2 * n, 2 * 15, 2 * 5, 2};
+        std::vector<float> dq(n, 3.0f), dk(n, 3.0f), dv(n, 3.0f);
+        AttentionGrads g;
+        g.dq = View<float, 4>::contiguous(dq.data(), sh);
+        g.dk = View<float, 4>::contiguous(dk.data(), sh);
+        g.dv = View<float, 4>::contiguous(dv.data(), sh);
+        const int64_t i = at / 15, h = at % 15 / 5, x = at % 5;
+        expect_error<ValueError>(
+            [&] {
+              attention_backward(cv(q, sh), cv(k, sh), cv(v, sh), cv(out, sh),
+                                 View<const float, 3>::contiguous(lse.data(), {1, 3, 37}), dout,
+                                 NoPositions{}, {}, g);
+            },
+            "attention_backward: dout: non-finite value " +
+                std::string(std::signbit(bad) ? "-" : "") + (std::isnan(bad) ? "nan" : "inf") +
+                " at [0, " + std::to_string(i) + ", " + std::to_string(h) + ", " +
+                std::to_string(x) + "]");
+        EXPECT_EQ(dq, std::vector<float>(n, 3.0f));
+        EXPECT_EQ(dk, std::vector<float>(n, 3.0f));
+      }
+    }
+  }
 }
 
 TEST(AttentionValidation, SchemeTables) {
