@@ -791,9 +791,9 @@ using BackwardFn = void (*)(View<const float, 4>, View<const float, 4>, View<con
 std::unique_ptr<Grads<float>> run_backward(BackwardFn fn, const F32Problem& p,
                                            const PositionScheme& scheme,
                                            const AttentionOptions& opt, const Positions* qp,
-                                           const Positions* kp) {
+                                           const Positions* kp, float fill = 7.0f) {
   const Shape& s = p.s;
-  auto g = make_grads<float>(s, scheme, 7.0f, opt.sinks.data != nullptr);
+  auto g = make_grads<float>(s, scheme, fill, opt.sinks.data != nullptr);
   fn(cview(p.q, qshape(s)), cview(p.k, kshape(s)), cview(p.v, kshape(s)), cview(p.out, qshape(s)),
      cview(p.lse, lshape(s)), cview(p.dout, qshape(s)), scheme, opt, g->g, qp, kp);
   return g;
@@ -1125,6 +1125,45 @@ TEST(AttentionBackward, TileByTileKeyOperands) {
       }
     }
   }
+}
+
+// attention_backward does not zero dq, dk and dv before the fused kernel, which writes every
+// element of them: gradients holding NaN beforehand come out bit-identical to gradients holding
+// 7, for every scheme, causal, windowed and unmasked, GQA, rows that see no key, both forms of
+// the key operands (formed once per item, and tile by tile) and 1 and 3 threads.
+TEST(AttentionBackward, WritesEveryElementOfTheGradients) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  uint64_t stream = 8500;
+  for (const int64_t budget : {int64_t{-1}, int64_t{0}}) {
+    kernels::set_backward_item_budget_for_test(budget);
+    for (const Shape& s :
+         {Shape{2, 33, 77, 4, 2, 24}, Shape{1, 65, 70, 8, 1, 16}, Shape{1, 3, 5, 2, 2, 8}}) {
+      for (const auto& name : cases::kSchemes) {
+        for (int variant = 0; variant < 3; ++variant) {
+          Rng rng(posenc_test::test_seed(), ++stream);
+          SCOPED_TRACE(name + " variant " + std::to_string(variant) + " " + str(s) + " budget " +
+                       std::to_string(budget) + " " + posenc_test::seed_trace());
+          const auto box = cases::make_scheme(name, s.heads_q, s.dim, rng.engine(), variant);
+          AttentionOptions opt;
+          opt.causal = variant != 0;
+          if (variant == 2) opt.window = 9;
+          opt.num_threads = variant == 1 ? 3 : 1;
+          // Keys placed after the first queries: under the causal mask those rows see none
+          // (output and gradient 0).
+          const Positions kp = Positions::offset(2);
+          const Positions* k_positions = variant == 1 ? &kp : nullptr;
+          opt.allow_fully_masked = variant == 1;
+          const auto p = make_problem(s, box->scheme, opt, rng, nullptr, k_positions);
+          const auto g7 =
+              run_backward(&attention_backward, p, box->scheme, opt, nullptr, k_positions);
+          const auto gn =
+              run_backward(&attention_backward, p, box->scheme, opt, nullptr, k_positions, nan);
+          EXPECT_TRUE(same_bits(*gn, *g7));
+        }
+      }
+    }
+  }
+  kernels::set_backward_item_budget_for_test(-1);
 }
 
 TEST(AttentionBackward, ThreadCountDoesNotChangeGradients) {
