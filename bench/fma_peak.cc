@@ -12,6 +12,7 @@
 // the sums are added up and kept in a volatile. Every step is 2 FLOPs per lane.
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -118,34 +119,47 @@ double fma_peak_flops(int64_t lanes, int chains, int64_t iterations, int threads
   return 2.0 * static_cast<double>(lanes) * chains * static_cast<double>(iterations) * threads;
 }
 
-Result bench_fma_peak(int threads, int64_t iterations, const TimingOptions& options) {
+FmaCall fma_peak_call(int threads, int64_t iterations) {
   threads = resolve_threads(threads);
   iterations = std::max<int64_t>(iterations, 1);
   kernels::apply_simd_target_env();
   // One slot per thread, 64 bytes apart.
   constexpr std::size_t kPad = 64 / sizeof(fma_detail::ChainsRun) + 1;
-  std::vector<fma_detail::ChainsRun> runs(static_cast<std::size_t>(threads) * kPad);
+  auto runs = std::make_shared<std::vector<fma_detail::ChainsRun>>(
+      static_cast<std::size_t>(threads) * kPad);
+  FmaCall c;
+  // Every thread starts its chains at the start of the parallel region; the call ends when the
+  // slowest thread has finished.
+  c.run = [runs, threads, iterations] {
+    kernels::for_each_thread(threads, [&](int t) {
+      (*runs)[static_cast<std::size_t>(t) * kPad] = fma_detail::run_chains(iterations);
+    });
+    float s = 0;
+    for (int t = 0; t < threads; ++t) s += (*runs)[static_cast<std::size_t>(t) * kPad].sum;
+    fma_detail::g_sink = s;
+  };
+  c.run();  // the chains' shape, from a first call
+  const fma_detail::ChainsRun& ran = runs->front();
+  c.lanes = ran.lanes;
+  c.chains = ran.chains;
+  c.target = ran.target;
+  c.flops = fma_peak_flops(ran.lanes, ran.chains, iterations, threads);
+  return c;
+}
+
+Result bench_fma_peak(int threads, int64_t iterations, const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  iterations = std::max<int64_t>(iterations, 1);
+  const FmaCall c = fma_peak_call(threads, iterations);
   Result r;
   r.name = "fma_peak";
   r.threads = threads;
-  // Every thread starts its chains at the start of the parallel region; the call ends when the
-  // slowest thread has finished.
-  r.timing = measure(
-      [&] {
-        kernels::for_each_thread(threads, [&](int t) {
-          runs[static_cast<std::size_t>(t) * kPad] = fma_detail::run_chains(iterations);
-        });
-        float s = 0;
-        for (int t = 0; t < threads; ++t) s += runs[static_cast<std::size_t>(t) * kPad].sum;
-        fma_detail::g_sink = s;
-      },
-      options);
-  const fma_detail::ChainsRun& ran = runs.front();
-  r.flops = fma_peak_flops(ran.lanes, ran.chains, iterations, threads);
-  r.extra.emplace_back("lanes", static_cast<double>(ran.lanes));
-  r.extra.emplace_back("chains", static_cast<double>(ran.chains));
+  r.timing = measure(c.run, options);
+  r.flops = c.flops;
+  r.extra.emplace_back("lanes", static_cast<double>(c.lanes));
+  r.extra.emplace_back("chains", static_cast<double>(c.chains));
   r.extra.emplace_back("iterations", static_cast<double>(iterations));
-  r.info.emplace_back("target", hwy::TargetName(ran.target));
+  r.info.emplace_back("target", hwy::TargetName(c.target));
   return r;
 }
 

@@ -657,7 +657,7 @@ std::string attention_name(const std::string& scheme, const AttentionShape& s) {
 }
 
 Result bench_attention(const std::string& scheme, const AttentionShape& shape, int threads,
-                       const TimingOptions& options) {
+                       const TimingOptions& options, int64_t fma_steps) {
   threads = resolve_threads(threads);
   AttentionWorkload w(shape, scheme);
   Result r;
@@ -665,6 +665,17 @@ Result bench_attention(const std::string& scheme, const AttentionShape& shape, i
   r.threads = threads;
   r.flops = attention_flops(shape);
   r.baselines = {"sgemm"};
+  if (scheme == "none" && fma_steps > 0) {
+    // The FMA peak in alternation: on a shared machine its speed and the attention's drift
+    // together, which a ratio to the fma_peak entry, timed minutes apart, does not see.
+    const FmaCall fma = fma_peak_call(threads, fma_steps);
+    const PairTiming pt = measure_pair(
+        fma.run, [&] { w.run(threads); }, options);
+    r.timing = pt.b;
+    r.extra.emplace_back("vs_fma_peak_paired", r.flops / fma.flops / pt.ratio);
+    r.extra.emplace_back("fma_peak_median_s", pt.a.median_s);
+    return r;
+  }
   if (scheme == "none") {
     r.timing = measure([&] { w.run(threads); }, options);
     return r;
@@ -1127,8 +1138,8 @@ std::vector<Entry> suite(const SuiteOptions& options) {
   all.push_back({"rope_neox_" + dims_name(rope_seq, 32, 128),
                  [=] { return bench_rope(rope_seq, 32, 128, threads, timing); }});
   for (const std::string& s : scheme_names()) {
-    all.push_back(
-        {attention_name(s, attn), [=] { return bench_attention(s, attn, threads, timing); }});
+    all.push_back({attention_name(s, attn),
+                   [=] { return bench_attention(s, attn, threads, timing, fma_steps); }});
   }
   all.push_back({attention_name("naive", attn),
                  [=] { return bench_naive_attention(attn, threads, timing); }});

@@ -157,6 +157,15 @@ double fma_peak_flops(int64_t lanes, int chains, int64_t iterations, int threads
 // thread. flops: fma_peak_flops. Extra fields lanes, chains, iterations; info target (the
 // Highway target the chains ran on).
 Result bench_fma_peak(int threads, int64_t iterations, const TimingOptions& options);
+// One call of fma_peak's chains (what bench_fma_peak times) and what it computes, for timing a
+// workload in alternation with the peak (bench_attention's vs_fma_peak_paired).
+struct FmaCall {
+  std::function<void()> run;
+  double flops = 0;
+  int64_t target = 0, lanes = 0;
+  int chains = 0;
+};
+FmaCall fma_peak_call(int threads, int64_t iterations);
 
 // The naive materialized float32 attention (what PyTorch eager does), no positional terms:
 // per (batch, head) S = scale Q K^T [seq_q, seq_k] with sgemm, causal mask (key j visible from
@@ -238,9 +247,12 @@ class AttentionWorkload {
 // "attention_<scheme>_<causal|bidir>_L<seq_k>_H<heads_q>_D<head_dim>" (seq_q == seq_k).
 std::string attention_name(const std::string& scheme, const AttentionShape& shape);
 
-// posenc::attention with `scheme` (flops: attention_flops; baseline sgemm).
+// posenc::attention with `scheme` (flops: attention_flops; baseline sgemm). Scheme "none" with
+// fma_steps > 0 is timed in alternation with fma_peak's chains of that many steps: extra fields
+// vs_fma_peak_paired (its FLOP rate over the chains', the median over the pairs, so that both
+// see the same machine) and fma_peak_median_s.
 Result bench_attention(const std::string& scheme, const AttentionShape& shape, int threads,
-                       const TimingOptions& options);
+                       const TimingOptions& options, int64_t fma_steps = 0);
 // posenc::attention_backward with `scheme`: "attention_backward_<scheme>_...", flops 2.5 x
 // attention_flops (FlashAttention-2's count: five products instead of two), baseline sgemm.
 // Extra fields: vs_forward (backward time / forward time, timed in alternation), and for

@@ -12,7 +12,9 @@
 // their GFLOP/s over fma_peak's (the processor's float32 FMA peak, whose row names the Highway
 // "target" its FMA chains ran on). Attention entries with positions also carry "vs_none": their
 // time over a no-position run timed in alternation with them (median of the pairs' ratios), and
-// "none_median_s"; paged decoding "vs_contiguous" (over the contiguous token-major cache) and
+// "none_median_s"; the no-position attention entries "vs_fma_peak_paired": their GFLOP/s over
+// fma_peak's chains timed in alternation with them (median of the pairs), and
+// "fma_peak_median_s"; paged decoding "vs_contiguous" (over the contiguous token-major cache) and
 // head-major decoding "vs_token_major", timed the same way. Without --json: a table with the
 // same numbers. Entries run
 // and print one at a time, baselines first (bench/harness.h has the list and the sizes).
@@ -146,6 +148,9 @@ void print_table_row(const bench::Result& r, const Context& ctx) {
       line += (ratios.empty() ? "  " : ", ") + format_fixed(value, 3) + " x none's time";
     } else if (key == "vs_separate" || key == "vs_dense" || key == "vs_no_cap") {
       line += (ratios.empty() ? "  " : ", ") + key + " " + format_fixed(value, 3);
+    } else if (key == "vs_fma_peak_paired") {
+      line +=
+          (ratios.empty() ? "  " : ", ") + format_fixed(value, 3) + " x fma_peak in alternation";
     } else if (key == "vs_contiguous" || key == "vs_token_major") {
       line += (ratios.empty() ? "  " : ", ") + format_fixed(value, 3) + " x " +
               (key == "vs_contiguous" ? "contiguous" : "token-major") + " time";

@@ -173,6 +173,39 @@ TEST(BenchFmaPeak, SelectedBeforeSgemmInTheSameQuickRun) {
   EXPECT_NEAR(f[0].value, gemm.gflops() / fma.gflops(), 1e-9 * gemm.gflops() / fma.gflops());
 }
 
+// vs_fma_peak_paired: the no-position attention entry timed in alternation with fma_peak's
+// chains (given their steps) reports its GFLOP/s over theirs, from the median of the pairs'
+// time ratios, and the chains' median time; other schemes and calls without steps do not. (The
+// field's consistency is checked, not its size: timings belong to benchmarks.)
+TEST(BenchFmaPeak, NoPositionAttentionPairedWithTheChains) {
+  pb::AttentionShape s;
+  s.seq_q = s.seq_k = 40;
+  s.heads_q = s.heads_kv = 2;
+  s.head_dim = 16;
+  s.causal = true;
+  const int64_t steps = 1 << 12;
+  const pb::FmaCall fma = pb::fma_peak_call(1, steps);
+  EXPECT_EQ(fma.flops, pb::fma_peak_flops(fma.lanes, fma.chains, steps, 1));
+  EXPECT_GT(fma.flops, 0);
+  const pb::Result r = pb::bench_attention("none", s, 1, tiny_timing(), steps);
+  const double paired = extra(r, "vs_fma_peak_paired");
+  const double fma_s = extra(r, "fma_peak_median_s");
+  EXPECT_GT(paired, 0);
+  EXPECT_GT(fma_s, 0);
+  // The median of the pairs' ratios and the ratio of the two medians agree loosely (within 10 x
+  // either way even on a loaded machine), while a ratio taken the wrong way round, time over
+  // time instead of rate over rate, would be off by the square of the two calls' time ratio.
+  const double of_medians = r.gflops() / (fma.flops / fma_s / 1e9);
+  EXPECT_GT(paired, 0.1 * of_medians);
+  EXPECT_LT(paired, 10 * of_medians);
+  for (const pb::Result& other : {pb::bench_attention("none", s, 1, tiny_timing()),
+                                  pb::bench_attention("alibi", s, 1, tiny_timing(), steps)}) {
+    SCOPED_TRACE(other.name);
+    EXPECT_FALSE(has_extra(other, "vs_fma_peak_paired"));
+    EXPECT_FALSE(has_extra(other, "fma_peak_median_s"));
+  }
+}
+
 // vs_fma_peak: every compute-bound entry's GFLOP/s over fma_peak's, after its other ratios; never
 // on bandwidth-bound entries nor on fma_peak itself; left out when fma_peak did not run.
 TEST(BenchFmaPeak, RatioFieldsOfComputeAndBandwidthEntries) {
