@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -385,6 +386,47 @@ TEST(AttentionValidation, NonFiniteBackwardInputsAnywhere) {
                 std::to_string(x) + "]");
         EXPECT_EQ(dq, std::vector<float>(n, 3.0f));
         EXPECT_EQ(dk, std::vector<float>(n, 3.0f));
+      }
+    }
+  }
+}
+
+// Tensors of a million floats and more are scanned by several threads (num_threads): a value
+// that is not finite in any part, q's or dout's, is still named at its index, and nothing is
+// written.
+TEST(AttentionValidation, NonFiniteLargeInputsScannedInParallel) {
+  const std::array<int64_t, 4> sh{1, 2048, 4, 129};  // 1,056,768 floats
+  const int64_t n = 2048 * 4 * 129;
+  std::vector<float> q(n, 0.5f), k(n, 0.25f), v(n, 1.0f), out(n, 1.0f), dout(n, 1.0f);
+  std::vector<float> lse(4 * 2048, 1.0f);
+  const auto cv = [&](const std::vector<float>& x) {
+    return View<const float, 4>::contiguous(x.data(), sh);
+  };
+  for (const char* which : {"q", "dout"}) {
+    for (const int64_t at : {int64_t{1}, n / 3 + 7, n - 1}) {
+      for (const int threads : {2, 3}) {
+        std::vector<float>& t = which[0] == 'q' ? q : dout;
+        t[static_cast<size_t>(at)] = -std::numeric_limits<float>::infinity();
+        std::vector<float> dq(n, 3.0f), dk(n, 3.0f), dv(n, 3.0f);
+        AttentionGrads g;
+        g.dq = View<float, 4>::contiguous(dq.data(), sh);
+        g.dk = View<float, 4>::contiguous(dk.data(), sh);
+        g.dv = View<float, 4>::contiguous(dv.data(), sh);
+        AttentionOptions opt;
+        opt.num_threads = threads;
+        const int64_t i = at / (4 * 129), h = at % (4 * 129) / 129, x = at % 129;
+        const std::string prefix = which[0] == 'q' ? "attention: q" : "attention_backward: dout";
+        expect_error<ValueError>(
+            [&] {
+              attention_backward(cv(q), cv(k), cv(v), cv(out),
+                                 View<const float, 3>::contiguous(lse.data(), {1, 4, 2048}),
+                                 cv(dout), NoPositions{}, opt, g);
+            },
+            prefix + ": non-finite value -inf at [0, " + std::to_string(i) + ", " +
+                std::to_string(h) + ", " + std::to_string(x) + "]");
+        EXPECT_EQ(dq[static_cast<size_t>(at)], 3.0f);
+        EXPECT_EQ(dv[static_cast<size_t>(n - 1)], 3.0f);
+        t[static_cast<size_t>(at)] = which[0] == 'q' ? 0.5f : 1.0f;
       }
     }
   }

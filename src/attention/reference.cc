@@ -300,8 +300,8 @@ void check_backward_args(const Problem<T>& pr, const PositionScheme& scheme, con
   require_grad(g.dq, pr.q.shape, w + "dq");
   require_grad(g.dk, pr.k.shape, w + "dk");
   require_grad(g.dv, pr.v.shape, w + "dv");
-  detail::require_all_finite(out, w + "out");
-  detail::require_all_finite(dout, w + "dout");
+  detail::require_all_finite(out, w + "out", pr.opt.num_threads);
+  detail::require_all_finite(dout, w + "dout", pr.opt.num_threads);
   for (int64_t b = 0; b < d.batch; ++b)
     for (int64_t h = 0; h < d.heads_q; ++h)
       for (int64_t i = 0; i < d.seq_q; ++i) {

@@ -145,12 +145,13 @@ View<const T, R> table_for(const View<const float, R>& f32, const View<const dou
   }
 }
 
+// threads: the call's num_threads (0: all), for scans of large tensors.
 template <class T>
 void require_finite_inputs(const View<const T, 4>& q, const View<const T, 4>& k,
-                           const View<const T, 4>& v) {
-  detail::require_all_finite(q, "attention: q");
-  detail::require_all_finite(k, "attention: k");
-  detail::require_all_finite(v, "attention: v");
+                           const View<const T, 4>& v, int threads = 1) {
+  detail::require_all_finite(q, "attention: q", threads);
+  detail::require_all_finite(k, "attention: k", threads);
+  detail::require_all_finite(v, "attention: v", threads);
 }
 
 template <class T>
@@ -194,7 +195,7 @@ Problem<T> make_problem(View<const T, 4> q, View<const T, 4> k, View<const T, 4>
   pr.kp = key_positions ? *key_positions : Positions::offset(0);
   pr.qp.validate(d.batch, d.seq_q, "attention: query positions");
   pr.kp.validate(d.batch, d.seq_k, "attention: key positions");
-  if (check_finite) require_finite_inputs(q, k, v);
+  if (check_finite) require_finite_inputs(q, k, v, opt.num_threads);
   return pr;
 }
 
