@@ -487,7 +487,20 @@ struct AttentionWorkload::Storage {
   Buffer lse, dout, dq, dk, dv;
   std::vector<float> grad_a, grad_b, grad_c;
   AttentionGrads grads;
+  bool bf16 = false;  // q, k, v and dout rounded to bf16 values (round_to_bf16)
 };
+
+namespace {
+void round_bf16(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = to_float(bf16_from_float(x[i]));
+}
+}  // namespace
+
+void AttentionWorkload::round_to_bf16() {
+  Storage& st = *storage_;
+  st.bf16 = true;
+  for (Buffer* b : {&st.q, &st.k, &st.v}) round_bf16(b->data(), static_cast<int64_t>(b->size()));
+}
 
 AttentionWorkload::AttentionWorkload(const AttentionShape& shape, const std::string& scheme,
                                      uint64_t seed)
@@ -605,6 +618,7 @@ void AttentionWorkload::run_backward(int threads) {
     st.dk = Buffer(nkv);
     st.dv = Buffer(nkv);
     Rng(7).fill(st.dout.data(), nq);
+    if (st.bf16) round_bf16(st.dout.data(), nq);
     attention(q(), k(), v(), scheme(), opt, out(),
               View<float, 3>::contiguous(st.lse.data(), {s.batch, s.heads_q, s.seq_q}));
     AttentionGrads& g = st.grads;
@@ -713,6 +727,28 @@ Result bench_attention_backward(const std::string& scheme, const AttentionShape&
     r.extra.emplace_back("vs_none", pt.ratio);
     r.extra.emplace_back("none_median_s", pt.a.median_s);
   }
+  return r;
+}
+
+Result bench_attention_backward_bf16(const AttentionShape& shape, int threads,
+                                     const TimingOptions& options) {
+  threads = resolve_threads(threads);
+  AttentionWorkload f32(shape, "none"), b16(shape, "none");
+  b16.round_to_bf16();
+  Result r;
+  r.name = "attention_backward_" + attention_name("none", shape).substr(sizeof("attention_") - 1) +
+           "_bf16";
+  r.threads = threads;
+  r.flops = 2.5 * attention_flops(shape);
+  r.baselines = {"sgemm"};
+  f32.run_backward(threads);  // forwards, douts, buffers
+  b16.run_backward(threads);
+  const PairTiming pt =
+      measure_pair([&] { f32.run_backward(threads); }, [&] { b16.run_backward(threads); }, options);
+  r.timing = pt.b;
+  r.extra.emplace_back("vs_float32", pt.ratio);
+  r.extra.emplace_back("float32_median_s", pt.a.median_s);
+  r.extra.emplace_back("bf16_dot", kernels::bf16_dot_prefill() ? 1.0 : 0.0);
   return r;
 }
 
@@ -1174,6 +1210,8 @@ std::vector<Entry> suite(const SuiteOptions& options) {
     all.push_back({"attention_backward_" + attention_name(s, attn).substr(10),
                    [=] { return bench_attention_backward(s, attn, threads, timing); }});
   }
+  all.push_back({"attention_backward_" + attention_name("none", attn).substr(10) + "_bf16",
+                 [=] { return bench_attention_backward_bf16(attn, threads, timing); }});
   for (const char* scheme : {"none", "rope"}) {
     const std::string s = scheme;
     all.push_back({"peak_memory_attention_backward_" + attention_name(s, peak).substr(10),

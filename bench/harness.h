@@ -236,6 +236,9 @@ class AttentionWorkload {
   void run_backward(int threads);
   // Bytes of q, k, v, out, lse, dout and every gradient.
   double backward_bytes() const;
+  // Rounds q, k and v, and the dout the first run_backward draws, to bf16 values (the widened
+  // operands of bf16 training). Call before the first run or run_backward.
+  void round_to_bf16();
 
  private:
   struct Storage;
@@ -253,6 +256,12 @@ std::string attention_name(const std::string& scheme, const AttentionShape& shap
 // see the same machine) and fma_peak_median_s.
 Result bench_attention(const std::string& scheme, const AttentionShape& shape, int threads,
                        const TimingOptions& options, int64_t fma_steps = 0);
+// The no-position backward on bf16 values (round_to_bf16: bf16 training, whose operands reach
+// the backward widened to float32): "attention_backward_none_..._bf16", timed in alternation with
+// the float32 backward on the unrounded data (extra fields vs_float32, float32_median_s) and
+// bf16_dot (1 when POSENC_BF16_DOT lets its score tiles use vdpbf16ps).
+Result bench_attention_backward_bf16(const AttentionShape& shape, int threads,
+                                     const TimingOptions& options);
 // posenc::attention_backward with `scheme`: "attention_backward_<scheme>_...", flops 2.5 x
 // attention_flops (FlashAttention-2's count: five products instead of two), baseline sgemm.
 // Extra fields: vs_forward (backward time / forward time, timed in alternation), and for

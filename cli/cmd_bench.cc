@@ -14,10 +14,11 @@
 // time over a no-position run timed in alternation with them (median of the pairs' ratios), and
 // "none_median_s"; the no-position attention entries "vs_fma_peak_paired": their GFLOP/s over
 // fma_peak's chains timed in alternation with them (median of the pairs), and
-// "fma_peak_median_s"; paged decoding "vs_contiguous" (over the contiguous token-major cache) and
-// head-major decoding "vs_token_major", timed the same way. Without --json: a table with the
-// same numbers. Entries run
-// and print one at a time, baselines first (bench/harness.h has the list and the sizes).
+// "fma_peak_median_s"; backward entries "vs_forward" (over the forward, in alternation) and the
+// bf16 entries "vs_float32" (over the float32 entry's work, in alternation); paged decoding
+// "vs_contiguous" (over the contiguous token-major cache) and head-major decoding "vs_token_major",
+// timed the same way. Without --json: a table with the same numbers. Entries run and print one at a
+// time, baselines first (bench/harness.h has the list and the sizes).
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
@@ -144,8 +145,12 @@ void print_table_row(const bench::Result& r, const Context& ctx) {
     if (key == "peak_mb" || key == "inputs_outputs_mb" || key == "workspace_mb" ||
         key == "naive_scores_mb") {
       line += "  " + key.substr(0, key.size() - 3) + " " + format_fixed(value, 1) + " MiB";
-    } else if (key == "vs_none") {
-      line += (ratios.empty() ? "  " : ", ") + format_fixed(value, 3) + " x none's time";
+    } else if (key == "vs_none" || key == "vs_forward" || key == "vs_float32") {
+      line += (ratios.empty() ? "  " : ", ") + format_fixed(value, 3) + " x " +
+              (key == "vs_none"      ? "none's"
+               : key == "vs_forward" ? "forward's"
+                                     : "float32's") +
+              " time";
     } else if (key == "vs_separate" || key == "vs_dense" || key == "vs_no_cap") {
       line += (ratios.empty() ? "  " : ", ") + key + " " + format_fixed(value, 3);
     } else if (key == "vs_fma_peak_paired") {

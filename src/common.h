@@ -155,4 +155,50 @@ void require_all_finite(const View<T, R>& v, const std::string& name, int thread
   require_all_finite(v, name);
 }
 
+// Whether n float32 values from p (unit stride) are all bf16 values exactly: low 16 bits zero and
+// none subnormal (a zero exponent with a nonzero fraction), so that vdpbf16ps reads each of them
+// as it is.
+inline bool bf16_exact_run(const float* p, int64_t n) {
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, p + i, sizeof u);
+    bad |= static_cast<uint32_t>((u & 0xffffu) != 0 ||
+                                 ((u & 0x7f800000u) == 0 && (u & 0x007f0000u) != 0));
+  }
+  return bad == 0;
+}
+
+// bf16_exact_run over a view whose last dimension has unit stride; a large compact one is
+// scanned over `threads` threads (0: all).
+template <std::size_t R>
+bool bf16_exact(const View<const float, R>& v, int threads) {
+  static_assert(R >= 1);
+  const int64_t n = v.numel();
+  if (n == 0) return true;
+  if (compact(v)) {
+    const int t = kernels::resolve_threads(threads);
+    if (t <= 1 || n < (int64_t{1} << 20)) return bf16_exact_run(v.data, n);
+    const int64_t parts = 4 * static_cast<int64_t>(t);
+    std::atomic<bool> bad{false};
+    kernels::parallel_for(parts, t, [&](int64_t i) {
+      const int64_t lo = n * i / parts, hi = n * (i + 1) / parts;
+      if (!bf16_exact_run(v.data + lo, hi - lo)) bad.store(true, std::memory_order_relaxed);
+    });
+    return !bad.load();
+  }
+  std::array<int64_t, R> idx{};
+  const int64_t inner = v.shape[R - 1], outer = n / inner;
+  for (int64_t o = 0; o < outer; ++o) {
+    int64_t off = 0;
+    for (std::size_t d = 0; d + 1 < R; ++d) off += idx[d] * v.stride[d];
+    if (!bf16_exact_run(v.data + off, inner)) return false;
+    for (std::size_t d = R - 1; d-- > 0;) {
+      if (++idx[d] < v.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return true;
+}
+
 }  // namespace posenc::detail

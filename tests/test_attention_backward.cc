@@ -33,6 +33,7 @@
 #include "attention_shapes.h"
 #include "hwy/targets.h"
 #include "kernels/attention_kernels.h"
+#include "kernels/bf16_dot.h"
 #include "kernels/simd.h"
 #include "posenc/posenc.h"
 #include "test_util.h"
@@ -763,14 +764,18 @@ struct F32Problem {
 
 // Random inputs; out and lse from the fused forward (float32) and from the oracle (float64, on
 // the same float values promoted).
+// bf16: q, k, v and dout rounded to bf16 values (bf16 training's widened operands).
 F32Problem make_problem(const Shape& s, const PositionScheme& scheme, const AttentionOptions& opt,
-                        Rng& rng, const Positions* qp, const Positions* kp) {
+                        Rng& rng, const Positions* qp, const Positions* kp, bool bf16 = false) {
   F32Problem p;
   p.s = s;
   p.q = randn<float>(rng, numel(qshape(s)));
   p.k = randn<float>(rng, numel(kshape(s)));
   p.v = randn<float>(rng, numel(kshape(s)));
   p.dout = randn<float>(rng, numel(qshape(s)));
+  for (auto* x : {&p.q, &p.k, &p.v, &p.dout}) {
+    for (float& e : *x) e = bf16 ? to_float(bf16_from_float(e)) : e;
+  }
   p.qd = promote(p.q), p.kd = promote(p.k), p.vd = promote(p.v), p.doutd = promote(p.dout);
   p.out.assign(p.q.size(), -5.0f);
   p.lse.assign(numel(lshape(s)), -5.0f);
@@ -1186,6 +1191,69 @@ TEST(AttentionBackward, ThreadCountDoesNotChangeGradients) {
             first = std::move(g);
           } else {
             EXPECT_TRUE(same_bits(*g, *first)) << threads << " threads vs 1";
+          }
+        }
+      }
+    }
+  }
+}
+
+// bf16 operands (q, k, v and dout holding bf16 values, as bf16 training widens them) with
+// POSENC_BF16_DOT=1 on a processor with AVX512_BF16: the score tiles S and dP come from
+// vdpbf16ps. Every scheme, causal and not, GQA, odd head dims, the causal diagonal's partial
+// tiles, Lq != Lk, both forms of the key operands: within twice the naive float32 error of the
+// float64 oracle, 1 and 3 threads bit-identical, and different bits from the float32 path (the
+// path ran) except where it must not run: RoPE and Transformer-XL (float32 rows), operands that
+// are not bf16 values, and a subnormal bf16 value among them (vdpbf16ps would read it as 0).
+TEST(AttentionBackward, Bf16OperandsByVdpbf16ps) {
+  if (!kernels::bf16_dot_supported()) GTEST_SKIP() << "no AVX512_BF16 on this processor";
+  struct Mode {
+    ~Mode() {
+      kernels::set_bf16_dot_for_test(-1);
+      kernels::set_backward_item_budget_for_test(-1);
+    }
+  } restore;
+  const auto run = [](int mode, const F32Problem& p, const PositionScheme& scheme,
+                      const AttentionOptions& opt) {
+    kernels::set_bf16_dot_for_test(mode);
+    return run_backward(&attention_backward, p, scheme, opt, nullptr, nullptr);
+  };
+  uint64_t stream = 8700;
+  for (const int64_t budget : {int64_t{-1}, int64_t{0}}) {
+    kernels::set_backward_item_budget_for_test(budget);
+    for (const Shape& s : {Shape{1, 130, 130, 8, 2, 32}, Shape{2, 33, 77, 4, 2, 17},
+                           Shape{1, 65, 70, 2, 2, 128}, Shape{1, 5, 9, 4, 1, 2}}) {
+      for (const auto& name : cases::kSchemes) {
+        for (bool causal : {false, true}) {
+          Rng rng(posenc_test::test_seed(), ++stream);
+          SCOPED_TRACE(name + " " + str(s) + (causal ? " causal" : "") + " budget " +
+                       std::to_string(budget) + " " + posenc_test::seed_trace());
+          const auto box = cases::make_scheme(name, s.heads_q, s.dim, rng.engine(),
+                                              static_cast<int>(stream % 4));
+          const PositionScheme& scheme = box->scheme;
+          AttentionOptions opt{.causal = causal};
+          const auto p = make_problem(s, scheme, opt, rng, nullptr, nullptr, /*bf16=*/true);
+          const auto ref = run_ref_backward(p, scheme, opt, nullptr, nullptr);
+          const auto naive =
+              run_backward(&attention_backward_naive, p, scheme, opt, nullptr, nullptr);
+          const auto off = run(0, p, scheme, opt);
+          const auto on = run(1, p, scheme, opt);
+          expect_within_twice_naive(p, *on, *naive, *ref);
+          opt.num_threads = 3;
+          EXPECT_TRUE(same_bits(*run(1, p, scheme, opt), *on)) << "3 threads vs 1";
+          const bool float_rows = name == "rope" || name == "xl";
+          if (float_rows) {
+            EXPECT_TRUE(same_bits(*on, *off)) << "RoPE / XL rows are float32: no vdpbf16ps";
+          } else if (s.dim >= 8) {
+            EXPECT_FALSE(same_bits(*on, *off)) << "the vdpbf16ps tiles did not run";
+          }
+          if (float_rows || s.dim < 8 || HasFailure()) continue;
+          // One operand element off the bf16 grid, or a subnormal bf16 value: the float32 path.
+          for (const float odd : {1.0f + 0x1p-20f, 0x1p-130f}) {
+            F32Problem p2 = p;
+            p2.k[p2.k.size() / 2] = odd;
+            EXPECT_TRUE(same_bits(*run(1, p2, scheme, opt), *run(0, p2, scheme, opt)))
+                << "k holds " << odd;
           }
         }
       }

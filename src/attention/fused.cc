@@ -17,8 +17,10 @@
 #include "attention/model_inputs.h"
 #include "attention/prepared.h"
 #include "attention/reference.h"
+#include "common.h"
 #include "hwy/aligned_allocator.h"
 #include "kernels/attention_kernels.h"
+#include "kernels/bf16_dot.h"
 #include "kernels/parallel.h"
 
 namespace posenc {
@@ -276,6 +278,21 @@ bool run_fused_backward(const Problem<float>& pr, const Prepared<float>& p,
   if (g.dsinks.data != nullptr) {
     dsinks.resize(static_cast<std::size_t>(d.heads_q));
     bp.dsinks = dsinks.data();
+  }
+  // bf16 training's widened inputs and gradient: the score tiles may use vdpbf16ps (scanned only
+  // when the switch allows it; RoPE and Transformer-XL form float32 rows and never take it).
+  // The rows the kernel reads are scanned (a RoPE copy, rotated, is rarely bf16).
+  if (kernels::bf16_dot_prefill() && bp.fwd.rope.cs == nullptr && bp.fwd.xl_sin == nullptr) {
+    const auto& f = bp.fwd;
+    const auto operand = [&](const float* x, const std::array<int64_t, 3>& st, int64_t seq,
+                             int64_t heads) {
+      return View<const float, 4>{x, {f.batch, seq, heads, f.head_dim}, {st[0], st[1], st[2], 1}};
+    };
+    const int t = pr.opt.num_threads;
+    bp.bf16_operands = detail::bf16_exact(operand(f.q, f.q_stride, f.seq_q, f.heads_q), t) &&
+                       detail::bf16_exact(operand(f.k, f.k_stride, f.seq_k, f.heads_kv), t) &&
+                       detail::bf16_exact(operand(f.v, f.v_stride, f.seq_k, f.heads_kv), t) &&
+                       detail::bf16_exact(operand(bp.dout, bp.dout_stride, f.seq_q, f.heads_q), t);
   }
   KernelGrads kg{pr, g, bp, tab.f32};
   std::visit([&](const auto& term) { term.bind_grads(kg); }, p.term);

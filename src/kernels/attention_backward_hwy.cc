@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "kernels/attention_kernels.h"
+#include "kernels/bf16_dot.h"
 #include "kernels/block_mask.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
@@ -100,6 +101,11 @@ class BackwardKernel {
     deberta_ = !shaw_ && p_.deberta_pos_key != nullptr;
     xl_ = !shaw_ && !deberta_ && p_.xl_sin != nullptr;
     dimr_ = RoundUp(dim_, 4);
+    // bf16 operands (bf16 training): S and dP tiles by vdpbf16ps when the switch allows it
+    // (bf16_dot.h); Transformer-XL's q + u rows are float32 sums, never bf16.
+    bf16_ = b_.bf16_operands && p_.rope.cs == nullptr && !xl_ && bf16_dot_prefill();
+    qs16_ = RoundUp(dim_, 32);
+    np16_ = (dim_ + 1) / 2;
     // The schemes' per-row tables (padded and transposed copies; XL's r(t) is built in Run) and
     // their row-chunk buffers.
     rows_ = RowChunks(dim_, dpad_, group_);
@@ -229,6 +235,13 @@ class BackwardKernel {
     hwy::AlignedFreeUniquePtr<int32_t[]> addr_buf;
     hwy::AlignedFreeUniquePtr<int32_t[]> kpt_buf;
     int32_t *addr, *kpt;
+    // bf16 operands (bf16_): the block's q and dout rows as bf16 bits (qs16_ apart, zero
+    // padded), and the key and value tiles as pairs of dims (bf16_dot.h; every tile's when the
+    // item holds its tiles, else the current one's).
+    hwy::AlignedFreeUniquePtr<uint16_t[]> rows16_buf;
+    hwy::AlignedFreeUniquePtr<uint32_t[]> tiles16_buf;
+    uint16_t *qb16 = nullptr, *dob16 = nullptr;
+    uint32_t *kt16 = nullptr, *vt16 = nullptr;
     std::vector<int32_t> cols;  // per block row, the keys of a diagonal tile it can see
     // Block masks: the tile's key documents and open flags, one row of the dense mask, and the
     // current query block.
@@ -332,6 +345,13 @@ class BackwardKernel {
     st.kpt_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kTileK));
     st.kpt = st.kpt_buf.get();
     std::fill(st.kpt, st.kpt + kTileK, 0);
+    if (bf16_) {
+      const size_t n16 = static_cast<size_t>(rpm * qs16_);
+      st.rows16_buf = hwy::AllocateAligned<uint16_t>(2 * n16);
+      std::fill(st.rows16_buf.get(), st.rows16_buf.get() + 2 * n16, uint16_t{0});
+      st.qb16 = st.rows16_buf.get();
+      st.dob16 = st.qb16 + n16;
+    }
 
     st.scale = p_.scale;
     st.kposb = p_.kpos + st.bb * p_.seq_k;
@@ -405,6 +425,16 @@ class BackwardKernel {
         if (deberta_) deb_t_->FillTile(st.deb, t, hk, ntiles_, st.kt_all + t * dim_ * kt);
       }
     }
+    if (bf16_) {
+      const int64_t n16 = np16_ * kt, tiles = st.cached ? ntiles_ : 1;
+      st.tiles16_buf = hwy::AllocateAligned<uint32_t>(static_cast<size_t>(2 * tiles * n16));
+      st.kt16 = st.tiles16_buf.get();
+      st.vt16 = st.kt16 + tiles * n16;
+      for (int64_t t = 0; st.cached && t < ntiles_; ++t) {
+        pack_bf16_pairs(st.kt_all + t * dim_ * kt, dim_, st.kt16 + t * n16);
+        pack_bf16_pairs(st.vt_all + t * dim_ * kt, dim_, st.vt16 + t * n16);
+      }
+    }
     // Without the item buffers dK, dV accumulate tile by tile in the outputs: start from zero.
     for (int64_t j = 0; !st.cached && j < p_.seq_k; ++j) {
       std::fill(OutRow(b_.dk, b_.dk_stride, bb, j, hk),
@@ -471,6 +501,17 @@ class BackwardKernel {
     }
     TransposeRows(qb, dp, rp, dim_, qtr, rp);
     TransposeRows(dob, dp, rp, dim_, dotr, rp);
+    if (bf16_) {  // bf16 values exactly: their high halves (rows past `rows` are zero)
+      for (int64_t r = 0; r < rp; ++r) {
+        for (int64_t x = 0; x < dim_; ++x) {
+          uint32_t uq, ud;
+          std::memcpy(&uq, qb + r * dp + x, sizeof uq);
+          std::memcpy(&ud, dob + r * dp + x, sizeof ud);
+          st.qb16[r * qs16_ + x] = static_cast<uint16_t>(uq >> 16);
+          st.dob16[r * qs16_ + x] = static_cast<uint16_t>(ud >> 16);
+        }
+      }
+    }
     if (xl_) TransposeRows(qx, dp, rp, dim_, qxtr, rp);
     // Per-row tables and bucket sums.
     BlockRows br{rows, rp, nq, hk, cs, 0, nch_};
@@ -554,8 +595,22 @@ class BackwardKernel {
     Tile tile{t, j0, nk, consec, kp, ktr, vtr, dkt, dvt, nullptr, 1, {}, {}};
     tile.run_lo[0] = 0, tile.run_hi[0] = rp;
     if (!full && consec && p_.mask.causal && p_.kopen == nullptr) TileColumns(st, blk, tile);
-    ScoresTile(qb, dim_, ktr, rp, s, kt, dp, false, tile.cols);
-    ScoresTile(dob, dim_, vtr, rp, dps, kt, dp, false, tile.cols);
+    if (bf16_) {
+      // The same products by vdpbf16ps on the tiles as pairs of bf16 dims (bf16_dot.h).
+      const int64_t n16 = np16_ * kt;
+      uint32_t *k16 = st.kt16, *v16 = st.vt16;
+      if (cached) {
+        k16 += t * n16, v16 += t * n16;
+      } else {
+        pack_bf16_pairs(ktr, dim_, k16);
+        pack_bf16_pairs(vtr, dim_, v16);
+      }
+      prefill_scores_bf16_dot(st.qb16, qs16_, dim_, k16, rp, s, kt, tile.cols);
+      prefill_scores_bf16_dot(st.dob16, qs16_, dim_, v16, rp, dps, kt, tile.cols);
+    } else {
+      ScoresTile(qb, dim_, ktr, rp, s, kt, dp, false, tile.cols);
+      ScoresTile(dob, dim_, vtr, rp, dps, kt, dp, false, tile.cols);
+    }
     if (deberta_) deb_t_->BeginTile(st.deb);
     return tile;
   }
@@ -897,6 +952,8 @@ class BackwardKernel {
   // The scheme (one per call): its flag and its terms (terms/shaw-inl.h, deberta-inl.h,
   // xl-inl.h), on the row tables and row-chunk buffers of row_tables-inl.h.
   bool shaw_ = false, deberta_ = false, xl_ = false;
+  bool bf16_ = false;            // S and dP tiles by vdpbf16ps (bf16 operands)
+  int64_t qs16_ = 0, np16_ = 0;  // bf16 row stride; dim pairs of a packed tile
   std::unique_ptr<ShawBackward> shaw_t_;
   std::unique_ptr<DebertaBackward> deb_t_;
   std::unique_ptr<XlBackward> xl_t_;

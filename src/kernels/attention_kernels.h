@@ -171,6 +171,11 @@ struct FusedBackwardParams {
   float* xl_du = nullptr;
   float* xl_dv = nullptr;
   float* xl_drnet = nullptr;
+  // q, k, v and dout hold bf16 values exactly (each a float32 whose low 16 bits are zero, none
+  // subnormal: the widened inputs and gradient of bf16 training). The score tiles S = Q K^T and
+  // dP = dO V^T may then come from vdpbf16ps when bf16_dot_prefill() (bf16_dot.h): the same
+  // exact products, summed in another order.
+  bool bf16_operands = false;
 };
 
 // FlashAttention-2's backward with recomputation: scores rebuilt tile by tile from q, k and lse.
