@@ -1199,12 +1199,13 @@ TEST(AttentionBackward, ThreadCountDoesNotChangeGradients) {
 }
 
 // bf16 operands (q, k, v and dout holding bf16 values, as bf16 training widens them) with
-// POSENC_BF16_DOT=1 on a processor with AVX512_BF16: the score tiles S and dP come from
-// vdpbf16ps. Every scheme, causal and not, GQA, odd head dims, the causal diagonal's partial
-// tiles, Lq != Lk, both forms of the key operands: within twice the naive float32 error of the
-// float64 oracle, 1 and 3 threads bit-identical, and different bits from the float32 path (the
-// path ran) except where it must not run: RoPE and Transformer-XL (float32 rows), operands that
-// are not bf16 values, and a subnormal bf16 value among them (vdpbf16ps would read it as 0).
+// POSENC_BF16_DOT=1 on a processor with AVX512_BF16: the backward's score tiles S and dP, and
+// the forward's S, come from vdpbf16ps. Every scheme, causal and not, GQA, odd head dims, the
+// causal diagonal's partial tiles, Lq != Lk, both forms of the backward's key operands: the
+// gradients within twice the naive float32 error of the float64 oracle, the output within twice
+// the float32 kernel's, 1 and 3 threads bit-identical, and different bits from the float32 path
+// (the path ran) except where it must not run: RoPE and Transformer-XL (float32 rows), operands
+// that are not bf16 values, and a subnormal bf16 value among them (vdpbf16ps would read it as 0).
 TEST(AttentionBackward, Bf16OperandsByVdpbf16ps) {
   if (!kernels::bf16_dot_supported()) GTEST_SKIP() << "no AVX512_BF16 on this processor";
   struct Mode {
@@ -1217,6 +1218,14 @@ TEST(AttentionBackward, Bf16OperandsByVdpbf16ps) {
                       const AttentionOptions& opt) {
     kernels::set_bf16_dot_for_test(mode);
     return run_backward(&attention_backward, p, scheme, opt, nullptr, nullptr);
+  };
+  const auto forward = [](int mode, const F32Problem& p, const PositionScheme& scheme,
+                          const AttentionOptions& opt) {
+    kernels::set_bf16_dot_for_test(mode);
+    std::vector<float> out(p.q.size(), -5.0f);
+    attention(cview(p.q, qshape(p.s)), cview(p.k, kshape(p.s)), cview(p.v, kshape(p.s)), scheme,
+              opt, mview(out, qshape(p.s)));
+    return out;
   };
   uint64_t stream = 8700;
   for (const int64_t budget : {int64_t{-1}, int64_t{0}}) {
@@ -1239,13 +1248,22 @@ TEST(AttentionBackward, Bf16OperandsByVdpbf16ps) {
           const auto off = run(0, p, scheme, opt);
           const auto on = run(1, p, scheme, opt);
           expect_within_twice_naive(p, *on, *naive, *ref);
+          const auto out_off = forward(0, p, scheme, opt);
+          const auto out_on = forward(1, p, scheme, opt);
+          double mag = 0;
+          for (double x : p.outd) mag = std::max(mag, std::abs(x));
+          EXPECT_LE(max_abs_err(out_on, p.outd),
+                    2 * max_abs_err(out_off, p.outd) + 1e-6 * std::max(1.0, mag));
           opt.num_threads = 3;
           EXPECT_TRUE(same_bits(*run(1, p, scheme, opt), *on)) << "3 threads vs 1";
+          EXPECT_EQ(forward(1, p, scheme, opt), out_on) << "forward, 3 threads vs 1";
           const bool float_rows = name == "rope" || name == "xl";
           if (float_rows) {
             EXPECT_TRUE(same_bits(*on, *off)) << "RoPE / XL rows are float32: no vdpbf16ps";
+            EXPECT_EQ(out_on, out_off) << "forward: RoPE / XL rows are float32";
           } else if (s.dim >= 8) {
             EXPECT_FALSE(same_bits(*on, *off)) << "the vdpbf16ps tiles did not run";
+            EXPECT_NE(out_on, out_off) << "the forward's vdpbf16ps tiles did not run";
           }
           if (float_rows || s.dim < 8 || HasFailure()) continue;
           // One operand element off the bf16 grid, or a subnormal bf16 value: the float32 path.
@@ -1254,6 +1272,8 @@ TEST(AttentionBackward, Bf16OperandsByVdpbf16ps) {
             p2.k[p2.k.size() / 2] = odd;
             EXPECT_TRUE(same_bits(*run(1, p2, scheme, opt), *run(0, p2, scheme, opt)))
                 << "k holds " << odd;
+            EXPECT_EQ(forward(1, p2, scheme, opt), forward(0, p2, scheme, opt))
+                << "forward, k holds " << odd;
           }
         }
       }

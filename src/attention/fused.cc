@@ -211,6 +211,29 @@ bool fill_fused_params(const Problem<float>& pr, const Prepared<float>& p, Fused
   return std::visit([&](const auto& term) { return term.fill_kernel(in); }, p.term);
 }
 
+// Whether the kernel's float32 q and k (the backward, bp: also v and dout) all hold bf16 values,
+// bf16 training's widened tensors, so that its score tiles may use vdpbf16ps. Scanned only when
+// POSENC_BF16_DOT lets them (bf16_dot_prefill) and the rows reach the products as they are: not
+// with RoPE in the kernel or Transformer-XL (their rows are float32 by then); the rows the kernel
+// reads are scanned (a RoPE copy, rotated, is rarely bf16).
+bool bf16_operands(const kernels::FusedAttentionParams& f,
+                   const kernels::FusedBackwardParams* bp = nullptr) {
+  if (!kernels::bf16_dot_prefill() || f.rope.cs != nullptr || f.xl_sin != nullptr ||
+      f.q == nullptr || f.k == nullptr || f.v == nullptr) {
+    return false;
+  }
+  const auto exact = [&](const float* x, const std::array<int64_t, 3>& st, int64_t seq,
+                         int64_t heads) {
+    return detail::bf16_exact(
+        View<const float, 4>{x, {f.batch, seq, heads, f.head_dim}, {st[0], st[1], st[2], 1}},
+        f.num_threads);
+  };
+  if (!exact(f.q, f.q_stride, f.seq_q, f.heads_q) || !exact(f.k, f.k_stride, f.seq_k, f.heads_kv))
+    return false;
+  return bp == nullptr || (exact(f.v, f.v_stride, f.seq_k, f.heads_kv) &&
+                           exact(bp->dout, bp->dout_stride, f.seq_q, f.heads_q));
+}
+
 bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4> out,
                int* nan_score, int* nonfinite_out, const View<float, 3>* lse) {
   const Dims& d = pr.d;
@@ -240,6 +263,7 @@ bool run_fused(const Problem<float>& pr, const Prepared<float>& p, View<float, 4
   }
   int empty = 0;
   if (reports_empty_rows(pr)) fp.empty_row = &empty;
+  fp.bf16_operands = bf16_operands(fp);
   kernels::fused_attention(fp);
   if (empty != 0) {
     fail_if_fully_masked(pr, tables.mask);
@@ -279,21 +303,7 @@ bool run_fused_backward(const Problem<float>& pr, const Prepared<float>& p,
     dsinks.resize(static_cast<std::size_t>(d.heads_q));
     bp.dsinks = dsinks.data();
   }
-  // bf16 training's widened inputs and gradient: the score tiles may use vdpbf16ps (scanned only
-  // when the switch allows it; RoPE and Transformer-XL form float32 rows and never take it).
-  // The rows the kernel reads are scanned (a RoPE copy, rotated, is rarely bf16).
-  if (kernels::bf16_dot_prefill() && bp.fwd.rope.cs == nullptr && bp.fwd.xl_sin == nullptr) {
-    const auto& f = bp.fwd;
-    const auto operand = [&](const float* x, const std::array<int64_t, 3>& st, int64_t seq,
-                             int64_t heads) {
-      return View<const float, 4>{x, {f.batch, seq, heads, f.head_dim}, {st[0], st[1], st[2], 1}};
-    };
-    const int t = pr.opt.num_threads;
-    bp.bf16_operands = detail::bf16_exact(operand(f.q, f.q_stride, f.seq_q, f.heads_q), t) &&
-                       detail::bf16_exact(operand(f.k, f.k_stride, f.seq_k, f.heads_kv), t) &&
-                       detail::bf16_exact(operand(f.v, f.v_stride, f.seq_k, f.heads_kv), t) &&
-                       detail::bf16_exact(operand(bp.dout, bp.dout_stride, f.seq_q, f.heads_q), t);
-  }
+  bp.fwd.bf16_operands = bf16_operands(bp.fwd, &bp);
   KernelGrads kg{pr, g, bp, tab.f32};
   std::visit([&](const auto& term) { term.bind_grads(kg); }, p.term);
   kernels::fused_attention_backward(bp);

@@ -103,7 +103,9 @@ class BackwardKernel {
     dimr_ = RoundUp(dim_, 4);
     // bf16 operands (bf16 training): S and dP tiles by vdpbf16ps when the switch allows it
     // (bf16_dot.h); Transformer-XL's q + u rows are float32 sums, never bf16.
-    bf16_ = b_.bf16_operands && p_.rope.cs == nullptr && !xl_ && bf16_dot_prefill();
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    bf16_ = p_.bf16_operands && p_.rope.cs == nullptr && !xl_ && bf16_dot_prefill();
+#endif
     qs16_ = RoundUp(dim_, 32);
     np16_ = (dim_ + 1) / 2;
     // The schemes' per-row tables (padded and transposed copies; XL's r(t) is built in Run) and

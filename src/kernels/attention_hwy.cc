@@ -121,9 +121,12 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
     // Prefill with a bf16 query and bf16 keys: the score tiles by vdpbf16ps on pairs of dims
     // (bf16_dot.h), the rest as for float32. Not with RoPE in the kernel or Transformer-XL
     // (their query rows are float32 by then).
-    bf16pre_ = !use_dot_ && p_.q16 != nullptr && p_.k16 != nullptr && p_.q_type == DType::kBF16 &&
-               p_.kv_type == DType::kBF16 && p_.rope.cs == nullptr && p_.xl_sin == nullptr &&
-               bf16_dot_prefill();
+    // Float32 q and k holding bf16 values (bf16 training) too: the query rows' high halves.
+    const bool bf16_qk = (p_.q16 != nullptr && p_.k16 != nullptr && p_.q_type == DType::kBF16 &&
+                          p_.kv_type == DType::kBF16) ||
+                         (p_.q16 == nullptr && p_.k16 == nullptr && p_.bf16_operands);
+    bf16pre_ =
+        !use_dot_ && bf16_qk && p_.rope.cs == nullptr && p_.xl_sin == nullptr && bf16_dot_prefill();
 #endif
     qb_stride_ = RoundUp(dim_, 32);
     if (p.deberta_pos_key != nullptr) {
@@ -276,6 +279,14 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
         if (bf16dot_ || bf16pre_) std::memcpy(sc.qb.get() + r * qb_stride_, p_.q16 + at, 2 * dim_);
       } else {
         src = p_.q + at;
+        if (bf16pre_) {  // bf16 values exactly: their high halves
+          uint16_t* qb = sc.qb.get() + r * qb_stride_;
+          for (int64_t x = 0; x < dim_; ++x) {
+            uint32_t u;
+            std::memcpy(&u, src + x, sizeof u);
+            qb[x] = static_cast<uint16_t>(u >> 16);
+          }
+        }
       }
       if (p_.rope.cs != nullptr) {
         rope_rotate_rows(p_.rope, p_.qpos + it.b * p_.seq_q + i, p_.rope_base[it.b], 1, src, 0,

@@ -127,6 +127,10 @@ struct FusedAttentionParams {
   int* nan_score = nullptr;
   // Set to 1 (by any thread) when a float32 output element is not finite (null: not checked).
   int* nonfinite_out = nullptr;
+  // Float32 q and k hold bf16 values exactly (low 16 bits zero, none subnormal: bf16 training's
+  // widened tensors; the backward: v and dout too), set only when bf16_dot_prefill()
+  // (bf16_dot.h): the score tiles then come from vdpbf16ps, as for a bf16 query and keys.
+  bool bf16_operands = false;
 
   // ---- Paged KV cache (attention_paged, posenc/paged.h; forward only) -------------------------
   // pages == nullptr: k and v are the contiguous tensors above. Otherwise k and v (k16, v16) are
@@ -171,11 +175,8 @@ struct FusedBackwardParams {
   float* xl_du = nullptr;
   float* xl_dv = nullptr;
   float* xl_drnet = nullptr;
-  // q, k, v and dout hold bf16 values exactly (each a float32 whose low 16 bits are zero, none
-  // subnormal: the widened inputs and gradient of bf16 training). The score tiles S = Q K^T and
-  // dP = dO V^T may then come from vdpbf16ps when bf16_dot_prefill() (bf16_dot.h): the same
-  // exact products, summed in another order.
-  bool bf16_operands = false;
+  // fwd.bf16_operands: here q, k, v and dout hold bf16 values, and the score tiles S = Q K^T and
+  // dP = dO V^T come from vdpbf16ps (the same exact products, summed in another order).
 };
 
 // FlashAttention-2's backward with recomputation: scores rebuilt tile by tile from q, k and lse.

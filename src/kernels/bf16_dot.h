@@ -123,9 +123,10 @@ void decode_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim,
 // k_c[2p + 1] to the scores of 16 keys: half the instructions of the float32 broadcast-FMA
 // micro-kernel for the same products, each exact in float32.
 
-// Whether prefill with a bf16 query and bf16 keys (not rotated in the kernel), and the backward
-// whose q, k, v and dout are all bf16 values (FusedBackwardParams::bf16_operands), compute their
-// score tiles with vdpbf16ps (the backward: S = Q K^T and dP = dO V^T): the processor has it and
+// Whether prefill with a bf16 query and bf16 keys (not rotated in the kernel) or float32 ones
+// holding bf16 values, and the backward whose q, k, v and dout all hold bf16 values
+// (FusedAttentionParams::bf16_operands), compute their score tiles with vdpbf16ps (the
+// backward: S = Q K^T and dP = dO V^T): the processor has it and
 // POSENC_BF16_DOT is 1. Not under auto: on Intel processors the instruction issues on one port
 // where the float32 FMA has two, and both paths measured slower than the float32 products
 // (docs/performance.md); they have not been measured on AMD's, whose vdpbf16ps has the FMA's

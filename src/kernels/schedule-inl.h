@@ -254,9 +254,10 @@ class ForwardSchedule {
     const int64_t heads = p_.heads_kv, nseg = static_cast<int64_t>(segs.size());
     // An item sees a few tiles here: its products read float32 query rows in place (fetched
     // ahead) rather than after a copy, unless the kernel transforms them (RoPE, Transformer-XL's
-    // biases) or a scheme's terms read the packed rows (Shaw, DeBERTa).
+    // biases) or a scheme's terms read the packed rows (Shaw, DeBERTa), or the score tiles take
+    // them as bf16 (bf16_operands).
     q_in_place_ = !use_dot_ && p_.q16 == nullptr && p_.rope.cs == nullptr && p_.xl_sin == nullptr &&
-                  p_.shaw_rel_k == nullptr && p_.deberta_pos_key == nullptr;
+                  p_.shaw_rel_k == nullptr && p_.deberta_pos_key == nullptr && !p_.bf16_operands;
     // Kv heads per unit: all, unless that leaves fewer than 4 units per thread.
     int64_t per_unit = heads;
     while (per_unit > 1 && nseg * ((heads + per_unit - 1) / per_unit) < 4 * threads) {

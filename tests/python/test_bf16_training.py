@@ -1,8 +1,8 @@
-"""The backward of bf16 training with POSENC_BF16_DOT=1: float32 tensors holding bf16 values (what
-posenc.torch.attention hands its backward for bf16 tensors), gradients against the float64
-reference and against the float32 products. On a processor with AVX512_BF16 the switch makes the
-score tiles come from vdpbf16ps, so the gradients' bits differ from the float32 products' (the
-path ran) within the same bound; elsewhere they are the same bits. The switch is read once per
+"""bf16 training with POSENC_BF16_DOT=1: float32 tensors holding bf16 values (what
+posenc.torch.attention computes on for bf16 tensors that need gradients), the output and the
+gradients against the float64 reference and against the float32 products. On a processor with
+AVX512_BF16 the switch makes the score tiles come from vdpbf16ps, so the bits differ from the
+float32 products' (the path ran) within the same bound; elsewhere they are the same bits. The switch is read once per
 process: each setting runs in its own interpreter."""
 import os
 import subprocess
@@ -28,7 +28,7 @@ for scheme, kw in (("none", {}), ("alibi", {}), ("rope", {})):
         xs = [x.detach().to(dtype).clone().requires_grad_() for x in (q, k, v)]
         out = pt.attention(*xs, scheme, causal=True, **kw)
         (out * w.to(dtype)).sum().backward()
-        grads[(scheme, str(dtype))] = [x.grad for x in xs]
+        grads[(scheme, str(dtype))] = [out.detach()] + [x.grad for x in xs]
 torch.save(grads, sys.argv[1])
 """
 
@@ -48,22 +48,22 @@ def _has_avx512_bf16():
         return False
 
 
-def test_bf16_values_backward_with_the_switch(tmp_path):
+def test_bf16_values_with_the_switch(tmp_path):
     on, off = _grads(tmp_path, "1"), _grads(tmp_path, "0")
     for scheme in ("none", "alibi", "rope"):
         ref = on[(scheme, "torch.float64")]
-        for name, a, b, r in zip("qkv", on[(scheme, "torch.float32")],
+        for name, a, b, r in zip(("out", "dq", "dk", "dv"), on[(scheme, "torch.float32")],
                                  off[(scheme, "torch.float32")], ref):
             scale = max(1.0, r.abs().max().item())
             for got in (a, b):
                 err = (got.double() - r).abs().max().item()
-                assert err <= 1e-5 * scale, f"{scheme} d{name}: error {err} (max |ref| {scale})"
+                assert err <= 1e-5 * scale, f"{scheme} {name}: error {err} (max |ref| {scale})"
             same = torch.equal(a, b)
             if scheme == "rope" or not _has_avx512_bf16():
                 # RoPE rotates its rows in float32; without the instruction the switch does nothing
-                assert same, f"{scheme} d{name}: bits changed without vdpbf16ps"
+                assert same, f"{scheme} {name}: bits changed without vdpbf16ps"
             else:
-                assert not same, f"{scheme} d{name}: the vdpbf16ps score tiles did not run"
+                assert not same, f"{scheme} {name}: the vdpbf16ps score tiles did not run"
 
 
 if __name__ == "__main__":
