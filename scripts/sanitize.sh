@@ -98,7 +98,13 @@ case "$ext" in
   "$stage"/*) ;;
   *) echo "sanitize.sh: posenc._posenc imported from $ext, not $stage" >&2; exit 1 ;;
 esac
-ldd "$ext" | grep -q libasan || { echo "sanitize.sh: $ext is not instrumented" >&2; exit 1; }
+# ldd's whole output first: `ldd | grep -q` under pipefail fails whenever grep stops reading
+# before ldd has written everything (ldd then dies of SIGPIPE), though libasan is there.
+libs=$(ldd "$ext")
+case "$libs" in
+  *libasan*) ;;
+  *) echo "sanitize.sh: $ext is not instrumented" >&2; exit 1 ;;
+esac
 echo "== pytest under ASan + UBSan: ${#pytests[@]} files, $ext"
 t0=$(date +%s)
 # pytest captures sys.stdout and sys.stderr only (--capture=sys), not the file descriptors: a
