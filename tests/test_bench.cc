@@ -173,6 +173,31 @@ TEST(BenchFmaPeak, SelectedBeforeSgemmInTheSameQuickRun) {
   EXPECT_NEAR(f[0].value, gemm.gflops() / fma.gflops(), 1e-9 * gemm.gflops() / fma.gflops());
 }
 
+// The backward on bf16 values: its name, FLOPs and time against the float32 backward, and
+// bf16_dot saying whether POSENC_BF16_DOT let its score tiles use vdpbf16ps (never where the
+// processor lacks AVX512_BF16).
+TEST(BenchBackward, Bf16ValuesAgainstFloat32) {
+  pb::AttentionShape s;
+  s.seq_q = s.seq_k = 70;
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  s.head_dim = 32;
+  s.causal = true;
+  struct Restore {
+    ~Restore() { posenc::kernels::set_bf16_dot_for_test(-1); }
+  } restore;
+  for (const int mode : {0, 1}) {
+    posenc::kernels::set_bf16_dot_for_test(mode);
+    const pb::Result r = pb::bench_attention_backward_bf16(s, 1, tiny_timing());
+    EXPECT_EQ(r.name, "attention_backward_none_causal_L70_H4_D32_bf16");
+    EXPECT_DOUBLE_EQ(r.flops, 2.5 * pb::attention_flops(s));
+    EXPECT_GT(extra(r, "vs_float32"), 0);
+    EXPECT_GT(extra(r, "float32_median_s"), 0);
+    const bool dot = mode == 1 && posenc::kernels::bf16_dot_supported();
+    EXPECT_EQ(extra(r, "bf16_dot"), dot ? 1.0 : 0.0);
+  }
+}
+
 // vs_fma_peak_paired: the no-position attention entry timed in alternation with fma_peak's
 // chains (given their steps) reports its GFLOP/s over theirs, from the median of the pairs'
 // time ratios, and the chains' median time; other schemes and calls without steps do not. (The
@@ -234,6 +259,7 @@ TEST(BenchFmaPeak, RatioFieldsOfComputeAndBandwidthEntries) {
       pb::bench_attention("rope", s, 1, tiny_timing()),
       pb::bench_naive_attention(s, 1, tiny_timing()),
       pb::bench_attention_backward("none", s, 1, tiny_timing()),
+      pb::bench_attention_backward_bf16(s, 1, tiny_timing()),
       pb::bench_attention_half("bf16", s, 1, tiny_timing()),
   };
   for (const pb::Result& r : compute) {
