@@ -101,6 +101,8 @@ class BackwardKernel {
     deberta_ = !shaw_ && p_.deberta_pos_key != nullptr;
     xl_ = !shaw_ && !deberta_ && p_.xl_sin != nullptr;
     dimr_ = RoundUp(dim_, 4);
+    plain_ = !shaw_ && !deberta_ && !xl_ && p_.bias == nullptr && b_.dbias == nullptr &&
+             !(p_.softcap > 0.0f);
     // bf16 operands (bf16 training): S and dP tiles by vdpbf16ps when the switch allows it
     // (bf16_dot.h); Transformer-XL's q + u rows are float32 sums, never bf16.
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
@@ -663,6 +665,64 @@ class BackwardKernel {
     DebertaRowAt deb;
   };
 
+  // The mask of block row r (query position pq) on a tile: the rule's limits and the block
+  // masks' lanes.
+  RowMask MaskOfRow(ItemState& st, const Tile& tile, int64_t r, int32_t pq) const {
+    RowMask row_mask(p_.mask, pq);
+    if (tiles_->Any()) {
+      const int64_t i = st.blk_i0 + r % st.blk_nq, qat = st.bb * p_.seq_q + i;
+      if (p_.dense != nullptr) {
+        if (!st.dense_buf) st.dense_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(st.kt));
+        FillDenseLanes(p_, st.bb, i, tile.j0, tile.nk, st.kt, st.dense_buf.get());
+      }
+      row_mask.SetBlock(p_.qdoc != nullptr ? p_.qdoc[qat] : 0,
+                        p_.qopen != nullptr && p_.qopen[qat] != 0,
+                        {p_.kdoc != nullptr ? st.kdoc_buf.get() : nullptr,
+                         p_.kopen != nullptr ? st.kopen_buf.get() : nullptr,
+                         p_.dense != nullptr ? st.dense_buf.get() : nullptr});
+    }
+    return row_mask;
+  }
+
+  // Row r of the block on a tile when the call has no positional terms, soft-capping or bias
+  // (plain_): TileRowScores and TileRowGrads in one pass over the row, by the same operations
+  // in the same order (S scaled and masked, P = exp(S - lse), dS = P (dP - D), scale * dS), so
+  // that each element is read and written once. A full tile (every key visible) skips the mask.
+  void PlainRow(ItemState& st, const Tile& tile, int64_t r, bool full) {
+    const auto kt = st.kt;
+    float* HWY_RESTRICT srow = st.s + r * kt;
+    float* HWY_RESTRICT drow = st.dps + r * kt;
+    const float lse = st.lse[r];
+    if (lse == kNegInf) {
+      std::fill(srow, srow + kt, 0.0f);
+      std::fill(drow, drow + kt, 0.0f);
+      return;
+    }
+    const DF d;
+    const auto vs = hn::Set(d, st.scale), vl = hn::Set(d, lse), vd = hn::Set(d, st.dsum[r]);
+    const auto grads = [&](int64_t c, hn::Vec<DF> x) {
+      const auto pv = hn::Exp(d, hn::Sub(x, vl));  // exp(-inf) = 0
+      hn::Store(pv, d, srow + c);
+      const auto ds = hn::Mul(pv, hn::Sub(hn::Load(d, drow + c), vd));
+      hn::Store(hn::Mul(ds, vs), d, drow + c);
+    };
+    if (full) {
+      for (int64_t c = 0; c < kt; c += lanes_) grads(c, hn::Mul(hn::Load(d, srow + c), vs));
+      return;
+    }
+    const DI di;
+    const auto vninf = hn::Set(d, kNegInf);
+    const RowMask row_mask = MaskOfRow(st, tile, r, st.qpos[static_cast<size_t>(r)]);
+    const int64_t nk = tile.nk;
+    for (int64_t c = 0; c < kt; c += lanes_) {
+      auto vis = row_mask.VisibleAt(d, hn::Load(di, st.kpt + c), c);
+      if (c + lanes_ > nk) {  // keys past the tile's end
+        vis = hn::And(vis, hn::RebindMask(d, hn::Lt(hn::Iota(di, c), hn::Set(di, nk))));
+      }
+      grads(c, hn::IfThenElse(vis, hn::Mul(hn::Load(d, srow + c), vs), vninf));
+    }
+  }
+
   // Row r of the block on a tile: the scheme's terms added to its scores, and the mask. Returns
   // false for a row that sees no key (its P and dS rows zeroed).
   bool TileRowScores(ItemState& st, const Tile& tile, int64_t r, RowAt& at) {
@@ -694,19 +754,7 @@ class BackwardKernel {
     {
       const DI di;
       const auto vs = hn::Set(d, scale), vninf = hn::Set(d, kNegInf);
-      RowMask row_mask(p_.mask, pq);
-      if (tiles_->Any()) {
-        const int64_t i = st.blk_i0 + r % st.blk_nq, qat = bb * p_.seq_q + i;
-        if (p_.dense != nullptr) {
-          if (!st.dense_buf) st.dense_buf = hwy::AllocateAligned<int32_t>(static_cast<size_t>(kt));
-          FillDenseLanes(p_, bb, i, tile.j0, tile.nk, kt, st.dense_buf.get());
-        }
-        row_mask.SetBlock(p_.qdoc != nullptr ? p_.qdoc[qat] : 0,
-                          p_.qopen != nullptr && p_.qopen[qat] != 0,
-                          {p_.kdoc != nullptr ? st.kdoc_buf.get() : nullptr,
-                           p_.kopen != nullptr ? st.kopen_buf.get() : nullptr,
-                           p_.dense != nullptr ? st.dense_buf.get() : nullptr});
-      }
+      const RowMask row_mask = MaskOfRow(st, tile, r, pq);
       for (int64_t c = 0; c < kt; c += lanes_) {
         const auto vis = row_mask.VisibleAt(d, hn::Load(di, kpt + c), c);
         const auto x = hn::Mul(hn::Load(d, srow + c), vs);
@@ -936,6 +984,10 @@ class BackwardKernel {
             std::fill(st.dps + r * kTileK, st.dps + (r + 1) * kTileK, 0.0f);
             continue;
           }
+          if (plain_) {
+            PlainRow(st, tile, r, kind == TileKind::kFull);
+            continue;
+          }
           RowAt at;
           if (TileRowScores(st, tile, r, at)) TileRowGrads(st, tile, r, at);
         }
@@ -954,6 +1006,7 @@ class BackwardKernel {
   // The scheme (one per call): its flag and its terms (terms/shaw-inl.h, deberta-inl.h,
   // xl-inl.h), on the row tables and row-chunk buffers of row_tables-inl.h.
   bool shaw_ = false, deberta_ = false, xl_ = false;
+  bool plain_ = false;           // no positional terms, soft-capping or bias: PlainRow
   bool bf16_ = false;            // S and dP tiles by vdpbf16ps (bf16 operands)
   int64_t qs16_ = 0, np16_ = 0;  // bf16 row stride; dim pairs of a packed tile
   std::unique_ptr<ShawBackward> shaw_t_;
