@@ -259,6 +259,10 @@ class BackwardKernel {
     const int32_t* kposb;
     const float *kbase, *vbase;
     bool cached;
+    // Cached items: the next tile's operands and dK^T, dV^T (in L3: an item's tiles outgrow L2),
+    // fetched into L2 a few lines between the register blocks of the current tile's products.
+    FetchQueue fetch;
+    int64_t fetch_n = 0;
     DebertaItem deb;  // DeBERTa's p2c terms
   };
   // A query block of an item: rows [i0, i0 + nq) of each of the group's heads.
@@ -548,6 +552,30 @@ class BackwardKernel {
     return Block{i0, nq, rows, rp, qmin, qmax, br};
   }
 
+  // Queues the item's buffers of the tile the block visits after t (the next block's first
+  // tile after its last) for the products of tile t to fetch; none unless the item holds its
+  // tiles. Returns the queue, or null.
+  FetchQueue* QueueNextTile(ItemState& st, const Block& blk, int64_t t) {
+    st.fetch.Clear();
+    if (!st.cached) return nullptr;
+    int64_t u = t + 1;
+    while (u < ntiles_ && !Visits(st, blk.qmin, blk.qmax, u)) ++u;
+    if (u == ntiles_) u = 0;
+    const int64_t kt = st.kt, dp = st.dp, nk = std::min(kt, p_.seq_k - u * kt);
+    const auto bytes = [](int64_t floats) { return floats * static_cast<int64_t>(sizeof(float)); };
+    st.fetch.Add(st.kp_all + u * kt * dp, bytes(nk * dp));
+    st.fetch.Add(st.kt_all + u * dim_ * kt, bytes(dim_ * kt));
+    st.fetch.Add(st.vt_all + u * dim_ * kt, bytes(dim_ * kt));
+    st.fetch.Add(st.dk_all + u * dp * kt, bytes(dim_ * kt));
+    st.fetch.Add(st.dv_all + u * dp * kt, bytes(dim_ * kt));
+    // Spread over the register blocks of the tile's five products (two score-like products of
+    // the block's rows, two of the dims, one P.V-like over the block's rows).
+    const int64_t blocks = ProductBlocks(blk.rp, 0, 2, 0) + ProductBlocks(dimr_, 0, 2, 0) +
+                           ProductBlocks(blk.rp, dpad_, 0, 1);
+    st.fetch_n = (st.fetch.Pending() + blocks - 1) / std::max<int64_t>(1, blocks);
+    return &st.fetch;
+  }
+
   // Tile t's key positions and operands (formed here unless the item holds them), and the
   // block's scores S = Q K^T and dP = dO V^T on it.
   Tile LoadTile(ItemState& st, const Block& blk, int64_t t, bool full) {
@@ -599,6 +627,7 @@ class BackwardKernel {
     Tile tile{t, j0, nk, consec, kp, ktr, vtr, dkt, dvt, nullptr, 1, {}, {}};
     tile.run_lo[0] = 0, tile.run_hi[0] = rp;
     if (!full && consec && p_.mask.causal && p_.kopen == nullptr) TileColumns(st, blk, tile);
+    FetchQueue* fetch = QueueNextTile(st, blk, t);
     if (bf16_) {
       // The same products by vdpbf16ps on the tiles as pairs of bf16 dims (bf16_dot.h).
       const int64_t n16 = np16_ * kt;
@@ -612,8 +641,8 @@ class BackwardKernel {
       prefill_scores_bf16_dot(st.qb16, qs16_, dim_, k16, rp, s, kt, tile.cols);
       prefill_scores_bf16_dot(st.dob16, qs16_, dim_, v16, rp, dps, kt, tile.cols);
     } else {
-      ScoresTile(qb, dim_, ktr, rp, s, kt, dp, false, tile.cols);
-      ScoresTile(dob, dim_, vtr, rp, dps, kt, dp, false, tile.cols);
+      ScoresTile(qb, dim_, ktr, rp, s, kt, dp, false, tile.cols, fetch, st.fetch_n);
+      ScoresTile(dob, dim_, vtr, rp, dps, kt, dp, false, tile.cols, fetch, st.fetch_n);
     }
     if (deberta_) deb_t_->BeginTile(st.deb);
     return tile;
@@ -884,15 +913,17 @@ class BackwardKernel {
     const int64_t j0 = tile.j0, nk = tile.nk;
     const float* kp = tile.kp;
     float *dkt = tile.dkt, *dvt = tile.dvt;
+    FetchQueue* const fetch = st.fetch.Pending() > 0 ? &st.fetch : nullptr;
     // dV^T += dO^T P and dK^T += Q^T (scale dS) over the rows that see a key of the tile (rows
     // that see none have P = dS = 0), dQ += scale dS K.
     for (int64_t i = 0; i < tile.runs; ++i) {
       const int64_t lo = tile.run_lo[static_cast<size_t>(i)];
       const int64_t n = tile.run_hi[static_cast<size_t>(i)] - lo;
-      ScoresTile(dotr + lo, n, s + lo * kt, dimr, dvt, kt, rp, true);
-      ScoresTile(qtr + lo, n, dps + lo * kt, dimr, dkt, kt, rp, true);
+      ScoresTile(dotr + lo, n, s + lo * kt, dimr, dvt, kt, rp, true, nullptr, fetch, st.fetch_n);
+      ScoresTile(qtr + lo, n, dps + lo * kt, dimr, dkt, kt, rp, true, nullptr, fetch, st.fetch_n);
     }
-    AccumulateTile(dps, nk, kp, dp, dp, rp, dqb, kTileK, 0, tile.cols);
+    AccumulateTile(dps, nk, kp, dp, dp, rp, dqb, kTileK, 0, tile.cols, fetch, st.fetch_n);
+    if (fetch != nullptr) fetch->Issue(-1);                       // what the products left
     if (deberta_) deb_t_->FinishTile(st.deb, hk, kp, dkx, part);  // p2c cells
     for (int64_t c = 0; !cached && c < nk; ++c) {
       AddColumn(dkt, c, OutRow(b_.dk, b_.dk_stride, bb, j0 + c, hk));
