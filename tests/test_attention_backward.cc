@@ -34,6 +34,7 @@
 #include "hwy/targets.h"
 #include "kernels/attention_kernels.h"
 #include "kernels/bf16_dot.h"
+#include "kernels/parallel.h"
 #include "kernels/simd.h"
 #include "posenc/posenc.h"
 #include "test_util.h"
@@ -1193,6 +1194,38 @@ TEST(AttentionBackward, ThreadCountDoesNotChangeGradients) {
             EXPECT_TRUE(same_bits(*g, *first)) << threads << " threads vs 1";
           }
         }
+      }
+    }
+  }
+}
+
+// Probabilities far below 2^-126: ALiBi with steep slopes over 300 keys (exp(-2 * 299) of the
+// farthest), where P, dS and their products pass through the subnormal range, which the
+// backward's items flush to zero (kernels/float_env.h). The gradients stay within twice the
+// naive float32 error of the float64 oracle; and the floating-point environment of the caller's
+// thread and of every worker thread is what it was before the call (subnormal results kept).
+TEST(AttentionBackward, SubnormalProbabilitiesAndTheCallersFloatEnvironment) {
+  const auto subnormals_kept = [] {
+    volatile float tiny = 1e-38f;  // normal; half of it is subnormal
+    const float half = tiny * 0.5f;
+    return half != 0.0f;
+  };
+  ASSERT_TRUE(subnormals_kept());
+  uint64_t stream = 8500;
+  for (const Shape s : {Shape{1, 300, 300, 4, 4, 16}, Shape{2, 70, 300, 4, 2, 8}}) {
+    for (bool causal : {true, false}) {
+      for (int threads : {1, 3}) {
+        Rng rng(posenc_test::test_seed(), ++stream);
+        SCOPED_TRACE(str(s) + " causal " + std::to_string(causal) + " threads " +
+                     std::to_string(threads) + " " + posenc_test::seed_trace());
+        const PositionScheme scheme = Alibi{{2.0, 1.0, 0.5, 0.25}};
+        check_backward(s, scheme, {.causal = causal, .num_threads = threads}, rng);
+        EXPECT_TRUE(subnormals_kept()) << "the calling thread";
+        std::vector<int> kept(static_cast<size_t>(threads), 0);
+        kernels::for_each_thread(threads,
+                                 [&](int t) { kept[static_cast<size_t>(t)] = subnormals_kept(); });
+        for (int t = 0; t < threads; ++t)
+          EXPECT_TRUE(kept[static_cast<size_t>(t)]) << "thread " << t;
       }
     }
   }

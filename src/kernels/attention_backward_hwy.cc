@@ -40,6 +40,7 @@
 #include "kernels/attention_kernels.h"
 #include "kernels/bf16_dot.h"
 #include "kernels/block_mask.h"
+#include "kernels/float_env.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
 
@@ -150,7 +151,10 @@ class BackwardKernel {
     ZeroTables();
     RunWaves(
         p_.batch * p_.heads_kv, part_size_, threads,
-        [&](int64_t w, float* part) { RunItem(w, Local(), part); },
+        [&](int64_t w, float* part) {
+          const FlushSubnormalResults ftz;  // float_env.h: P and dS below 2^-126
+          RunItem(w, Local(), part);
+        },
         [&](int64_t w, const float* part) { Reduce(w, part); });
     if (xl_) xl_t_->ProjectGradient(threads);
   }
