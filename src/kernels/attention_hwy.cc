@@ -86,6 +86,9 @@ struct Scratch {
   // Block masks: the tile's key documents and open flags, and one row of the dense mask.
   hwy::AlignedFreeUniquePtr<int32_t[]> kdoc, kopen, dense;
   std::vector<float> m, l, wsum;
+  // Per row slot of the current item: its query head and position, -1 head for a padding slot.
+  std::vector<int64_t> row_head;
+  std::vector<int32_t> row_qpos;
   std::vector<uint64_t> seen;                // decoding: SeenKeys
   hwy::AlignedFreeUniquePtr<uint16_t[]> qb;  // vdpbf16ps (decoding, prefill): bf16 query rows
   size_t qb_n = 0;
@@ -449,6 +452,13 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
     if (!ps.q_in_place) PackQueries(it, j_begin, j_end, sc, ps.rt);
     Scratch::Ensure(sc.kt, sc.kt_n, static_cast<size_t>(dim_ * kTileK));
     Scratch::Ensure(sc.s, sc.s_n, static_cast<size_t>(it.rows_pad * s_cols));
+    sc.row_head.resize(static_cast<size_t>(it.rows_pad));
+    sc.row_qpos.resize(static_cast<size_t>(it.rows_pad));
+    for (int64_t r = 0; r < it.rows_pad; ++r) {
+      const bool valid = r < it.rows && Valid(it, r);
+      sc.row_head[static_cast<size_t>(r)] = valid ? HeadOf(it, r) : -1;
+      sc.row_qpos[static_cast<size_t>(r)] = valid ? QPos(it, r) : 0;
+    }
     // Prefill reads the tile's values packed (PackValueTile): from vt_all when the group's
     // tiles were packed once for all its query blocks, else packed here per tile.
     if (vt_all == nullptr) Scratch::Ensure(sc.vt, sc.vt_n, static_cast<size_t>(kTileK * dpad_));
@@ -599,7 +609,7 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
       const int32_t* cols =
           dot ? nullptr : TileProducts(it, j0, nk, full, consec, kt, ps, sc.s.get(), kTileK, sc);
       for (int64_t r = 0; r < it.rows; ++r) {
-        if (Valid(it, r)) {
+        if (sc.row_head[static_cast<size_t>(r)] >= 0) {
           RowUpdate(it, r, j0, nk, full, consec, rt, sc, cols == nullptr ? kTileK : cols[r]);
         }
       }
@@ -784,8 +794,8 @@ class ForwardKernel : public ForwardSchedule<ForwardKernel, Scratch> {
     const DI di;
     const int64_t n = lanes_;
     const int64_t cn = RoundUp(cend, n);
-    const int64_t h = HeadOf(it, r);
-    const int32_t qp = QPos(it, r);
+    const int64_t h = sc.row_head[static_cast<size_t>(r)];
+    const int32_t qp = sc.row_qpos[static_cast<size_t>(r)];
     const auto vscale = hn::Set(d, p_.scale);
     const bool capped = p_.softcap > 0.0f;
     const auto vcap = hn::Set(d, p_.softcap);
