@@ -67,11 +67,8 @@ TEST(BenchMeasure, StopsAtMaxReps) {
 }
 
 TEST(BenchFlops, UsefulFlopsHalvedWhenCausal) {
-  pb::AttentionShape s;
-  s.seq_q = s.seq_k = 4096;
-  s.heads_q = s.heads_kv = 8;
-  s.head_dim = 128;
-  s.causal = false;
+  pb::AttentionShape s{
+      .seq_q = 4096, .seq_k = 4096, .heads_q = 8, .heads_kv = 8, .head_dim = 128, .causal = false};
   EXPECT_DOUBLE_EQ(pb::attention_flops(s), 4.0 * 4096 * 4096 * 128 * 8);
   s.causal = true;
   EXPECT_DOUBLE_EQ(pb::attention_flops(s), 2.0 * 4096 * 4096 * 128 * 8);
@@ -177,12 +174,8 @@ TEST(BenchFmaPeak, SelectedBeforeSgemmInTheSameQuickRun) {
 // bf16_dot saying whether POSENC_BF16_DOT let its score tiles use vdpbf16ps (never where the
 // processor lacks AVX512_BF16).
 TEST(BenchBackward, Bf16ValuesAgainstFloat32) {
-  pb::AttentionShape s;
-  s.seq_q = s.seq_k = 70;
-  s.heads_q = 4;
-  s.heads_kv = 2;
-  s.head_dim = 32;
-  s.causal = true;
+  const pb::AttentionShape s{
+      .seq_q = 70, .seq_k = 70, .heads_q = 4, .heads_kv = 2, .head_dim = 32, .causal = true};
   struct Restore {
     ~Restore() { posenc::kernels::set_bf16_dot_for_test(-1); }
   } restore;
@@ -203,11 +196,8 @@ TEST(BenchBackward, Bf16ValuesAgainstFloat32) {
 // time ratios, and the chains' median time; other schemes and calls without steps do not. (The
 // field's consistency is checked, not its size: timings belong to benchmarks.)
 TEST(BenchFmaPeak, NoPositionAttentionPairedWithTheChains) {
-  pb::AttentionShape s;
-  s.seq_q = s.seq_k = 40;
-  s.heads_q = s.heads_kv = 2;
-  s.head_dim = 16;
-  s.causal = true;
+  const pb::AttentionShape s{
+      .seq_q = 40, .seq_k = 40, .heads_q = 2, .heads_kv = 2, .head_dim = 16, .causal = true};
   const int64_t steps = 1 << 12;
   const pb::FmaCall fma = pb::fma_peak_call(1, steps);
   EXPECT_EQ(fma.flops, pb::fma_peak_flops(fma.lanes, fma.chains, steps, 1));
@@ -234,10 +224,7 @@ TEST(BenchFmaPeak, NoPositionAttentionPairedWithTheChains) {
 // vs_fma_peak: every compute-bound entry's GFLOP/s over fma_peak's, after its other ratios; never
 // on bandwidth-bound entries nor on fma_peak itself; left out when fma_peak did not run.
 TEST(BenchFmaPeak, RatioFieldsOfComputeAndBandwidthEntries) {
-  pb::AttentionShape s;
-  s.seq_q = s.seq_k = 32;
-  s.heads_q = s.heads_kv = 2;
-  s.head_dim = 16;
+  const pb::AttentionShape s{.seq_q = 32, .seq_k = 32, .heads_q = 2, .heads_kv = 2, .head_dim = 16};
   pb::AttentionShape d = s;
   d.seq_q = 1;
   d.heads_q = 8;
@@ -364,11 +351,7 @@ TEST(BenchNaiveAttention, RejectsMismatchedShapes) {
 }
 
 TEST(BenchWorkload, EverySchemeRuns) {
-  pb::AttentionShape s;
-  s.seq_q = s.seq_k = 17;
-  s.heads_q = 4;
-  s.heads_kv = 4;
-  s.head_dim = 8;
+  pb::AttentionShape s{.seq_q = 17, .seq_k = 17, .heads_q = 4, .heads_kv = 4, .head_dim = 8};
   for (bool causal : {true, false}) {
     s.causal = causal;
     for (const std::string& scheme : pb::scheme_names()) {
@@ -385,11 +368,7 @@ TEST(BenchWorkload, EverySchemeRuns) {
 
 // The fast path and the naive baseline agree on scheme none (both float32).
 TEST(BenchWorkload, NaiveMatchesAttention) {
-  pb::AttentionShape s;
-  s.seq_q = s.seq_k = 40;
-  s.heads_q = 8;
-  s.heads_kv = 2;
-  s.head_dim = 16;
+  const pb::AttentionShape s{.seq_q = 40, .seq_k = 40, .heads_q = 8, .heads_kv = 2, .head_dim = 16};
   pb::AttentionWorkload w(s, "none");
   w.run(1);
   const View<float, 4> out = w.out();
@@ -401,10 +380,7 @@ TEST(BenchWorkload, NaiveMatchesAttention) {
 }
 
 TEST(BenchEntries, AttentionDecodeRopeAndPeakMemoryReportTheirFields) {
-  pb::AttentionShape s;
-  s.seq_q = s.seq_k = 32;
-  s.heads_q = s.heads_kv = 2;
-  s.head_dim = 16;
+  const pb::AttentionShape s{.seq_q = 32, .seq_k = 32, .heads_q = 2, .heads_kv = 2, .head_dim = 16};
   const pb::Result a = pb::bench_attention("alibi", s, 1, tiny_timing());
   EXPECT_EQ(a.name, "attention_alibi_causal_L32_H2_D16");
   EXPECT_EQ(a.baselines, std::vector<std::string>{"sgemm"});

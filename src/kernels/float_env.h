@@ -26,7 +26,7 @@ class FlushSubnormalResults {
   static constexpr unsigned kFlushToZero = 0x8000;  // MXCSR bit 15 (FTZ)
   unsigned saved_;
 #else
-  FlushSubnormalResults() = default;
+  FlushSubnormalResults() {}  // user-provided: a scope guard, not an unused variable
 #endif
 
  public:
