@@ -1,6 +1,7 @@
 // bench/fma_peak.cc - the fma_peak baseline of `posenc bench` (harness.h): the float32 FMA peak
 // of this processor, measured by independent FMA chains at the widest vector Highway dispatches
-// to (Highway dynamic dispatch, POSENC_SIMD_TARGET honoured as by the kernels).
+// to (Highway dynamic dispatch, POSENC_SIMD_TARGET honoured as by the kernels). Also
+// bf16_dot_peak: the same measurement for AVX512_BF16's vdpbf16ps (kernels/bf16_dot.h).
 //
 // Each thread runs `chains` accumulator vectors c_i <- c_i * m + a for `iterations` steps. The
 // chains are independent, so the processor can keep an FMA of every chain in flight: enough
@@ -18,6 +19,7 @@
 
 #include "harness.h"
 #include "hwy/targets.h"
+#include "kernels/bf16_dot.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
 
@@ -102,6 +104,9 @@ volatile float g_mul = 1.0f - 0x1p-20f;
 volatile float g_add = 0x1p-20f;
 // Keeps the chains' sums alive.
 volatile float g_sink = 0;
+// bf16_dot_peak's factor, 2^-10 as bf16 bits: each step adds 2^-19 to every lane, which stays
+// exact (a multiple of the lane's ulp) while the lane is below 32: for 2^23 steps.
+volatile uint16_t g_bf16_factor = 0x3A80;
 
 ChainsRun run_chains(int64_t iterations) {
   return HWY_DYNAMIC_DISPATCH(RunChains)(iterations, g_mul, g_add);
@@ -145,6 +150,43 @@ FmaCall fma_peak_call(int threads, int64_t iterations) {
   c.target = ran.target;
   c.flops = fma_peak_flops(ran.lanes, ran.chains, iterations, threads);
   return c;
+}
+
+bool bf16_dot_peak_available() { return kernels::bf16_dot_supported(); }
+
+double bf16_dot_peak_flops(int64_t iterations, int threads) {
+  // Per lane and step: two products and two additions.
+  return 4.0 * kernels::kBf16DotLanes * kernels::kBf16DotChains * static_cast<double>(iterations) *
+         threads;
+}
+
+Result bench_bf16_dot_peak(int threads, int64_t iterations, const TimingOptions& options) {
+  if (!bf16_dot_peak_available()) {
+    throw ValueError("bf16_dot_peak: this processor (or this build) has no AVX512_BF16");
+  }
+  threads = resolve_threads(threads);
+  iterations = std::max<int64_t>(iterations, 1);
+  constexpr std::size_t kPad = 64 / sizeof(float);  // one slot per thread, 64 bytes apart
+  auto sums = std::make_shared<std::vector<float>>(static_cast<std::size_t>(threads) * kPad);
+  const auto run = [sums, threads, iterations] {
+    kernels::for_each_thread(threads, [&](int t) {
+      (*sums)[static_cast<std::size_t>(t) * kPad] =
+          kernels::bf16_dot_chains(iterations, fma_detail::g_bf16_factor);
+    });
+    float s = 0;
+    for (int t = 0; t < threads; ++t) s += (*sums)[static_cast<std::size_t>(t) * kPad];
+    fma_detail::g_sink = s;
+  };
+  Result r;
+  r.name = "bf16_dot_peak";
+  r.threads = threads;
+  r.timing = measure(run, options);
+  r.flops = bf16_dot_peak_flops(iterations, threads);
+  r.extra.emplace_back("lanes", static_cast<double>(kernels::kBf16DotLanes));
+  r.extra.emplace_back("chains", static_cast<double>(kernels::kBf16DotChains));
+  r.extra.emplace_back("iterations", static_cast<double>(iterations));
+  r.info.emplace_back("instruction", "vdpbf16ps");
+  return r;
 }
 
 Result bench_fma_peak(int threads, int64_t iterations, const TimingOptions& options) {

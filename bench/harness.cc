@@ -1171,6 +1171,11 @@ std::vector<Entry> suite(const SuiteOptions& options) {
   all.push_back({"read_bandwidth", [=] { return bench_read_bandwidth(threads, buffer, timing); }});
   all.push_back({"fma_peak", [=] { return bench_fma_peak(threads, fma_steps, timing); }});
   all.push_back({"sgemm", [=] { return bench_sgemm(threads, gemm_n, timing); }});
+  if (bf16_dot_peak_available()) {
+    // As many steps as fma_peak: twice the products per instruction, when it issues as often.
+    all.push_back(
+        {"bf16_dot_peak", [=] { return bench_bf16_dot_peak(threads, fma_steps, timing); }});
+  }
   all.push_back({"rope_neox_" + dims_name(rope_seq, 32, 128),
                  [=] { return bench_rope(rope_seq, 32, 128, threads, timing); }});
   for (const std::string& s : scheme_names()) {

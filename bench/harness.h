@@ -7,6 +7,8 @@
 //                    Highway dispatches to, one set of chains per thread (bench/fma_peak.cc);
 //                    GFLOP/s = 2 x lanes x chains x iterations x threads / s
 //   sgemm            OpenBLAS cblas_sgemm, N x N x N; GFLOP/s = 2 N^3 / s
+//   bf16_dot_peak    fma_peak for AVX512_BF16's vdpbf16ps, where the processor has it;
+//                    GFLOP/s = 4 x 16 lanes x chains x iterations x threads / s
 //   attention_naive  the materialized float32 attention eager frameworks run: per (batch, head)
 //                    S = scale Q K^T (sgemm), causal mask, row softmax, O = P V (sgemm)
 // Bandwidth-bound items (RoPE, decode) are compared to a bandwidth baseline, compute-bound ones
@@ -166,6 +168,17 @@ struct FmaCall {
   int chains = 0;
 };
 FmaCall fma_peak_call(int threads, int64_t iterations);
+
+// "bf16_dot_peak", on processors with AVX512_BF16 only: every thread runs 16 independent chains
+// of vdpbf16ps (16 lanes, each step two bf16 products and two additions per lane) for
+// `iterations` steps, timed as fma_peak. Its vs_fma_peak is the rate at which this processor
+// adds bf16 products over the rate of float32 FMAs: the most a bf16 product kernel on the
+// instruction can gain over a float32 one. Extra fields lanes, chains, iterations; info
+// instruction. Throws ValueError where bf16_dot_peak_available() is false.
+bool bf16_dot_peak_available();
+// 4 x 16 lanes x 16 chains x iterations x threads.
+double bf16_dot_peak_flops(int64_t iterations, int threads);
+Result bench_bf16_dot_peak(int threads, int64_t iterations, const TimingOptions& options);
 
 // The naive materialized float32 attention (what PyTorch eager does), no positional terms:
 // per (batch, head) S = scale Q K^T [seq_q, seq_k] with sgemm, causal mask (key j visible from
@@ -342,7 +355,8 @@ struct Entry {
   std::function<Result()> run;
 };
 
-// The entries in order, baselines first (copy_bandwidth, read_bandwidth, fma_peak, sgemm, rope,
+// The entries in order, baselines first (copy_bandwidth, read_bandwidth, fma_peak, sgemm, then
+// bf16_dot_peak where the processor has AVX512_BF16, rope,
 // attention per scheme, naive attention, decode, peak memory, backward per scheme, backward
 // peak memory). Full sizes: 256 MiB buffers, fma_peak 2^22 steps per call,
 // sgemm 4096, rope [1, 4096, 32, 128], attention [1, 4096, 8, 128] causal, decode q [1, 1, 32,

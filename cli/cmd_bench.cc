@@ -127,12 +127,12 @@ void print_table_row(const bench::Result& r, const Context& ctx) {
     ratios += (ratios.empty() ? "  " : ", ") + format_fixed(f.value, 3) + " x " + f.baseline;
   }
   line += ratios;
-  if (r.name == "fma_peak") {
-    // The Highway target and the chains: "AVX3, 16 chains x 16 lanes".
+  if (r.name == "fma_peak" || r.name == "bf16_dot_peak") {
+    // The Highway target (or the instruction) and the chains: "AVX3, 16 chains x 16 lanes".
     std::string target;
     double chains = 0, lanes = 0;
     for (const auto& [key, value] : r.info) {
-      if (key == "target") target = value;
+      if (key == "target" || key == "instruction") target = value;
     }
     for (const auto& [key, value] : r.extra) {
       if (key == "chains") chains = value;

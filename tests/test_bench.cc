@@ -170,6 +170,59 @@ TEST(BenchFmaPeak, SelectedBeforeSgemmInTheSameQuickRun) {
   EXPECT_NEAR(f[0].value, gemm.gflops() / fma.gflops(), 1e-9 * gemm.gflops() / fma.gflops());
 }
 
+// bf16_dot_peak: in the suite exactly where the processor has AVX512_BF16; there it counts four
+// FLOPs per lane of every chain and step, names its instruction and, run after fma_peak, has
+// one ratio, vs_fma_peak. Elsewhere the entry function refuses to run.
+TEST(BenchBf16DotPeak, ListedAndCountedWhereTheProcessorHasIt) {
+  const bool have = posenc::kernels::bf16_dot_supported();
+  EXPECT_EQ(pb::bf16_dot_peak_available(), have);
+  pb::SuiteOptions o;
+  o.quick = true;
+  o.threads = 1;
+  o.filter = "=fma_peak,=bf16_dot_peak";
+  const std::vector<pb::Entry> entries = pb::suite(o);
+  ASSERT_EQ(entries.size(), have ? 2u : 1u);
+  EXPECT_EQ(entries[0].name, "fma_peak");
+  EXPECT_DOUBLE_EQ(pb::bf16_dot_peak_flops(1000, 3), 4.0 * 16 * 16 * 1000 * 3);
+  // Right after the four baselines, in the full and the quick suite alike.
+  for (const bool quick : {false, true}) {
+    pb::SuiteOptions all;
+    all.quick = quick;
+    const std::vector<pb::Entry> suite = pb::suite(all);
+    ASSERT_GE(suite.size(), 5u);
+    EXPECT_EQ(suite[3].name, "sgemm");
+    EXPECT_EQ(suite[4].name == "bf16_dot_peak", have);
+    EXPECT_EQ(std::count_if(suite.begin(), suite.end(),
+                            [](const pb::Entry& e) { return e.name == "bf16_dot_peak"; }),
+              have ? 1 : 0);
+  }
+  if (!have) {
+    EXPECT_THROW(pb::bench_bf16_dot_peak(1, 1000, tiny_timing()), posenc::ValueError);
+    return;
+  }
+  EXPECT_EQ(entries[1].name, "bf16_dot_peak");
+  for (int threads : {1, 2}) {
+    const pb::Result r = pb::bench_bf16_dot_peak(threads, 1 << 12, tiny_timing());
+    EXPECT_EQ(r.name, "bf16_dot_peak");
+    EXPECT_EQ(r.threads, threads);
+    EXPECT_FALSE(r.is_bandwidth());
+    EXPECT_GT(r.gflops(), 0);
+    EXPECT_DOUBLE_EQ(r.flops, 4.0 * 16 * 16 * (1 << 12) * threads);
+    EXPECT_EQ(extra(r, "lanes"), 16);
+    EXPECT_EQ(extra(r, "chains"), 16);
+    EXPECT_EQ(extra(r, "iterations"), 1 << 12);
+    EXPECT_EQ(info(r, "instruction"), "vdpbf16ps");
+    EXPECT_TRUE(r.baselines.empty());
+  }
+  const pb::Result fma = entries[0].run();
+  const pb::Result dot = entries[1].run();
+  const std::map<std::string, pb::Result> done{{fma.name, fma}};
+  const std::vector<pb::RatioField> f = pb::ratio_fields(dot, done);
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_EQ(f[0].key, "vs_fma_peak");
+  EXPECT_NEAR(f[0].value, dot.gflops() / fma.gflops(), 1e-9 * dot.gflops() / fma.gflops());
+}
+
 // The backward on bf16 values: its name, FLOPs and time against the float32 backward, and
 // bf16_dot saying whether POSENC_BF16_DOT let its score tiles use vdpbf16ps (never where the
 // processor lacks AVX512_BF16).

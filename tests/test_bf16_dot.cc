@@ -54,6 +54,23 @@ TEST(Bf16Dot, PolicyFollowsTheSwitchAndTheProcessor) {
 }
 
 // Scores of the kernel against float64 dot products of the same bf16 values.
+// bf16_dot_peak's chains: every step adds both products of every lane (2^-10 squared, twice) to
+// each of the 16 chains, which start at 1 + i / 16; all of it exact, so the total is known.
+TEST(Bf16Dot, ChainsAddBothProductsOfEveryLaneAtEveryStep) {
+  if (!kernels::bf16_dot_supported()) GTEST_SKIP() << "no AVX512_BF16 on this processor";
+  constexpr uint16_t kTwoToMinus10 = 0x3A80;
+  for (const int64_t steps : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{4096}}) {
+    SCOPED_TRACE(steps);
+    double want = 0;
+    for (int i = 0; i < kernels::kBf16DotChains; ++i) {
+      want += kernels::kBf16DotLanes * (1.0 + 0.0625 * i + std::ldexp(2.0 * steps, -20));
+    }
+    EXPECT_EQ(kernels::bf16_dot_chains(steps, kTwoToMinus10), static_cast<float>(want));
+  }
+  // A factor of 1: each step adds 2 to every lane.
+  EXPECT_EQ(kernels::bf16_dot_chains(5, 0x3F80), 16.0f * (16 + 7.5f + 16 * 10));
+}
+
 TEST(Bf16Dot, KernelMatchesFloat64Dots) {
   if (!kernels::bf16_dot_supported()) GTEST_SKIP() << "no AVX512_BF16 on this processor";
   constexpr int64_t kTile = 64;

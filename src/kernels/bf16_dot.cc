@@ -171,6 +171,34 @@ void pack_bf16_pairs(const float* kt32, int64_t dim, uint32_t* kt) {
   }
 }
 
+// The chains as named variables, so that each stays in a register.
+#define POSENC_BF16_CHAINS(X) \
+  X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+
+float bf16_dot_chains(int64_t iterations, uint16_t factor_bits) {
+  static_assert(kBf16DotChains == 16 && kBf16DotLanes == 16);
+#define POSENC_BF16_INIT(i) __m512 c##i = _mm512_set1_ps(1.0f + 0.0625f * (i));
+  POSENC_BF16_CHAINS(POSENC_BF16_INIT)
+#undef POSENC_BF16_INIT
+  const __m512bh f = (__m512bh)_mm512_set1_epi16(static_cast<short>(factor_bits));
+  for (int64_t it = 0; it < iterations; ++it) {
+#define POSENC_BF16_STEP(i) c##i = _mm512_dpbf16_ps(c##i, f, f);
+    POSENC_BF16_CHAINS(POSENC_BF16_STEP)
+#undef POSENC_BF16_STEP
+  }
+  __m512 sum = _mm512_setzero_ps();
+#define POSENC_BF16_SUM(i) sum = _mm512_add_ps(sum, c##i);
+  POSENC_BF16_CHAINS(POSENC_BF16_SUM)
+#undef POSENC_BF16_SUM
+  // Lane by lane (_mm512_reduce_add_ps goes through GCC 12's undefined-vector placeholders).
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  float total = 0;
+  for (const float x : lanes) total += x;
+  return total;
+}
+#undef POSENC_BF16_CHAINS
+
 }  // namespace posenc::kernels
 
 #else  // no AVX512_BF16 in this build: never called (bf16_dot_supported() is false)
@@ -192,6 +220,10 @@ void prefill_scores_bf16_dot(const uint16_t*, int64_t, int64_t, const uint32_t*,
 
 void pack_bf16_pairs(const float*, int64_t, uint32_t*) {
   throw Error("internal: pack_bf16_pairs called in a build without AVX512_BF16");
+}
+
+float bf16_dot_chains(int64_t, uint16_t) {
+  throw Error("internal: bf16_dot_chains called in a build without AVX512_BF16");
 }
 
 }  // namespace posenc::kernels

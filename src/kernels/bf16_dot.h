@@ -127,10 +127,10 @@ void decode_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim,
 // holding bf16 values, and the backward whose q, k, v and dout all hold bf16 values
 // (FusedAttentionParams::bf16_operands), compute their score tiles with vdpbf16ps (the
 // backward: S = Q K^T and dP = dO V^T): the processor has it and
-// POSENC_BF16_DOT is 1. Not under auto: on Intel processors the instruction issues on one port
-// where the float32 FMA has two, and both paths measured slower than the float32 products
-// (docs/performance.md); they have not been measured on AMD's, whose vdpbf16ps has the FMA's
-// throughput with twice the products.
+// POSENC_BF16_DOT is 1. Not under auto: on Intel processors the instruction adds bf16 products
+// at half the rate of float32 FMAs (bf16_dot_chains: `posenc bench`'s bf16_dot_peak), and both
+// paths measured slower than the float32 products (docs/performance.md); they have not been
+// measured on AMD's, whose vdpbf16ps has the FMA's throughput with twice the products.
 bool bf16_dot_prefill();
 
 // S[r][c] = q_r . k_c for rows r < rows_pad (a multiple of 4) and keys c < 64: q as bf16 bits,
@@ -144,5 +144,17 @@ void prefill_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim, 
 // kt (as above, 64 keys) from a transposed float32 tile kt32[x * 64 + c] whose values are bf16
 // values widened (so the bits are kept exactly); a zero pairs an odd dim's last one.
 void pack_bf16_pairs(const float* kt32, int64_t dim, uint32_t* kt);
+
+// ---- The instruction's own rate (`posenc bench`'s bf16_dot_peak) ----
+
+// Independent vdpbf16ps accumulator chains, c_i <- c_i + a0 b0 + a1 b1 in every lane, as
+// fma_peak runs float32 FMA chains: how many pairs of bf16 products per second this processor
+// can add, the bound of every bf16 product kernel on it.
+inline constexpr int kBf16DotChains = 16;  // of AVX-512's 32 registers, as fma_peak's chains
+inline constexpr int64_t kBf16DotLanes = 16;
+// Runs the chains for `iterations` steps, every bf16 factor `factor_bits` (a bf16's bits); each
+// step adds 2 factor^2 to every lane. Returns the sum of the chains' lanes (keep it: it is what
+// makes the steps observable). Call only when bf16_dot_supported().
+float bf16_dot_chains(int64_t iterations, uint16_t factor_bits);
 
 }  // namespace posenc::kernels
