@@ -114,6 +114,19 @@ std::string info(const pb::Result& r, const std::string& key) {
   return "";
 }
 
+// A peak entry (fma_peak, bf16_dot_peak) as run: its name and threads, a positive GFLOP/s rate,
+// its chains' shape, no baselines of its own.
+void ExpectPeakEntry(const pb::Result& r, const std::string& name, int threads, int64_t lanes,
+                     int chains) {
+  EXPECT_EQ(r.name, name);
+  EXPECT_EQ(r.threads, threads);
+  EXPECT_FALSE(r.is_bandwidth());
+  EXPECT_GT(r.gflops(), 0);
+  EXPECT_EQ(extra(r, "lanes"), static_cast<double>(lanes));
+  EXPECT_EQ(extra(r, "chains"), chains);
+  EXPECT_TRUE(r.baselines.empty());
+}
+
 // On every target compiled in that this CPU supports: the entry runs there and says so, with
 // 16 chains where there are 32 vector registers (AVX-512) and 12 otherwise.
 TEST(BenchFmaPeak, RunsOnTheDispatchedTargetAndNamesIt) {
@@ -133,14 +146,8 @@ TEST(BenchFmaPeak, RunsOnTheDispatchedTargetAndNamesIt) {
     }
     for (int threads : {1, 2}) {
       const pb::Result r = pb::bench_fma_peak(threads, 1 << 12, tiny_timing());
-      EXPECT_EQ(r.name, "fma_peak");
-      EXPECT_EQ(r.threads, threads);
-      EXPECT_FALSE(r.is_bandwidth());
-      EXPECT_GT(r.gflops(), 0);
+      ExpectPeakEntry(r, "fma_peak", threads, c.lanes, c.chains);
       EXPECT_EQ(info(r, "target"), c.target);
-      EXPECT_EQ(extra(r, "lanes"), static_cast<double>(c.lanes));
-      EXPECT_EQ(extra(r, "chains"), c.chains);
-      EXPECT_TRUE(r.baselines.empty());
     }
   }
   posenc::kernels::set_simd_target_for_test(0);
@@ -203,16 +210,10 @@ TEST(BenchBf16DotPeak, ListedAndCountedWhereTheProcessorHasIt) {
   EXPECT_EQ(entries[1].name, "bf16_dot_peak");
   for (int threads : {1, 2}) {
     const pb::Result r = pb::bench_bf16_dot_peak(threads, 1 << 12, tiny_timing());
-    EXPECT_EQ(r.name, "bf16_dot_peak");
-    EXPECT_EQ(r.threads, threads);
-    EXPECT_FALSE(r.is_bandwidth());
-    EXPECT_GT(r.gflops(), 0);
+    ExpectPeakEntry(r, "bf16_dot_peak", threads, 16, 16);
     EXPECT_DOUBLE_EQ(r.flops, 4.0 * 16 * 16 * (1 << 12) * threads);
-    EXPECT_EQ(extra(r, "lanes"), 16);
-    EXPECT_EQ(extra(r, "chains"), 16);
     EXPECT_EQ(extra(r, "iterations"), 1 << 12);
     EXPECT_EQ(info(r, "instruction"), "vdpbf16ps");
-    EXPECT_TRUE(r.baselines.empty());
   }
   const pb::Result fma = entries[0].run();
   const pb::Result dot = entries[1].run();
