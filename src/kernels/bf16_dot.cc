@@ -2,7 +2,8 @@
 //
 // Compiled with AVX512_BF16 enabled (src/CMakeLists.txt) when the compiler supports it, and then
 // only called after the run-time check in simd.cc. Nothing in this file may run on a processor
-// without AVX-512: it has no static initializers and no entry points other than the kernel.
+// without AVX-512: it has no static initializers and no entry points other than the kernels
+// and the benchmark's chains (bf16_dot_chains), each called only after that check.
 //
 // Layout of the work, as in the Highway decoding kernel's half-precision path: keys are read in
 // memory order, key by key and, within a key, head by head (one contiguous run per key of a

@@ -127,10 +127,11 @@ void decode_scores_bf16_dot(const uint16_t* qb, int64_t q_stride, int64_t dim,
 // holding bf16 values, and the backward whose q, k, v and dout all hold bf16 values
 // (FusedAttentionParams::bf16_operands), compute their score tiles with vdpbf16ps (the
 // backward: S = Q K^T and dP = dO V^T): the processor has it and
-// POSENC_BF16_DOT is 1. Not under auto: on Intel processors the instruction adds bf16 products
-// at half the rate of float32 FMAs (bf16_dot_chains: `posenc bench`'s bf16_dot_peak), and both
-// paths measured slower than the float32 products (docs/performance.md); they have not been
-// measured on AMD's, whose vdpbf16ps has the FMA's throughput with twice the products.
+// POSENC_BF16_DOT is 1. Not under auto: on the Intel processor measured (Emerald Rapids) the
+// instruction adds bf16 products at half the rate of float32 FMAs (bf16_dot_chains: `posenc
+// bench`'s bf16_dot_peak), and both paths measured slower than the float32 products
+// (docs/performance.md); they have not been measured on AMD's, whose vdpbf16ps has the FMA's
+// throughput with twice the products.
 bool bf16_dot_prefill();
 
 // S[r][c] = q_r . k_c for rows r < rows_pad (a multiple of 4) and keys c < 64: q as bf16 bits,
