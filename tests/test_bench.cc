@@ -8,9 +8,13 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#ifdef POSENC_CLI_PATH
+#include "cli_test_util.h"
+#endif
 #include "harness.h"
 #include "hwy/targets.h"
 #include "kernels/bf16_dot.h"
@@ -223,6 +227,37 @@ TEST(BenchBf16DotPeak, ListedAndCountedWhereTheProcessorHasIt) {
   EXPECT_EQ(f[0].key, "vs_fma_peak");
   EXPECT_NEAR(f[0].value, dot.gflops() / fma.gflops(), 1e-9 * dot.gflops() / fma.gflops());
 }
+
+#ifdef POSENC_CLI_PATH
+// `posenc bench` prints the entry as documented: in JSON its rate, vs_fma_peak and shape fields,
+// in the table the instruction and chains; where the processor lacks AVX512_BF16 the filter
+// selects fma_peak alone.
+class BenchCli : public posenc::cli_test::CliFixture {};
+
+TEST_F(BenchCli, Bf16DotPeakLinesWhereTheProcessorHasIt) {
+  const bool have = posenc::kernels::bf16_dot_supported();
+  const auto json = run("bench --quick --threads 1 --json --filter =fma_peak,=bf16_dot_peak");
+  ASSERT_EQ(json.status, 0) << json.err;
+  std::vector<std::string> lines;
+  std::istringstream in(json.out);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line[0] == '{') lines.push_back(line);
+  }
+  ASSERT_EQ(lines.size(), have ? 2u : 1u) << json.out;
+  EXPECT_NE(lines[0].find("\"name\": \"fma_peak\""), std::string::npos) << lines[0];
+  if (!have) return;
+  const std::string& dot = lines[1];
+  for (const char* field :
+       {"\"name\": \"bf16_dot_peak\"", "\"gflops\": ", "\"vs_fma_peak\": ", "\"lanes\": 16",
+        "\"chains\": 16", "\"iterations\": ", "\"instruction\": \"vdpbf16ps\""}) {
+    EXPECT_NE(dot.find(field), std::string::npos) << field << " in " << dot;
+  }
+  const auto table = run("bench --quick --threads 1 --filter =fma_peak,=bf16_dot_peak");
+  ASSERT_EQ(table.status, 0) << table.err;
+  EXPECT_NE(table.out.find("x fma_peak  vdpbf16ps, 16 chains x 16 lanes"), std::string::npos)
+      << table.out;
+}
+#endif
 
 // The backward on bf16 values: its name, FLOPs and time against the float32 backward, and
 // bf16_dot saying whether POSENC_BF16_DOT let its score tiles use vdpbf16ps (never where the
