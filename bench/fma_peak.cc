@@ -13,6 +13,7 @@
 // the sums are added up and kept in a volatile. Every step is 2 FLOPs per lane.
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -112,6 +113,24 @@ ChainsRun run_chains(int64_t iterations) {
   return HWY_DYNAMIC_DISPATCH(RunChains)(iterations, g_mul, g_add);
 }
 
+// Thread t's run in (*runs)[t * kRunPad]: one slot per 64 bytes.
+constexpr std::size_t kRunPad = 64 / sizeof(ChainsRun) + 1;
+
+// The call a peak entry times: `chains` on every thread, all started at the start of one
+// parallel region (the call ends when the slowest thread has finished), each thread's run left
+// in *runs, the sums kept in g_sink.
+std::function<void()> every_thread(int threads, const std::shared_ptr<std::vector<ChainsRun>>& runs,
+                                   std::function<ChainsRun()> chains) {
+  runs->assign(static_cast<std::size_t>(threads) * kRunPad, ChainsRun{});
+  return [runs, threads, chains = std::move(chains)] {
+    kernels::for_each_thread(
+        threads, [&](int t) { (*runs)[static_cast<std::size_t>(t) * kRunPad] = chains(); });
+    float s = 0;
+    for (int t = 0; t < threads; ++t) s += (*runs)[static_cast<std::size_t>(t) * kRunPad].sum;
+    g_sink = s;
+  };
+}
+
 }  // namespace fma_detail
 
 FmaChains fma_chains() {
@@ -128,21 +147,10 @@ FmaCall fma_peak_call(int threads, int64_t iterations) {
   threads = resolve_threads(threads);
   iterations = std::max<int64_t>(iterations, 1);
   kernels::apply_simd_target_env();
-  // One slot per thread, 64 bytes apart.
-  constexpr std::size_t kPad = 64 / sizeof(fma_detail::ChainsRun) + 1;
-  auto runs = std::make_shared<std::vector<fma_detail::ChainsRun>>(
-      static_cast<std::size_t>(threads) * kPad);
+  auto runs = std::make_shared<std::vector<fma_detail::ChainsRun>>();
   FmaCall c;
-  // Every thread starts its chains at the start of the parallel region; the call ends when the
-  // slowest thread has finished.
-  c.run = [runs, threads, iterations] {
-    kernels::for_each_thread(threads, [&](int t) {
-      (*runs)[static_cast<std::size_t>(t) * kPad] = fma_detail::run_chains(iterations);
-    });
-    float s = 0;
-    for (int t = 0; t < threads; ++t) s += (*runs)[static_cast<std::size_t>(t) * kPad].sum;
-    fma_detail::g_sink = s;
-  };
+  c.run = fma_detail::every_thread(threads, runs,
+                                   [iterations] { return fma_detail::run_chains(iterations); });
   c.run();  // the chains' shape, from a first call
   const fma_detail::ChainsRun& ran = runs->front();
   c.lanes = ran.lanes;
@@ -166,17 +174,12 @@ Result bench_bf16_dot_peak(int threads, int64_t iterations, const TimingOptions&
   }
   threads = resolve_threads(threads);
   iterations = std::max<int64_t>(iterations, 1);
-  constexpr std::size_t kPad = 64 / sizeof(float);  // one slot per thread, 64 bytes apart
-  auto sums = std::make_shared<std::vector<float>>(static_cast<std::size_t>(threads) * kPad);
-  const auto run = [sums, threads, iterations] {
-    kernels::for_each_thread(threads, [&](int t) {
-      (*sums)[static_cast<std::size_t>(t) * kPad] =
-          kernels::bf16_dot_chains(iterations, fma_detail::g_bf16_factor);
-    });
-    float s = 0;
-    for (int t = 0; t < threads; ++t) s += (*sums)[static_cast<std::size_t>(t) * kPad];
-    fma_detail::g_sink = s;
-  };
+  const auto run = fma_detail::every_thread(
+      threads, std::make_shared<std::vector<fma_detail::ChainsRun>>(), [iterations] {
+        fma_detail::ChainsRun ran;
+        ran.sum = kernels::bf16_dot_chains(iterations, fma_detail::g_bf16_factor);
+        return ran;
+      });
   Result r;
   r.name = "bf16_dot_peak";
   r.threads = threads;
